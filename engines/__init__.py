@@ -1,0 +1,1 @@
+"""Built-in engines (the top-level engines/ folder), importable as octo.engines.*"""

@@ -1,0 +1,170 @@
+"""The echo engine: the standard test engine, served through the real queue, batcher and prefix cache.
+
+Its "model" repeats the last user message (for completions: the prompt), one token per
+whitespace-separated word, then ends with its end-of-sequence token. Its KV for a sequence is that
+sequence's token history, so the shared prefix-cache index really saves and restores it. Its
+distribution is a point mass, so temperature, top_p, top_k, min_p and seed are honoured trivially;
+other sampling parameters are refused by the serving layer.
+
+Options (``-o KEY=VALUE``): ``token_delay_ms`` (sleep per decode step), ``n_ctx`` (default 8192),
+``dim`` (embedding size, default 64).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import struct
+import threading
+import time
+from typing import Any
+
+from octo.engine import (
+    Embeddings,
+    Engine,
+    Feed,
+    KVHandle,
+    ModelInfo,
+    Sequence,
+    Task,
+)
+from octo.errors import ConfigError
+from octo.hookspecs import hookimpl
+
+_WORD = re.compile(r"\s*\S+")
+EOS = 0
+_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+_OPTIONS = {"token_delay_ms": float, "n_ctx": int, "dim": int}
+
+
+class EchoEngine(Engine):
+    name = "echo"
+    tasks = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
+    formats = frozenset({"any"})
+    sampling_params = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
+    prefill_chunk = 4096
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        opts: dict[str, Any] = {}
+        for key, value in self.config.options.items():
+            if key not in _OPTIONS:
+                raise ConfigError(f"Unknown option '{key}' for engine echo; known: {', '.join(_OPTIONS)}.",
+                                  param=key)
+            try:
+                opts[key] = _OPTIONS[key](value)
+            except ValueError:
+                raise ConfigError(f"Option '{key}' must be a number, got '{value}'.", param=key) from None
+        self.delay = opts.get("token_delay_ms", 0.0) / 1000.0
+        self.n_ctx = opts.get("n_ctx", 8192)
+        self.dim = opts.get("dim", 64)
+        self._vocab: dict[str, int] = {"": EOS}
+        self._pieces: list[str] = [""]
+        self._bytes: list[bytes] = [b""]
+        self._lock = threading.Lock()  # tokenize runs on the event loop, _reply in the engine thread
+
+    @classmethod
+    def version(cls) -> str:
+        return "1"
+
+    def load(self, artifact: str, name: str) -> ModelInfo:
+        self.info = ModelInfo(name=name, n_ctx=self.n_ctx, eos_token_ids=frozenset({EOS}),
+                              embedding_dim=self.dim, extra={"token_delay_ms": self.delay * 1000})
+        return self.info
+
+    # -- text --------------------------------------------------------------------------------------
+    def _id(self, piece: str) -> int:
+        tid = self._vocab.get(piece)
+        if tid is None:
+            with self._lock:
+                tid = self._vocab.get(piece)
+                if tid is None:
+                    tid = len(self._pieces)
+                    self._pieces.append(piece)
+                    self._bytes.append(piece.encode())
+                    self._vocab[piece] = tid
+        return tid
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return [self._id(w) for w in _WORD.findall(text)]
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._bytes[token]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        parts = [f"<|{m['role']}|> {m.get('content') or ''} <|end|>" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|assistant|>")
+        return "\n".join(parts)
+
+    def _reply(self, history: list[int]) -> list[int]:
+        words = [self._pieces[t].strip() for t in history]
+        start = 0
+        for i in range(len(words) - 1, -1, -1):
+            if words[i] == "<|user|>":
+                start = i + 1
+                break
+        if start == 0 and "<|assistant|>" in words:  # chat without a user turn: nothing to echo
+            return []
+        reply = []
+        for tok, word in zip(history[start:], words[start:], strict=True):
+            if word in _MARKERS:
+                break
+            reply.append(tok)
+        if reply:
+            reply[0] = self._id(self._pieces[reply[0]].lstrip())
+        return reply
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        seq.slot = {"reply": None, "emitted": 0}
+
+    def step(self, feeds: list[Feed]) -> list[int | None]:
+        if self.delay:
+            time.sleep(self.delay)
+        out: list[int | None] = []
+        for feed in feeds:
+            seq, slot = feed.seq, feed.seq.slot
+            seq.n_cached += len(feed.tokens)
+            if not feed.sample:
+                out.append(None)
+                continue
+            if slot["reply"] is None:
+                slot["reply"] = self._reply(seq.tokens[: seq.n_cached])
+            reply, k = slot["reply"], slot["emitted"]
+            slot["emitted"] = k + 1
+            out.append(reply[k] if k < len(reply) else EOS)
+        return out
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        seq.slot = None
+
+    def kv_save(self, seq: Sequence) -> KVHandle:
+        tokens = tuple(seq.tokens[: seq.n_cached])
+        return KVHandle(tokens=tokens, nbytes=8 * len(tokens) + 64, data=tokens)
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        if tuple(seq.tokens[:n_tokens]) != handle.data[:n_tokens]:
+            raise ValueError("cached prefix does not match the sequence")
+        seq.n_cached = n_tokens
+
+    # -- embeddings ----------------------------------------------------------------------------------
+    def embed(self, texts: list[str]) -> Embeddings:
+        vectors, n_tokens = [], 0
+        for text in texts:
+            n_tokens += len(_WORD.findall(text))
+            digest = b""
+            counter = 0
+            while len(digest) < 4 * self.dim:
+                digest += hashlib.sha256(f"{counter}:{text}".encode()).digest()
+                counter += 1
+            raw = [v / 2**31 - 1.0 for v in struct.unpack(f"<{self.dim}I", digest[: 4 * self.dim])]
+            norm = math.sqrt(sum(v * v for v in raw)) or 1.0
+            vectors.append([v / norm for v in raw])
+        return Embeddings(vectors, n_tokens)
+
+
+@hookimpl
+def register_engines(register):
+    register(EchoEngine)

@@ -1,0 +1,269 @@
+"""Route handlers for generation and embeddings: parse, call the serving layer and scheduler, write JSON/SSE.
+
+Streams are started only once every sequence of the request is admitted, so queue errors (503, 504)
+and validation errors always arrive as a proper HTTP status, never in the middle of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from octo import serving
+from octo.engine import Task
+from octo.errors import InvalidRequest, ModelNotFound, OctoError, UnsupportedParameter
+from octo.protocol import (
+    AnthropicRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse,
+)
+from octo.scheduler import Result, Ticket
+from octo.state import STATE
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_OFFLOAD_BYTES = 64 * 1024  # tokenize bigger bodies in a worker thread so the loop never stalls
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _served(request: web.Request, model: str | None):
+    handle = request.app[STATE].handle
+    if not handle.matches(model):
+        raise ModelNotFound(f"The model '{model}' does not exist; this server serves '{handle.name}'.",
+                            param="model")
+    return handle
+
+
+async def _prepare(fn: Callable, handle: Any, req: Any, size: int) -> Any:
+    if size > _OFFLOAD_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, handle, req)
+    return fn(handle, req)
+
+
+async def _admitted(handle: Any, tickets: list[Ticket]) -> None:
+    for t in tickets:
+        await handle.scheduler.wait_admitted(t)
+
+
+def _abandon(handle: Any, tickets: list[Ticket]) -> None:
+    for t in tickets:
+        if not t.result.done():
+            handle.scheduler.abandon(t)
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    return resp
+
+
+def _data(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[tuple[int, str, Any]]]:
+    """Batches of (index, kind, value) events until ``n`` sequences are done (drains what is ready)."""
+    done = 0
+    while done < n:
+        batch = [await queue.get()]
+        while not queue.empty():
+            batch.append(queue.get_nowait())
+        done += sum(1 for e in batch if e[1] == "done")
+        yield batch
+
+
+def _error_event(exc: Any) -> bytes:
+    err = exc if isinstance(exc, OctoError) else InvalidRequest(str(exc))
+    return _data(err.body())
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    req = parse(ChatCompletionRequest, body)
+    handle = _served(request, req.model)
+    gen = await _prepare(serving.chat_generation, handle, req, len(body))
+    tickets = handle.scheduler.submit(gen, req.n)
+    model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
+    try:
+        await _admitted(handle, tickets)
+        if not req.stream:
+            results = [await t.result for t in tickets]
+            return json_response(serving.chat_response(rid, model, fp, results))
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        resp = await _sse(request)
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
+            return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish), **extra})
+
+        await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
+        results: list[Result] = [None] * req.n  # type: ignore[list-item]
+        async for batch in _events(tickets[0].events, req.n):
+            out = []
+            for index, kind, value in batch:
+                if kind == "text":
+                    out.append(chunk(index, {"content": value}))
+                elif isinstance(value, Result):
+                    results[index] = value
+                    out.append(chunk(index, {}, value.finish_reason))
+                else:
+                    out.append(_error_event(value))
+            await resp.write(b"".join(out))
+        if include_usage and all(results):
+            usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
+            await resp.write(_data(usage))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        _abandon(handle, tickets)
+
+
+# -- /v1/completions -----------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    req = parse(CompletionRequest, body)
+    handle = _served(request, req.model)
+    gens = await _prepare(serving.completion_generations, handle, req, len(body))
+    if req.echo and req.stream:
+        raise UnsupportedParameter("echo", "echo is only supported without stream")
+    queue: asyncio.Queue = asyncio.Queue()
+    tickets: list[Ticket] = []
+    try:
+        for i, gen in enumerate(gens):
+            tickets += handle.scheduler.submit(gen, req.n, queue, first_index=i * req.n)
+    except Exception:
+        _abandon(handle, tickets)
+        raise
+    model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
+    try:
+        await _admitted(handle, tickets)
+        if not req.stream:
+            results = [await t.result for t in tickets]
+            texts = serving.prompt_texts(handle, req) if req.echo else [""] * len(gens)
+            prefixes = [texts[i // req.n] for i in range(len(results))]
+            return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        resp = await _sse(request)
+        results: list[Result] = [None] * len(tickets)  # type: ignore[list-item]
+        async for batch in _events(queue, len(tickets)):
+            out = []
+            for index, kind, value in batch:
+                if kind == "text":
+                    out.append(_data(serving.completion_chunk(rid, model, fp, created, index, value)))
+                elif isinstance(value, Result):
+                    results[index] = value
+                    out.append(_data(serving.completion_chunk(rid, model, fp, created, index, "",
+                                                              value.finish_reason)))
+                else:
+                    out.append(_error_event(value))
+            await resp.write(b"".join(out))
+        if include_usage and all(results):
+            u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
+            await resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                    "system_fingerprint": fp, "choices": [], "usage": u}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        _abandon(handle, tickets)
+
+
+# -- /v1/embeddings ------------------------------------------------------------------------------------
+async def embeddings(request: web.Request) -> web.Response:
+    body = await request.read()
+    req = parse(EmbeddingRequest, body)
+    handle = _served(request, req.model)
+    if Task.EMBEDDINGS not in handle.tasks:
+        raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) does not support embeddings.",
+                             param="model", code="unsupported_task")
+    inp = req.input
+    if isinstance(inp, str):
+        texts = [inp]
+    elif inp and all(isinstance(x, int) for x in inp):
+        texts = [serving._detok(handle, inp)]
+    elif inp and all(isinstance(x, list) for x in inp):
+        texts = [serving._detok(handle, x) for x in inp]
+    else:
+        texts = list(inp)
+    if not texts or any(t == "" for t in texts):
+        raise InvalidRequest("input must be a non-empty string or a non-empty list of non-empty strings.",
+                             param="input")
+    dim = handle.info.embedding_dim
+    if req.dimensions is not None and req.dimensions != dim:
+        raise UnsupportedParameter("dimensions", f"this model's embeddings have {dim} dimensions")
+    result = await handle.scheduler.call(lambda engine: engine.embed(texts))
+    data = []
+    for i, vec in enumerate(result.vectors):
+        emb: Any = vec
+        if req.encoding_format == "base64":
+            emb = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return json_response({"object": "list", "data": data, "model": req.model or handle.name,
+                          "usage": {"prompt_tokens": result.n_tokens, "total_tokens": result.n_tokens}})
+
+
+# -- /v1/messages (Anthropic) --------------------------------------------------------------------------
+def _event(name: str, obj: dict) -> bytes:
+    return b"event: " + name.encode() + b"\n" + _data(obj)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    req = parse(AnthropicRequest, body)
+    handle = _served(request, req.model)
+    gen = await _prepare(serving.anthropic_generation, handle, req, len(body))
+    tickets = handle.scheduler.submit(gen, 1)
+    mid, model = serving.new_id("msg"), req.model or handle.name
+    try:
+        await _admitted(handle, tickets)
+        if not req.stream:
+            return json_response(serving.anthropic_response(mid, model, await tickets[0].result))
+        resp = await _sse(request)
+        start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                 "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": len(gen.prompt_tokens), "output_tokens": 0}}
+        await resp.write(_event("message_start", {"type": "message_start", "message": start})
+                         + _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                          "content_block": {"type": "text", "text": ""}})
+                         + _event("ping", {"type": "ping"}))
+        async for batch in _events(tickets[0].events, 1):
+            out = []
+            for _, kind, value in batch:
+                if kind == "text":
+                    out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                              "delta": {"type": "text_delta", "text": value}}))
+                elif isinstance(value, Result):
+                    reason, seq = serving.anthropic_stop(value)
+                    out.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+                    out.append(_event("message_delta", {"type": "message_delta",
+                                                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                        "usage": {"output_tokens": value.completion_tokens}}))
+                    out.append(_event("message_stop", {"type": "message_stop"}))
+                else:
+                    out.append(_event("error", anthropic_error_body(value)))
+            await resp.write(b"".join(out))
+        return resp
+    finally:
+        _abandon(handle, tickets)
+
+
+def anthropic_error_body(exc: Any) -> dict[str, Any]:
+    if isinstance(exc, OctoError):
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "request_too_large", 503: "overloaded_error", 504: "timeout_error"}.get(exc.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    return {"type": "error", "error": {"type": "api_error", "message": str(exc)}}

@@ -1,0 +1,187 @@
+"""The ``octo`` command line (click). Every ``serve`` flag can also be set with an ``OCTO_*`` variable."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import signal
+import sys
+
+import click
+
+from octo import __version__
+from octo.config import ServerConfig
+from octo.errors import OctoError
+
+
+def _options(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got '{pair}'", param_hint="-o/--option")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="octo")
+def cli() -> None:
+    """octo: an OpenAI-compatible local inference gateway that serves with the fastest engine here."""
+
+
+def _env(name: str) -> dict:
+    return {"envvar": f"OCTO_{name}", "show_envvar": True}
+
+
+@cli.command()
+@click.argument("model", envvar="OCTO_MODEL")
+@click.option("--engine", default=None, help="Engine to use (skips the auto-benchmark).", **_env("ENGINE"))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.", **_env("HOST"))
+@click.option("--port", default=8080, show_default=True, type=int, help="Port (0 = any free port).",
+              **_env("PORT"))
+@click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="Engine option, e.g. -o n_threads=2 -o n_ctx=4096 (repeatable).", **_env("OPTIONS"))
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait for a batch slot; more get 503.", **_env("MAX_QUEUE"))
+@click.option("--queue-timeout", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a request may wait in the queue before 504.", **_env("QUEUE_TIMEOUT"))
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
+              help="Sequences decoded together (continuous batching).", **_env("MAX_BATCH"))
+@click.option("--cache-size", default=512.0, show_default=True, type=click.FloatRange(0),
+              help="Prefix-cache budget in MB.", **_env("CACHE_SIZE"))
+@click.option("--no-cache", is_flag=True, help="Disable the prefix cache.", **_env("NO_CACHE"))
+@click.option("--max-body-mb", default=32.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Largest request body in MB (413 above).", **_env("MAX_BODY_MB"))
+@click.option("--max-audio-mb", default=25.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Largest audio upload in MB (413 above).", **_env("MAX_AUDIO_MB"))
+@click.option("--max-audio-seconds", default=1800.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Longest audio accepted, in seconds.", **_env("MAX_AUDIO_SECONDS"))
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.",
+              **_env("API_KEY"))
+@click.option("--insecure-no-auth", is_flag=True,
+              help="Allow binding a non-loopback address without --api-key.", **_env("INSECURE_NO_AUTH"))
+@click.option("--plugins-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Load plugin modules (*.py) from this folder.", **_env("PLUGINS_DIR"))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
+def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batch, cache_size, no_cache,
+          max_body_mb, max_audio_mb, max_audio_seconds, api_key, insecure_no_auth, plugins_dir, log_level):
+    """Serve MODEL (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(host) and not api_key and not insecure_no_auth:
+        raise click.UsageError(f"refusing to serve on {host} without --api-key (anyone on the network could use "
+                               "it); pass --api-key KEY, or --insecure-no-auth to accept that")
+    config = ServerConfig(model=model, engine=engine, host=host, port=port, options=_options(options),
+                          max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
+                          cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
+                          api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
+                          plugins_dir=plugins_dir)
+    from octo.loader import open_model
+    from octo.plugins import engine_registry, load_plugins
+    from octo.server import create_app
+
+    pm = load_plugins(plugins_dir)
+    try:
+        handle, rows = open_model(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
+    except OctoError as err:
+        raise click.ClickException(err.message) from None
+    app = create_app(config, handle, rows, pm)
+    asyncio.run(_serve(app, config, handle))
+
+
+async def _serve(app, config: ServerConfig, handle) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    click.echo(f"octo: serving '{handle.name}' with {handle.engine_name} at http://{config.host}:{port}/v1 "
+               f"(max batch {config.max_batch}, queue {config.max_queue})", err=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        click.echo("octo: shutting down", err=True)
+        await runner.cleanup()
+
+
+def _print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, "") if r.get(c) is not None else "-")) for r in rows))
+              for c in columns}
+    click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    for r in rows:
+        click.echo("  ".join(str(r.get(c) if r.get(c) is not None else "-").ljust(widths[c]) for c in columns))
+
+
+@cli.command()
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (what GET /v1/engines returns).")
+def engines(model, as_json):
+    """List engines: available here or why not, tasks, formats (as GET /v1/engines)."""
+    from octo.loader import engine_rows
+    from octo.plugins import engine_registry
+
+    rows = engine_rows(engine_registry())
+    if as_json:
+        click.echo(json.dumps({"object": "list", "data": rows}, indent=2))
+        return
+    for r in rows:
+        r["tasks"] = ",".join(r["tasks"]) or None
+        r["formats"] = ",".join(r["formats"]) or None
+    _print_table(rows, ["name", "available", "version", "tasks", "formats", "batching", "reason"])
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def plugins(as_json):
+    """List loaded plugins and the hooks each implements."""
+    from octo.plugins import plugin_table
+
+    rows = plugin_table()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        r["hooks"] = ",".join(r["hooks"]) or None
+    _print_table(rows, ["name", "hooks", "error"])
+
+
+def _add_optional_commands() -> None:
+    try:
+        from octo.cli_models import models, pull
+    except ImportError:
+        return
+    cli.add_command(models)
+    cli.add_command(pull)
+
+
+def main() -> None:
+    _add_optional_commands()
+    from octo.plugins import get_plugin_manager
+
+    try:
+        get_plugin_manager().hook.register_commands(cli=cli)
+    except Exception as exc:  # noqa: BLE001
+        click.echo(f"octo: a plugin's register_commands failed: {exc}", err=True)
+    cli(prog_name="octo")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Server configuration: one dataclass filled from CLI flags / OCTO_* environment variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    model: str = "demo"
+    engine: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    options: dict[str, str] = field(default_factory=dict)
+    max_queue: int = 64
+    queue_timeout: float = 60.0
+    max_batch: int = 8
+    cache_size_mb: float = 512.0
+    no_cache: bool = False
+    max_body_mb: float = 32.0
+    api_key: str | None = None
+    max_audio_mb: float = 25.0
+    max_audio_seconds: float = 1800.0
+    bench_seconds: float = 3.0
+    rebench: bool = False
+    plugins_dir: str | None = None
+    cors: bool = False

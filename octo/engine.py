@@ -1,0 +1,244 @@
+"""The engine contract: what an engine plugin implements, and the data types it sees.
+
+Engines import this module (plus ``octo.errors`` and ``octo.hookspecs.hookimpl``) and nothing else
+from octo. The shared scheduler (``octo.scheduler``) owns queueing, batching, stopping, streaming and
+the prefix-cache index; an engine only supplies the model-specific steps below. Every method except
+``detect``/``version`` is called from the model's single engine thread, never from the event loop,
+so an engine needs no locking of its own.
+
+A text generation step works on :class:`Feed` items: "append these tokens to this sequence's KV
+and, if ``sample``, sample the next token from the logits at the last position". Prompt prefill is a
+series of feeds (chunked by the scheduler), decoding feeds the last sampled token. One ``step`` call
+receives every active sequence's feed, so a backend that can batch (llama.cpp) runs one forward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+
+class Task(enum.StrEnum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDINGS = "embeddings"
+    TRANSCRIPTION = "transcription"
+
+
+TEXT_TASKS = frozenset({Task.CHAT, Task.COMPLETION})
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Whether an engine can run on this host; ``reason`` says why not, or which device it uses."""
+
+    available: bool
+    reason: str = ""
+
+
+@dataclass
+class EngineConfig:
+    """Runtime settings handed to an engine at construction.
+
+    ``options`` holds the user's ``-o KEY=VALUE`` pairs (strings); an engine must reject keys it does
+    not know with :class:`octo.errors.ConfigError` rather than ignore them.
+    """
+
+    max_batch: int = 8
+    options: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ModelInfo:
+    """What the scheduler and serving layer need to know about a loaded model."""
+
+    name: str
+    n_ctx: int
+    eos_token_ids: frozenset[int] = frozenset()
+    n_vocab: int = 0
+    embedding_dim: int = 0
+    tasks: frozenset[Task] | None = None  # what this model can do, when less than the engine's tasks
+    extra: dict[str, Any] = field(default_factory=dict)  # shown in /v1/engines (threads, quant, ...)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one sequence. Defaults mean "off", so ``changed()`` lists what a request set."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # GBNF text
+    json_schema: dict | None = None  # response_format: {} for json_object, the schema for json_schema
+
+    def changed(self) -> set[str]:
+        """Names of the fields that differ from their defaults."""
+        default = _DEFAULT_SAMPLING
+        return {f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_DEFAULT_SAMPLING = SamplingParams()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream as the engine sees it.
+
+    ``tokens`` is the prompt followed by every sampled token; the first ``n_cached`` of them are in the
+    engine's KV for this sequence. ``slot`` is the engine's own per-sequence state (a llama.cpp
+    sequence id, a sampler chain, ...): set it in ``add_sequence``, drop it in ``remove_sequence``.
+    """
+
+    id: int
+    tokens: list[int]
+    sampling: SamplingParams
+    n_cached: int = 0
+    slot: Any = None
+
+
+@dataclass(eq=False)
+class Feed:
+    """Append ``tokens`` to ``seq``'s KV; when ``sample`` is true, sample the next token afterwards."""
+
+    seq: Sequence
+    tokens: list[int]
+    sample: bool
+
+
+@dataclass(eq=False)
+class KVHandle:
+    """Engine-owned saved KV state for the token prefix ``tokens`` (for the prefix-cache index)."""
+
+    tokens: tuple[int, ...]
+    nbytes: int
+    data: Any = None
+
+
+@dataclass
+class Embeddings:
+    vectors: list[list[float]]
+    n_tokens: int
+
+
+@dataclass
+class TranscriptionRequest:
+    audio: Any  # float32 mono 16 kHz samples (numpy array)
+    task: str = "transcribe"  # or "translate"
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    word_timestamps: bool = False
+
+
+@dataclass
+class Segment:
+    start: float
+    end: float
+    text: str
+    words: list[dict] | None = None
+
+
+@dataclass
+class Transcription:
+    text: str
+    language: str
+    duration: float
+    segments: list[Segment] = field(default_factory=list)
+
+
+class Engine:
+    """Base class of every engine. Subclasses set the class attributes and override what they support."""
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    tasks: ClassVar[frozenset[Task]] = frozenset()
+    formats: ClassVar[frozenset[str]] = frozenset()  # "gguf", "mlx", "onnx", "whisper", ...
+    # "continuous": sequences join a running batch between steps; "window": the backend cannot add a
+    # sequence to a running batch, so the scheduler starts a new batch only when the current one is done.
+    batching: ClassVar[str] = "continuous"
+    # SamplingParams fields this engine honours; a request that sets any other one is refused (400).
+    sampling_params: ClassVar[frozenset[str]] = frozenset({"temperature"})
+    # Greatest prompt chunk the scheduler feeds in one step (prefill chunking).
+    prefill_chunk: ClassVar[int] = 512
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.info: ModelInfo | None = None
+
+    # -- discovery -------------------------------------------------------------------------------
+    @classmethod
+    def detect(cls) -> Detection:
+        """Can this engine run here? Must not raise, and must import its backend lazily."""
+        return Detection(True)
+
+    @classmethod
+    def version(cls) -> str:
+        return "0"
+
+    @classmethod
+    def artifact_format(cls, path: str) -> str | None:
+        """The format of a local artifact if this engine can load it, else None."""
+        return None
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def load(self, artifact: str, name: str) -> ModelInfo:
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        self.info = None
+
+    # -- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Tokens of ``text``; ``special`` parses special-token text (rendered chat templates do)."""
+        raise NotImplementedError
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a generated token stands for (special tokens: b"")."""
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The model's chat template applied to OpenAI-style ``messages`` (content as plain text)."""
+        raise NotImplementedError
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Give ``seq`` a slot (KV sequence, sampler) before its first feed."""
+
+    def step(self, feeds: list[Feed]) -> list[int | None]:
+        """Run one forward pass over ``feeds``; return the sampled token per feed (None if not sampled).
+
+        The engine advances ``feed.seq.n_cached`` by ``len(feed.tokens)``.
+        """
+        raise NotImplementedError
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot and KV (finished, cancelled or failed)."""
+
+    # -- prefix cache (optional: return None from kv_save to opt out) ---------------------------
+    def kv_save(self, seq: Sequence) -> KVHandle | None:
+        """Snapshot the KV of ``seq.tokens[:seq.n_cached]``; None when unsupported."""
+        return None
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        """Load the first ``n_tokens`` of ``handle`` into the freshly added ``seq``; set ``n_cached``."""
+        raise NotImplementedError
+
+    def kv_free(self, handle: KVHandle) -> None:
+        """Release a handle the index evicted."""
+
+    # -- other tasks -----------------------------------------------------------------------------
+    def embed(self, texts: list[str]) -> Embeddings:
+        raise NotImplementedError
+
+    def transcribe(self, request: TranscriptionRequest) -> Transcription:
+        raise NotImplementedError

@@ -1,0 +1,102 @@
+"""From ``octo serve MODEL [--engine NAME]`` to a loaded ModelHandle: resolve, choose the engine, load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from octo.config import ServerConfig
+from octo.engine import Engine
+from octo.errors import ConfigError, ModelNotFound
+from octo.model import ModelHandle, load_engine
+from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
+
+log = logging.getLogger("octo.loader")
+
+# Preference among engines when no benchmark decides (fastest first on typical CPUs).
+PREFERENCE = ("onnx", "llamacpp", "mlx", "whisper", "echo")
+
+
+def engine_rows(registry: dict[str, type[Engine]], active: str | None = None,
+                benchmarks: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every known engine (built-in or plugin), for /v1/engines and ``octo engines``."""
+    rows = []
+    names = list(dict.fromkeys([*KNOWN_ENGINES, *(c.name for c in registry.values())]))
+    for name in names:
+        cls = registry.get(name)
+        if cls is None:
+            err = load_errors.get(f"octo.engines.{name}")
+            rows.append({"name": name, "available": False,
+                         "reason": f"plugin failed to load: {err}" if err else "engine plugin not installed",
+                         "tasks": [], "formats": [], "version": None, "batching": None,
+                         "benchmark": (benchmarks or {}).get(name), "active": False})
+            continue
+        try:
+            det = cls.detect()
+        except Exception as exc:  # noqa: BLE001 - detect must not take the server down
+            det_available, det_reason = False, f"detect() failed: {exc}"
+        else:
+            det_available, det_reason = det.available, det.reason
+        try:
+            version = cls.version() if det_available else None
+        except Exception:  # noqa: BLE001
+            version = None
+        rows.append({"name": name, "available": det_available, "reason": det_reason or None,
+                     "tasks": sorted(t.value for t in cls.tasks), "formats": sorted(cls.formats),
+                     "version": version, "batching": cls.batching,
+                     "benchmark": (benchmarks or {}).get(name), "active": name == active})
+    return rows
+
+
+def canonical_engine(name: str | None, registry: dict[str, type[Engine]]) -> str | None:
+    if name is None:
+        return None
+    cls = registry.get(name)
+    if cls is None:
+        known = ", ".join(sorted({c.name for c in registry.values()}))
+        why = load_errors.get(f"octo.engines.{name}")
+        extra = f" (its plugin failed to load: {why})" if why else ""
+        raise ConfigError(f"Unknown engine '{name}'{extra}; installed engines: {known}.", param="engine")
+    det = cls.detect()
+    if not det.available:
+        raise ConfigError(f"Engine '{cls.name}' is not available here: {det.reason}", param="engine")
+    return cls.name
+
+
+def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = None,
+               say: Callable[[str], None] = print) -> tuple[ModelHandle, list[dict[str, Any]]]:
+    registry = registry or engine_registry()
+    engine_name = canonical_engine(config.engine, registry)
+    if engine_name is not None and "any" in registry[engine_name].formats:
+        # engines such as echo serve any name and need no artifact
+        engine = load_engine(registry[engine_name], config, config.model, config.model)
+        handle = ModelHandle(config.model, (), engine_name, engine, config.model,
+                             selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
+        return handle, engine_rows(registry, engine_name)
+    from octo.catalog import load_catalog
+    from octo.download import fetch
+
+    formats = {n: c.formats for n, c in registry.items()}
+    resolved = load_catalog().resolve(config.model, formats)
+    usable = {e: a for e, a in resolved.artifacts.items() if e in registry and registry[e].detect().available}
+    if engine_name is not None:
+        if engine_name not in resolved.artifacts:
+            have = ", ".join(sorted(resolved.artifacts)) or "none"
+            raise ModelNotFound(f"Model '{resolved.name}' has no artifact for engine '{engine_name}'; "
+                                f"engines with one: {have}.", param="engine")
+        chosen, reason = engine_name, f"--engine {engine_name}"
+    else:
+        if not usable:
+            have = ", ".join(sorted(resolved.artifacts)) or "none"
+            raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
+                              "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
+        chosen = min(usable, key=lambda e: PREFERENCE.index(e) if e in PREFERENCE else len(PREFERENCE))
+        reason = "preferred engine among candidates (no benchmark)"
+    artifact = resolved.artifacts[chosen]
+    say(f"octo: {resolved.name}: loading with {chosen} ({artifact.uri})")
+    path = fetch(artifact)
+    engine = load_engine(registry[chosen], config, str(path), resolved.name)
+    handle = ModelHandle(resolved.name, tuple(resolved.aliases), chosen, engine, str(path),
+                         selection={"reason": reason, "candidates": sorted(usable)})
+    return handle, engine_rows(registry, chosen)

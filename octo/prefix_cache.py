@@ -1,0 +1,132 @@
+"""Prefix-cache index: a token trie from token prefixes to engine-owned KV handles, LRU by a byte budget.
+
+The index only decides *what* to keep; the engine owns the KV bytes (``Engine.kv_save/kv_restore/
+kv_free``). A lookup finds the longest common prefix between a new prompt and any cached entry, so a
+cached ``system + user1 + reply`` serves a new ``system + user2`` prompt: the engine restores the
+entry and truncates it to the shared ``system`` tokens.
+
+Invariant: every leaf of the trie holds an entry (nodes without entries below them are pruned), so any
+node on a lookup path leads to an entry by following children.
+Used from the engine thread only; ``stats()`` may be read from anywhere.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from octo.engine import KVHandle
+
+
+class _Node:
+    __slots__ = ("children", "parent", "token", "entry")
+
+    def __init__(self, parent: _Node | None = None, token: int = -1) -> None:
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.token = token
+        self.entry: KVHandle | None = None
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, free: Callable[[KVHandle], None], min_match: int = 4) -> None:
+        self.budget = int(budget_bytes)
+        self._free = free
+        self.min_match = min_match
+        self._root = _Node()
+        self._lru: OrderedDict[int, tuple[KVHandle, _Node]] = OrderedDict()  # id(handle) -> (handle, node)
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.tokens_reused = 0
+        self.tokens_looked_up = 0
+        self.evictions = 0
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], max_len: int) -> tuple[KVHandle | None, int]:
+        """The handle sharing the longest prefix with ``tokens[:max_len]`` and that prefix's length."""
+        self.tokens_looked_up += len(tokens)
+        node, depth = self._root, 0
+        for tok in tokens[:max_len]:
+            child = node.children.get(tok)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if depth < self.min_match:
+            self.misses += 1
+            return None, 0
+        while node.entry is None:  # any entry below shares the prefix; follow the most recent child
+            node = next(reversed(node.children.values()))
+        handle = node.entry
+        self._lru.move_to_end(id(handle))
+        self.hits += 1
+        self.tokens_reused += depth
+        return handle, depth
+
+    # -- insert / evict ----------------------------------------------------------------------------
+    def insert(self, handle: KVHandle) -> None:
+        """Take ownership of ``handle``; frees it at once when it is redundant or over budget."""
+        if handle.nbytes > self.budget or not handle.tokens:
+            self._free(handle)
+            return
+        node = self._root
+        for tok in handle.tokens:
+            child = node.children.get(tok)
+            if child is None:
+                child = node.children[tok] = _Node(node, tok)
+            node = child
+        if node.children:  # a longer cached entry already covers this prefix: keep that one, fresher
+            self._free(handle)
+            self._touch_below(node)
+            return
+        if node.entry is not None:
+            self._drop(node.entry, node, prune=False)
+        # entries on the path are prefixes of the new one: it covers them
+        anc = node.parent
+        while anc is not None:
+            if anc.entry is not None:
+                self._drop(anc.entry, anc, prune=False)
+            anc = anc.parent
+        node.entry = handle
+        self._lru[id(handle)] = (handle, node)
+        self.bytes += handle.nbytes
+        while self.bytes > self.budget and self._lru:
+            old, old_node = next(iter(self._lru.values()))
+            self._drop(old, old_node, prune=True)
+            self.evictions += 1
+
+    def clear(self) -> None:
+        for handle, node in list(self._lru.values()):
+            self._drop(handle, node, prune=True)
+
+    def _touch_below(self, node: _Node) -> None:
+        while node.entry is None:
+            node = next(reversed(node.children.values()))
+        self._lru.move_to_end(id(node.entry))
+
+    def _drop(self, handle: KVHandle, node: _Node, prune: bool) -> None:
+        del self._lru[id(handle)]
+        node.entry = None
+        self.bytes -= handle.nbytes
+        self._free(handle)
+        if prune:
+            while node.parent is not None and not node.children and node.entry is None:
+                del node.parent.children[node.token]
+                node = node.parent
+
+    # -- stats -------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        lookups = self.hits + self.misses
+        return {
+            "enabled": True,
+            "entries": len(self._lru),
+            "bytes": self.bytes,
+            "budget_bytes": self.budget,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hits / lookups, 4) if lookups else 0.0,
+            "tokens_reused": self.tokens_reused,
+            "tokens_looked_up": self.tokens_looked_up,
+            "evictions": self.evictions,
+        }

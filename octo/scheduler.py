@@ -1,0 +1,474 @@
+"""The shared scheduler: bounded FIFO admission queue, continuous batcher and prefix-cache use.
+
+One scheduler per served model. Requests are submitted from the event loop; a single engine thread
+admits them in FIFO order, runs one ``Engine.step`` per iteration for every active sequence (decode
+tokens first, then prompt chunks within the engine's ``prefill_chunk`` budget), and posts results back
+with one ``loop.call_soon_threadsafe`` per step. Stop strings, ``max_tokens``, EOS, the context limit
+and cancellation are handled here, once, for every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from octo.engine import Engine, Feed, SamplingParams, Sequence
+from octo.errors import ContextLengthExceeded, EngineError, OctoError, Overloaded, QueueTimeout
+from octo.prefix_cache import PrefixCache
+from octo.textstream import TextStream
+
+log = logging.getLogger("octo.scheduler")
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    token_ids: list[int]
+    stop_sequence: str | None = None
+
+
+class _Job:
+    """Common part of a queued sequence or call: admission future and deadline handling."""
+
+    __slots__ = ("admitted", "state", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.admitted: asyncio.Future = loop.create_future()
+        self.state = "pending"  # pending -> active -> done | expired | cancelled
+
+
+class Ticket(_Job):
+    """The event-loop side of one generated sequence."""
+
+    __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
+                 "finish", "hit_eos", "_cancel")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
+                 events: asyncio.Queue, index: int = 0) -> None:
+        super().__init__(loop)
+        self.id = next(_ids)
+        self.index = index  # choice index within its request
+        self.req = req
+        self.seq = Sequence(self.id, list(req.prompt_tokens), sampling)
+        self.n_prompt = len(req.prompt_tokens)
+        # (index, "text", str) | (index, "done", Result | OctoError); shared by the tickets of one request
+        self.events = events
+        self.result: asyncio.Future = loop.create_future()
+        self.stream = TextStream(req.stop)
+        self.text: list[str] = []  # engine-thread side: emitted pieces
+        self.cached = 0
+        self.finish: str | None = None
+        self.hit_eos = False
+        self._cancel = False
+
+    def cancel(self) -> None:
+        """Called from the event loop (client gone): the sequence leaves the batch at the next step."""
+        self._cancel = True
+
+    async def deltas(self):
+        """Text pieces as they are generated (streaming, one ticket per queue); ends when it finishes."""
+        while True:
+            _, kind, value = await self.events.get()
+            if kind == "text":
+                yield value
+            else:
+                return
+
+    def _result(self) -> Result:
+        gen = self.seq.tokens[self.n_prompt:len(self.seq.tokens) - self.hit_eos]
+        return Result("".join(self.text), self.finish or "stop", self.n_prompt, len(gen), self.cached, gen,
+                      self.stream.matched)
+
+
+class _Call(_Job):
+    __slots__ = ("fn", "future")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Engine], Any]) -> None:
+        super().__init__(loop)
+        self.fn = fn
+        self.future: asyncio.Future = loop.create_future()
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
+                 cache: PrefixCache | None = None) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.cache = cache
+        self._pending: deque[_Job] = deque()
+        self._active: list[Ticket] = []
+        self._by_seq: dict[int, Ticket] = {}
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.max_depth = 0
+        self.total_processed = 0
+        self.total_rejected = 0
+        self.total_timeouts = 0
+        self.total_cancelled = 0
+        self.generated_tokens = 0
+        self.steps = 0
+
+    # -- life cycle --------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="octo-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # -- submission (event loop) -------------------------------------------------------------------
+    def submit(self, req: GenerationRequest, n: int = 1, events: asyncio.Queue | None = None,
+               first_index: int = 0) -> list[Ticket]:
+        """Queue ``n`` sequences for ``req`` or raise at once (full queue: 503; too long: 400).
+
+        Streaming events of all the tickets go to ``events`` (a new queue when None), tagged with
+        their choice index (``first_index + i``).
+        """
+        info = self.engine.info
+        n_prompt = len(req.prompt_tokens)
+        if n_prompt == 0:
+            raise ContextLengthExceeded("The prompt is empty after tokenization.", param="messages")
+        if info is not None and n_prompt + (req.max_tokens or 1) > info.n_ctx:
+            if n_prompt >= info.n_ctx:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {info.n_ctx} tokens, but the prompt has "
+                    f"{n_prompt} tokens.", param="messages")
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {info.n_ctx} tokens. However, you requested "
+                f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+        tickets = []
+        events = events if events is not None else asyncio.Queue()
+        for i in range(n):
+            sampling = req.sampling
+            if n > 1 and sampling.seed is not None:
+                sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + i})
+            tickets.append(Ticket(self._loop, req, sampling, events, first_index + i))
+        self._enqueue(tickets)
+        return tickets
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread, through the admission queue (embeddings, audio)."""
+        job = _Call(self._loop, fn)
+        self._enqueue([job])
+        await self.wait_admitted(job)
+        return await job.future
+
+    def _enqueue(self, jobs: list[_Job]) -> None:
+        with self._cv:
+            if self._stopping:
+                raise Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
+            if len(self._pending) + len(jobs) > self.max_queue:
+                self.total_rejected += len(jobs)
+                raise Overloaded(
+                    f"The request queue is full ({self.max_queue} waiting); retry later.",
+                    headers={"Retry-After": str(max(1, round(self._retry_after())))})
+            self._pending.extend(jobs)
+            self.max_depth = max(self.max_depth, len(self._pending))
+            self._cv.notify()
+
+    def _retry_after(self) -> float:
+        return min(self.queue_timeout, 1.0 + len(self._pending) / max(1, self.max_batch))
+
+    async def wait_admitted(self, job: _Job) -> None:
+        """Wait until the job leaves the queue; 504 after ``queue_timeout`` seconds."""
+        if job.admitted.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout)
+        except TimeoutError:
+            with self._cv:
+                if job.state == "pending":
+                    job.state = "expired"
+                    self._pending.remove(job)
+                    self.total_timeouts += 1
+                    raise QueueTimeout(
+                        f"The request waited {self.queue_timeout:g} s in the queue without being "
+                        "scheduled.") from None
+            await job.admitted
+        except asyncio.CancelledError:
+            self.abandon(job)
+            raise
+
+    def abandon(self, job: _Job) -> None:
+        """The client is gone: drop a pending job now, or cancel an active sequence at the next step."""
+        with self._cv:
+            if job.state == "pending":
+                job.state = "cancelled"
+                self._pending.remove(job)
+                self.total_cancelled += 1
+                return
+        if isinstance(job, Ticket):
+            job.cancel()
+            with self._cv:
+                self._cv.notify()
+
+    # -- stats ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pending": len(self._pending),
+            "active": len(self._active),
+            "max_batch": self.max_batch,
+            "max_queue": self.max_queue,
+            "max_depth": self.max_depth,
+            "total_processed": self.total_processed,
+            "total_rejected": self.total_rejected,
+            "total_timeouts": self.total_timeouts,
+            "total_cancelled": self.total_cancelled,
+            "batching": self.engine.batching,
+        }
+
+    # -- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        posts: list[tuple[Any, ...]] = []
+        while True:
+            with self._cv:
+                while not self._stopping and not self._pending and not self._active:
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                calls, admitted = self._admit_locked()
+            for job in admitted + calls:
+                posts.append((_set_result, job.admitted, None))
+            for job in calls:
+                self._run_call(job, posts)
+            for t in admitted:
+                self._start(t, posts)
+            if self._active:
+                self._step(posts)
+            if posts:
+                self._loop.call_soon_threadsafe(_deliver, posts)
+                posts = []
+        self._shutdown()
+
+    def _admit_locked(self) -> tuple[list[_Call], list[Ticket]]:
+        calls: list[_Call] = []
+        admitted: list[Ticket] = []
+        window = self.engine.batching == "window"
+        if window and self._active:
+            return calls, admitted
+        while self._pending:
+            job = self._pending[0]
+            if isinstance(job, _Call):
+                if admitted:  # keep FIFO: run the call after this step's admissions
+                    break
+                self._pending.popleft()
+                job.state = "active"
+                calls.append(job)
+                break
+            if len(self._active) + len(admitted) >= self.max_batch:
+                break
+            self._pending.popleft()
+            job.state = "active"
+            admitted.append(job)
+        return calls, admitted
+
+    def _run_call(self, job: _Call, posts: list) -> None:
+        try:
+            result = job.fn(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - the error goes to the caller
+            posts.append((_set_exception, job.future, _as_octo_error(exc)))
+        else:
+            posts.append((_set_result, job.future, result))
+        job.state = "done"
+        self.total_processed += 1
+
+    def _start(self, t: Ticket, posts: list) -> None:
+        seq = t.seq
+        try:
+            self.engine.add_sequence(seq)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(t, exc, posts, remove=False)
+            return
+        if self.cache is not None:
+            handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1)
+            if handle is not None:
+                try:
+                    self.engine.kv_restore(seq, handle, n)
+                    t.cached = seq.n_cached
+                except Exception:  # noqa: BLE001 - a failed restore is a miss, never an error
+                    log.exception("KV restore failed; recomputing the prompt")
+                    self.engine.remove_sequence(seq)
+                    self.engine.add_sequence(seq)
+                    seq.n_cached = 0
+        self._active.append(t)
+        self._by_seq[seq.id] = t
+
+    def _step(self, posts: list) -> None:
+        eng = self.engine
+        n_ctx = eng.info.n_ctx if eng.info else 1 << 30
+        feeds: list[Feed] = []
+        budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
+        for t in list(self._active):
+            if t._cancel:
+                self._finish(t, "cancelled", posts)
+        decoding = [t for t in self._active if len(t.seq.tokens) - t.seq.n_cached == 1]
+        prefilling = [t for t in self._active if len(t.seq.tokens) - t.seq.n_cached > 1]
+        for t in decoding:
+            feeds.append(Feed(t.seq, t.seq.tokens[-1:], True))
+        for t in prefilling:
+            if budget <= 0:
+                break
+            seq = t.seq
+            remaining = len(seq.tokens) - seq.n_cached
+            take = min(remaining, budget)
+            budget -= take
+            feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
+        if not feeds:
+            return
+        try:
+            out = eng.step(feeds)
+        except BaseException as exc:  # noqa: BLE001 - fail this step's sequences, keep serving
+            log.exception("engine step failed")
+            for f in feeds:
+                t = self._ticket(f.seq)
+                if t is not None:
+                    self._fail(t, exc, posts)
+            return
+        self.steps += 1
+        eos = eng.info.eos_token_ids if eng.info else frozenset()
+        for feed, tok in zip(feeds, out, strict=True):
+            if tok is None:
+                continue
+            t = self._ticket(feed.seq)
+            seq = feed.seq
+            seq.tokens.append(tok)
+            self.generated_tokens += 1
+            if tok in eos:
+                t.hit_eos = True
+                self._finish(t, "stop", posts)
+                continue
+            piece, stopped = t.stream.push(eng.token_bytes(tok))
+            if piece:
+                t.text.append(piece)
+                if t.req.stream:
+                    posts.append((_put, t.events, (t.index, "text", piece)))
+            n_gen = len(seq.tokens) - t.n_prompt
+            if stopped:
+                self._finish(t, "stop", posts, flush=False)
+            elif (t.req.max_tokens is not None and n_gen >= t.req.max_tokens) or len(seq.tokens) >= n_ctx:
+                self._finish(t, "length", posts)
+
+    def _ticket(self, seq: Sequence) -> Ticket | None:
+        return self._by_seq.get(seq.id)
+
+    def _finish(self, t: Ticket, reason: str, posts: list, flush: bool = True) -> None:
+        t.finish = reason
+        tail = t.stream.flush() if flush and reason != "cancelled" else ""
+        if tail:
+            t.text.append(tail)
+            if t.req.stream:
+                posts.append((_put, t.events, (t.index, "text", tail)))
+        self._retire(t)
+        if reason == "cancelled":
+            self.total_cancelled += 1
+        else:
+            self.total_processed += 1
+        result = t._result()
+        if t.req.stream:
+            posts.append((_put, t.events, (t.index, "done", result)))
+        posts.append((_set_result, t.result, result))
+
+    def _fail(self, t: Ticket, exc: BaseException, posts: list, remove: bool = True) -> None:
+        t.finish = "error"
+        if remove:
+            self._retire(t, save=False)
+        err = _as_octo_error(exc)
+        posts.append((_put, t.events, (t.index, "done", err)))
+        posts.append((_set_exception, t.result, err))
+
+    def _retire(self, t: Ticket, save: bool = True) -> None:
+        """Take ``t`` out of the batch; offer its KV to the prefix cache first."""
+        t.state = "done"
+        if self._by_seq.pop(t.seq.id, None) is not None:
+            self._active.remove(t)
+        seq = t.seq
+        if save and self.cache is not None and seq.n_cached > 0:
+            try:
+                handle = self.engine.kv_save(seq)
+            except Exception:  # noqa: BLE001
+                log.exception("KV save failed")
+                handle = None
+            if handle is not None:
+                self.cache.insert(handle)
+        try:
+            self.engine.remove_sequence(seq)
+        except Exception:  # noqa: BLE001
+            log.exception("remove_sequence failed")
+
+    def _shutdown(self) -> None:
+        posts: list = []
+        err = Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
+        for t in list(self._active):
+            self._fail(t, err, posts)
+        with self._cv:
+            pending, self._pending = list(self._pending), deque()
+        for job in pending:
+            posts.append((_set_exception, job.admitted, err))
+        if self.cache is not None:
+            self.cache.clear()
+        if posts and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_deliver, posts)
+
+
+def _as_octo_error(exc: BaseException) -> OctoError:
+    if isinstance(exc, OctoError):
+        return exc
+    return EngineError(f"The engine failed: {type(exc).__name__}: {exc}")
+
+
+def _put(queue: asyncio.Queue, item: Any) -> None:
+    queue.put_nowait(item)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+        fut.add_done_callback(_consume)  # nobody may await it (client gone)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _deliver(posts: list) -> None:
+    for fn, target, value in posts:
+        fn(target, value)
+

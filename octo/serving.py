@@ -1,0 +1,271 @@
+"""Serving layer: protocol requests -> GenerationRequest, and results -> response bodies. No aiohttp here.
+
+Every parameter a request sets is either turned into engine/scheduler settings or refused with a 400
+naming it; nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from octo.engine import SamplingParams, Task
+from octo.errors import InvalidRequest, UnsupportedParameter
+from octo.protocol import AnthropicRequest, ChatCompletionRequest, CompletionRequest
+from octo.scheduler import GenerationRequest, Result
+
+# SamplingParams field -> the request parameter a user would recognise
+_PARAM_NAMES = {"json_schema": "response_format", "repetition_penalty": "repetition_penalty"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:
+    for name in names:
+        value = getattr(req, name, None)
+        if value not in (None, False, [], {}):
+            raise UnsupportedParameter(name, why)
+
+
+def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
+    """SamplingParams from an OpenAI-style request; 400 for what the engine cannot honour."""
+    sp = SamplingParams()
+    if req.temperature is not None:
+        sp.temperature = float(req.temperature)
+    if req.top_p is not None:
+        sp.top_p = float(req.top_p)
+    for name in ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name, None)
+        if value is not None:
+            setattr(sp, name, value)
+    if getattr(req, "logit_bias", None):
+        bias = {}
+        for key, value in req.logit_bias.items():
+            tok = int(key)
+            if tok < 0 or (n_vocab and tok >= n_vocab):
+                raise InvalidRequest(f"logit_bias: token id {tok} is outside the vocabulary (0..{n_vocab - 1}).",
+                                     param="logit_bias")
+            bias[tok] = float(value)
+        sp.logit_bias = bias
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            sp.json_schema = {}
+        else:
+            schema = (rf.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object.",
+                                     param="response_format.json_schema.schema")
+            sp.json_schema = schema
+    for name in sorted(sp.changed()):
+        if name not in engine.sampling_params:
+            raise UnsupportedParameter(_PARAM_NAMES.get(name, name), f"the {engine.name} engine cannot honour it")
+    return sp
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _check_stream_options(req: Any) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
+
+
+def _require(handle: Any, task: Task) -> None:
+    if task not in handle.tasks:
+        raise InvalidRequest(
+            f"Model '{handle.name}' ({handle.engine_name}) does not support {task.value}; it serves: "
+            f"{', '.join(sorted(t.value for t in handle.tasks))}.", param="model", code="unsupported_task")
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """OpenAI messages -> plain {role, content[, name]} dicts for a chat template."""
+    out = []
+    for i, msg in enumerate(req.messages):
+        if msg.role in ("tool", "function") or msg.tool_calls or msg.function_call:
+            raise UnsupportedParameter(f"messages[{i}]", "tool and function messages need tool support, "
+                                       "which this server does not have")
+        if msg.audio is not None:
+            raise UnsupportedParameter(f"messages[{i}].audio")
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise UnsupportedParameter(f"messages[{i}].content[{j}]",
+                                               f"content parts of type '{part.get('type')}' are not supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        item = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
+        if msg.name:
+            item["name"] = msg.name
+        out.append(item)
+    return out
+
+
+def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationRequest:
+    _require(handle, Task.CHAT)
+    _check_stream_options(req)
+    _unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options",
+                          "reasoning_effort", "verbosity", "logprobs", "top_logprobs", "store"))
+    if req.tools:
+        raise UnsupportedParameter("tools", "tool calling is not supported by this server")
+    if req.tool_choice not in (None, "none"):
+        raise UnsupportedParameter("tool_choice")
+    if req.modalities not in (None, ["text"]):
+        raise UnsupportedParameter("modalities", "only text output is supported")
+    if req.service_tier not in (None, "auto", "default"):
+        raise UnsupportedParameter("service_tier")
+    sampling = sampling_params(req, handle.engine, handle.info.n_vocab)
+    prompt = handle.engine.render_chat(chat_messages(req), add_generation_prompt=True)
+    tokens = handle.engine.tokenize(prompt, special=True)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return GenerationRequest(tokens, sampling, max_tokens, _stops(req.stop), req.stream)
+
+
+def usage(results: list[Result]) -> dict[str, Any]:
+    prompt = results[0].prompt_tokens if results else 0
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results), default=0)}}
+
+
+def chat_response(rid: str, model: str, fingerprint: str, results: list[Result]) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                     "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)],
+        "usage": usage(results),
+    }
+
+
+def chat_chunk(rid: str, model: str, fingerprint: str, created: int, index: int, delta: dict,
+               finish: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+# -- completions ---------------------------------------------------------------------------------------
+def completion_generations(handle: Any, req: CompletionRequest) -> list[GenerationRequest]:
+    """One GenerationRequest per prompt (a list of prompts is a batch)."""
+    _require(handle, Task.COMPLETION)
+    _check_stream_options(req)
+    _unsupported_if(req, ("suffix",))
+    if req.logprobs is not None:
+        raise UnsupportedParameter("logprobs")
+    if req.best_of not in (None, req.n):
+        raise UnsupportedParameter("best_of", "only best_of == n is supported")
+    sampling = sampling_params(req, handle.engine, handle.info.n_vocab)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        token_lists = [handle.engine.tokenize(prompt, special=False)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        token_lists = [list(prompt)]
+    elif prompt and all(isinstance(p, list) for p in prompt):
+        token_lists = [list(p) for p in prompt]
+    elif prompt:
+        token_lists = [handle.engine.tokenize(p, special=False) for p in prompt]
+    else:
+        raise InvalidRequest("prompt must not be empty.", param="prompt")
+    n_vocab = handle.info.n_vocab
+    for toks in token_lists:
+        if n_vocab and any(not 0 <= t < n_vocab for t in toks):
+            raise InvalidRequest(f"prompt token ids must be in 0..{n_vocab - 1}.", param="prompt")
+    return [GenerationRequest(t, sampling, req.max_tokens, _stops(req.stop), req.stream) for t in token_lists]
+
+
+def prompt_texts(handle: Any, req: CompletionRequest) -> list[str]:
+    """The prompt text of each prompt, for ``echo``."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [_detok(handle, p)]
+    return [x if isinstance(x, str) else _detok(handle, x) for x in p]
+
+
+def _detok(handle: Any, tokens: list[int]) -> str:
+    return b"".join(handle.engine.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+
+def completion_response(rid: str, model: str, fingerprint: str, results: list[Result],
+                        prefixes: list[str], n: int) -> dict[str, Any]:
+    """``results`` are prompt-major (prompt i, choice j at i*n + j); ``prefixes`` one per result (echo)."""
+    choices = [{"index": i, "text": prefixes[i] + r.text, "logprobs": None, "finish_reason": r.finish_reason}
+               for i, r in enumerate(results)]
+    total_prompt = sum(r.prompt_tokens for r in results[::n])
+    u = usage(results)
+    u["prompt_tokens"] = total_prompt
+    u["total_tokens"] = total_prompt + u["completion_tokens"]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": fingerprint, "choices": choices, "usage": u}
+
+
+def completion_chunk(rid: str, model: str, fingerprint: str, created: int, index: int, text: str,
+                     finish: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+# -- Anthropic messages ------------------------------------------------------------------------------
+_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
+
+
+def anthropic_generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
+    _require(handle, Task.CHAT)
+    _unsupported_if(req, ("tools", "thinking", "container", "mcp_servers"))
+    if req.tool_choice is not None:
+        raise UnsupportedParameter("tool_choice")
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        messages.append({"role": m.role, "content": _anthropic_text(m.content, f"messages[{i}].content")})
+    sp = SamplingParams()
+    if req.temperature is not None:
+        sp.temperature = req.temperature
+    if req.top_p is not None:
+        sp.top_p = req.top_p
+    if req.top_k is not None:
+        sp.top_k = req.top_k
+    for name in sorted(sp.changed()):
+        if name not in handle.engine.sampling_params:
+            raise UnsupportedParameter(name, f"the {handle.engine.name} engine cannot honour it")
+    tokens = handle.engine.tokenize(handle.engine.render_chat(messages, True), special=True)
+    return GenerationRequest(tokens, sp, req.max_tokens, list(req.stop_sequences or []), req.stream)
+
+
+def _anthropic_text(content: str | list[dict[str, Any]], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, block in enumerate(content):
+        if block.get("type") != "text":
+            raise UnsupportedParameter(f"{where}[{j}]", f"content blocks of type '{block.get('type')}' are "
+                                       "not supported")
+        parts.append(block.get("text", ""))
+    return "".join(parts)
+
+
+def anthropic_stop(result: Result) -> tuple[str, str | None]:
+    if result.stop_sequence is not None:
+        return "stop_sequence", result.stop_sequence
+    return _ANTHROPIC_STOP.get(result.finish_reason, "end_turn"), None
+
+
+def anthropic_response(mid: str, model: str, result: Result) -> dict[str, Any]:
+    reason, seq = anthropic_stop(result)
+    return {"id": mid, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": result.text}], "stop_reason": reason, "stop_sequence": seq,
+            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
+                      "cache_read_input_tokens": result.cached_tokens}}

@@ -1,0 +1,23 @@
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Synthetic models built by tests are cached here between runs (git ignores .cache/).
+os.environ.setdefault("OCTO_HOME", str(REPO / ".cache" / "octo-test"))
+
+from serverproc import run_octo  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def echo_server():
+    """A real `octo serve test-model --engine echo` process shared by a test module."""
+    with run_octo("test-model", "--engine", "echo") as server:
+        yield server
+
+
+@pytest.fixture
+def octo_server():
+    """Factory: `with octo_server("MODEL", "--engine", "echo", ...) as server:`."""
+    return run_octo

@@ -1,0 +1,87 @@
+"""Start a real ``octo serve`` process on a free port for functional tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class OctoServer:
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", **kw)
+
+    def async_openai(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", **kw)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0, api_key: str | None = None):
+    """``octo serve ARGS --port P``; waits for /health, yields an OctoServer, stops it afterwards."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "octo.cli", "serve", *args, "--port", str(port)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log = tempfile.NamedTemporaryFile("wb", prefix="octo-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                            cwd=REPO)
+    server = OctoServer(port, proc, Path(log.name), api_key)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"octo serve exited with {proc.returncode}:\n{server.log()}")
+            try:
+                with urllib.request.urlopen(server.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"octo serve did not become healthy in {timeout}s:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
