@@ -124,6 +124,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._sleeping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.max_depth = 0
         self.total_processed = 0
@@ -169,7 +170,8 @@ class Scheduler:
                 f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", param="max_tokens")
         tickets = []
-        events = events if events is not None else asyncio.Queue()
+        if events is None and req.stream:
+            events = asyncio.Queue()
         for i in range(n):
             sampling = req.sampling
             if n > 1 and sampling.seed is not None:
@@ -195,8 +197,10 @@ class Scheduler:
                     f"The request queue is full ({self.max_queue} waiting); retry later.",
                     headers={"Retry-After": str(max(1, round(self._retry_after())))})
             self._pending.extend(jobs)
-            self.max_depth = max(self.max_depth, len(self._pending))
-            self._cv.notify()
+            if len(self._pending) > self.max_depth:
+                self.max_depth = len(self._pending)
+            if self._sleeping:  # the engine thread looks at the queue before it sleeps again
+                self._cv.notify()
 
     def _retry_after(self) -> float:
         return min(self.queue_timeout, 1.0 + len(self._pending) / max(1, self.max_batch))
@@ -204,22 +208,26 @@ class Scheduler:
     async def wait_admitted(self, job: _Job) -> None:
         """Wait until the job leaves the queue; 504 after ``queue_timeout`` seconds."""
         if job.admitted.done():
-            return
+            return job.admitted.result()
+        timer = self._loop.call_later(self.queue_timeout, self._expire, job)
         try:
-            await asyncio.wait_for(asyncio.shield(job.admitted), self.queue_timeout)
-        except TimeoutError:
-            with self._cv:
-                if job.state == "pending":
-                    job.state = "expired"
-                    self._pending.remove(job)
-                    self.total_timeouts += 1
-                    raise QueueTimeout(
-                        f"The request waited {self.queue_timeout:g} s in the queue without being "
-                        "scheduled.") from None
             await job.admitted
         except asyncio.CancelledError:
             self.abandon(job)
             raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, job: _Job) -> None:
+        """Queue deadline passed: a job still pending leaves the queue with a 504."""
+        with self._cv:
+            if job.state != "pending":
+                return
+            job.state = "expired"
+            self._pending.remove(job)
+            self.total_timeouts += 1
+        _set_exception(job.admitted, QueueTimeout(
+            f"The request waited {self.queue_timeout:g} s in the queue without being scheduled."))
 
     def abandon(self, job: _Job) -> None:
         """The client is gone: drop a pending job now, or cancel an active sequence at the next step."""
@@ -255,7 +263,9 @@ class Scheduler:
         while True:
             with self._cv:
                 while not self._stopping and not self._pending and not self._active:
+                    self._sleeping = True
                     self._cv.wait()
+                    self._sleeping = False
                 if self._stopping:
                     break
                 calls, admitted = self._admit_locked()

@@ -6,7 +6,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -15,6 +14,7 @@ from octo import api
 from octo.config import ServerConfig
 from octo.errors import InvalidRequest, NotFound, OctoError, PayloadTooLarge, Unauthorized
 from octo.metrics import CONTENT_TYPE, Metrics
+from octo.serving import new_id
 from octo.state import STATE, AppState
 
 log = logging.getLogger("octo.server")
@@ -77,7 +77,7 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
     finally:
         if state.metrics is not None:
             state.metrics.observe(endpoint, status, time.perf_counter() - started)
-    resp.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    resp.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or new_id("req")
     return resp
 
 

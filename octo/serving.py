@@ -6,6 +6,7 @@ naming it; nothing is silently dropped.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -19,8 +20,13 @@ from octo.scheduler import GenerationRequest, Result
 _PARAM_NAMES = {"json_schema": "response_format", "repetition_penalty": "repetition_penalty"}
 
 
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_id_counter = itertools.count(1)
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    """Unique response id: a per-process random part and a counter (no syscall per request)."""
+    return f"{prefix}-{_ID_PREFIX}{next(_id_counter):012x}"
 
 
 def _unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:

@@ -1,0 +1,138 @@
+"""Gateway overhead: octo (echo engine, no token delay) vs a bare aiohttp server returning fixed JSON.
+
+Both servers run as separate processes on loopback; the load generator (this process) alternates
+A and B rounds at each concurrency so that machine noise hits both alike. Writes JSON with requests/s,
+p50 and p99 per server and concurrency, and the ratio octo / bare.
+
+    python bench/overhead.py [--requests 2000] [--rounds 3] [--out bench/results/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from serverproc import free_port  # noqa: E402
+
+BODY = {"model": "bench", "messages": [{"role": "user", "content": "hello there general kenobi"}]}
+
+BARE_SERVER = r'''
+import sys, time
+from aiohttp import web
+PAYLOAD = (b'{"id":"chatcmpl-0","object":"chat.completion","created":0,"model":"bench",'
+           b'"system_fingerprint":"bare","choices":[{"index":0,"message":{"role":"assistant",'
+           b'"content":"hello there general kenobi","refusal":null},"logprobs":null,"finish_reason":"stop"}],'
+           b'"usage":{"prompt_tokens":9,"completion_tokens":4,"total_tokens":13}}')
+async def chat(request):
+    await request.read()
+    return web.Response(body=PAYLOAD, content_type="application/json")
+async def health(request):
+    return web.Response(text="ok")
+app = web.Application()
+app.router.add_post("/v1/chat/completions", chat)
+app.router.add_get("/health", health)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+'''
+
+
+def start(cmd: list[str], port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not start: {cmd}")
+
+
+async def load(url: str, concurrency: int, total: int) -> dict:
+    latencies: list[float] = []
+    errors = 0
+    payload = json.dumps(BODY).encode()
+    headers = {"Content-Type": "application/json"}
+    counter = iter(range(total))
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def worker():
+            nonlocal errors
+            for _ in counter:
+                t0 = time.perf_counter()
+                async with session.post(url, data=payload, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                latencies.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    latencies.sort()
+    return {"requests": total, "errors": errors, "seconds": elapsed, "rps": total / elapsed,
+            "p50_ms": 1000 * latencies[len(latencies) // 2],
+            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
+
+
+async def main(args) -> dict:
+    octo_port, bare_port = free_port(), free_port()
+    octo = start([sys.executable, "-m", "octo.cli", "serve", "bench", "--engine", "echo", "--max-batch", "64",
+                  "--max-queue", "4096", "--port", str(octo_port), "--log-level", "warning"], octo_port)
+    bare = start([sys.executable, "-c", BARE_SERVER, str(bare_port)], bare_port)
+    targets = {"octo": f"http://127.0.0.1:{octo_port}/v1/chat/completions",
+               "bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
+    results: dict = {"host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                              "python": platform.python_version()},
+                     "requests_per_round": args.requests, "rounds": args.rounds, "concurrency": {}}
+    try:
+        for url in targets.values():  # warm-up
+            await load(url, 8, 200)
+        for c in args.concurrency:
+            runs: dict[str, list[dict]] = {"octo": [], "bare": []}
+            for _ in range(args.rounds):  # alternate A and B
+                for name, url in targets.items():
+                    runs[name].append(await load(url, c, args.requests))
+            row = {}
+            for name, rs in runs.items():
+                row[name] = {"rps": statistics.median(r["rps"] for r in rs),
+                             "p50_ms": statistics.median(r["p50_ms"] for r in rs),
+                             "p99_ms": statistics.median(r["p99_ms"] for r in rs),
+                             "errors": sum(r["errors"] for r in rs)}
+            row["ratio_rps"] = row["octo"]["rps"] / row["bare"]["rps"]
+            results["concurrency"][str(c)] = row
+            print(f"c={c:3d}  octo {row['octo']['rps']:8.0f} req/s p50 {row['octo']['p50_ms']:6.2f} ms "
+                  f"p99 {row['octo']['p99_ms']:6.2f} ms | bare {row['bare']['rps']:8.0f} req/s "
+                  f"p50 {row['bare']['p50_ms']:6.2f} ms p99 {row['bare']['p99_ms']:6.2f} ms | "
+                  f"ratio {row['ratio_rps']:.2f}x", flush=True)
+    finally:
+        for p in (octo, bare):
+            p.terminate()
+            p.wait(10)
+    return results
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
+    a = ap.parse_args()
+    res = asyncio.run(main(a))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {a.out}")
