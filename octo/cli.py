@@ -74,10 +74,14 @@ def _env(name: str) -> dict:
               help="Allow binding a non-loopback address without --api-key.", **_env("INSECURE_NO_AUTH"))
 @click.option("--plugins-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Load plugin modules (*.py) from this folder.", **_env("PLUGINS_DIR"))
+@click.option("--bench-seconds", default=3.0, show_default=True, type=click.FloatRange(0.2),
+              help="Start-up benchmark time budget per candidate engine.", **_env("BENCH_SECONDS"))
+@click.option("--rebench", is_flag=True, help="Ignore cached start-up benchmark results.", **_env("REBENCH"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
 def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batch, cache_size, no_cache,
-          max_body_mb, max_audio_mb, max_audio_seconds, api_key, insecure_no_auth, plugins_dir, log_level):
+          max_body_mb, max_audio_mb, max_audio_seconds, api_key, insecure_no_auth, plugins_dir, bench_seconds,
+          rebench, log_level):
     """Serve MODEL (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(host) and not api_key and not insecure_no_auth:
@@ -87,7 +91,7 @@ def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batc
                           max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
-                          plugins_dir=plugins_dir)
+                          plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench)
     from octo.loader import open_model
     from octo.plugins import engine_registry, load_plugins
     from octo.server import create_app

@@ -236,6 +236,14 @@ class Engine:
     def kv_free(self, handle: KVHandle) -> None:
         """Release a handle the index evicted."""
 
+    # -- start-up benchmark (optional) -------------------------------------------------------------
+    def thread_counts(self) -> list[int]:
+        """Thread counts worth trying at start-up, current one first; [] when threads are not tunable."""
+        return []
+
+    def set_threads(self, n: int) -> None:
+        """Switch the number of compute threads without reloading (only called with thread_counts() values)."""
+
     # -- other tasks -----------------------------------------------------------------------------
     def embed(self, texts: list[str]) -> Embeddings:
         raise NotImplementedError

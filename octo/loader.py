@@ -14,9 +14,6 @@ from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
 
 log = logging.getLogger("octo.loader")
 
-# Preference among engines when no benchmark decides (fastest first on typical CPUs).
-PREFERENCE = ("onnx", "llamacpp", "mlx", "whisper", "echo")
-
 
 def engine_rows(registry: dict[str, type[Engine]], active: str | None = None,
                 benchmarks: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -85,18 +82,34 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
             have = ", ".join(sorted(resolved.artifacts)) or "none"
             raise ModelNotFound(f"Model '{resolved.name}' has no artifact for engine '{engine_name}'; "
                                 f"engines with one: {have}.", param="engine")
-        chosen, reason = engine_name, f"--engine {engine_name}"
+        artifact = resolved.artifacts[engine_name]
+        say(f"octo: {resolved.name}: loading with {engine_name} ({artifact.uri})")
+        path = fetch(artifact)
+        engine = load_engine(registry[engine_name], config, str(path), resolved.name)
+        handle = ModelHandle(resolved.name, tuple(resolved.aliases), engine_name, engine, str(path),
+                             selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
+        return handle, engine_rows(registry, engine_name)
+    real = {e: a for e, a in usable.items() if "any" not in registry[e].formats}
+    candidates = real or usable  # echo-like engines only when no real engine can serve the model
+    if not candidates:
+        have = ", ".join(sorted(resolved.artifacts)) or "none"
+        raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
+                          "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
+    paths = {}
+    for name, artifact in candidates.items():
+        say(f"octo: {resolved.name}: {name} artifact {artifact.uri}")
+        paths[name] = str(fetch(artifact))
+    if len(candidates) == 1:
+        (chosen,) = candidates
+        engine = load_engine(registry[chosen], config, paths[chosen], resolved.name)
+        reason, results = "only candidate engine", {}
     else:
-        if not usable:
-            have = ", ".join(sorted(resolved.artifacts)) or "none"
-            raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
-                              "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
-        chosen = min(usable, key=lambda e: PREFERENCE.index(e) if e in PREFERENCE else len(PREFERENCE))
-        reason = "preferred engine among candidates (no benchmark)"
-    artifact = resolved.artifacts[chosen]
-    say(f"octo: {resolved.name}: loading with {chosen} ({artifact.uri})")
-    path = fetch(artifact)
-    engine = load_engine(registry[chosen], config, str(path), resolved.name)
-    handle = ModelHandle(resolved.name, tuple(resolved.aliases), chosen, engine, str(path),
-                         selection={"reason": reason, "candidates": sorted(usable)})
-    return handle, engine_rows(registry, chosen)
+        from octo.selection import select
+
+        chosen, engine, results, reason = select(
+            {n: (registry[n], paths[n]) for n in candidates},
+            lambda cls, path: load_engine(cls, config, path, resolved.name),
+            seconds=config.bench_seconds, rebench=config.rebench, say=say)
+    handle = ModelHandle(resolved.name, tuple(resolved.aliases), chosen, engine, paths[chosen],
+                         selection={"reason": reason, "candidates": sorted(candidates)}, benchmarks=results)
+    return handle, engine_rows(registry, chosen, results)

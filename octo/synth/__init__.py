@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from octo.synth.spec import SHAPES, ModelSpec, get_spec
 
-__all__ = ["SHAPES", "ModelSpec", "build_hf", "get_spec"]
+__all__ = ["SHAPES", "ModelSpec", "build_for", "build_hf", "get_spec"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from octo.synth.hf import build_hf
 
         return build_hf
+    if name == "build_for":
+        from octo.synth.build import build_for
+
+        return build_for
     raise AttributeError(name)

@@ -1,0 +1,298 @@
+"""Start-up engine selection: a bounded micro-benchmark per candidate engine, cached per host.
+
+Per candidate: load, warm up, then measure prefill tok/s, single-stream decode tok/s and batched decode
+tok/s (4 sequences), and try each thread count the engine offers, all within ``--bench-seconds``. The
+score favours serving throughput (a weighted geometric mean, so no metric's units dominate):
+
+    score = batch_decode_tok_s ** 0.5 * decode_tok_s ** 0.3 * prefill_tok_s ** 0.2
+
+A candidate that fails to load or errors during its benchmark gets ``error`` set and can never win. The
+winner stays loaded (no second load); losers are unloaded before serving starts. Results are cached in
+``OCTO_HOME/bench`` keyed by host fingerprint, engine name and version, and artifact digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from octo.engine import Engine, Feed, SamplingParams, Sequence
+from octo.paths import bench_dir
+
+log = logging.getLogger("octo.selection")
+WEIGHTS = {"batch_decode_tok_s": 0.5, "decode_tok_s": 0.3, "prefill_tok_s": 0.2}
+BATCH = 4
+PROMPT_TOKENS = 128
+_TEXT = ("The quick brown fox jumps over the lazy dog while the busy engineers measure how fast each engine "
+         "decodes tokens on this machine, one step at a time. ")
+
+
+# -- cache key ---------------------------------------------------------------------------------------
+def host_fingerprint() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 0
+    accel = "none"
+    if any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl")):
+        accel = "nvidia"
+    elif platform.system() == "Darwin" and platform.machine() == "arm64":
+        accel = "apple-metal"
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem / 2**30, 1), "accelerator": accel,
+            "system": platform.system()}
+
+
+def artifact_digest(path: str | Path) -> str:
+    """Cheap content digest: size, mtime and the first/last MiB of every file (a 4 GB model in ms)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.exists() else []
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(p) if p.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if st.st_size > 2 << 20:
+                fh.seek(-(1 << 20), os.SEEK_END)
+                h.update(fh.read(1 << 20))
+    if not files:
+        h.update(str(path).encode())
+    return h.hexdigest()[:32]
+
+
+def cache_key(engine_cls: type[Engine], artifact: str) -> dict[str, Any]:
+    return {"host": host_fingerprint(), "engine": engine_cls.name, "version": engine_cls.version(),
+            "artifact": artifact_digest(artifact)}
+
+
+def _cache_file(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return bench_dir() / f"{key['engine']}-{digest}.json"
+
+
+def cached_result(key: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        data = json.loads(_cache_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("result") if data.get("key") == key else None
+
+
+def store_result(key: dict[str, Any], result: dict[str, Any]) -> None:
+    path = _cache_file(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
+    tmp.replace(path)
+
+
+# -- the micro-benchmark -----------------------------------------------------------------------------
+def score(result: dict[str, Any]) -> float:
+    if result.get("error"):
+        return 0.0
+    s = 1.0
+    for name, w in WEIGHTS.items():
+        s *= max(float(result.get(name) or 0.0), 1e-9) ** w
+    return round(s, 3)
+
+
+def _prompt(engine: Engine, n: int, salt: int = 0) -> list[int]:
+    toks = engine.tokenize(f"[{salt}] " + _TEXT * (1 + n // 16), special=False)
+    n_ctx = engine.info.n_ctx if engine.info else n + 64
+    return toks[: max(8, min(n, n_ctx // 4))]
+
+
+def _decode(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int) -> tuple[int, float]:
+    """Greedy decode steps for all ``seqs`` until the deadline; returns (tokens, seconds)."""
+    tokens, t0, steps = 0, time.perf_counter(), 0
+    n_ctx = engine.info.n_ctx if engine.info else 1 << 30
+    while steps < max_steps and time.perf_counter() < deadline and all(len(s.tokens) < n_ctx - 1 for s in seqs):
+        out = engine.step([Feed(s, s.tokens[-1:], True) for s in seqs])
+        for s, tok in zip(seqs, out, strict=True):
+            s.tokens.append(tok)
+        tokens += len(seqs)
+        steps += 1
+    return tokens, time.perf_counter() - t0
+
+
+def _start(engine: Engine, ids: list[int], prompts: list[list[int]]) -> list[Sequence]:
+    """Add sequences and prefill them (window engines: all prompts in one step)."""
+    seqs = [Sequence(i, list(p), SamplingParams(temperature=0.0)) for i, p in zip(ids, prompts, strict=True)]
+    for s in seqs:
+        engine.add_sequence(s)
+    if engine.batching == "window":
+        out = engine.step([Feed(s, s.tokens, True) for s in seqs])
+    else:
+        out = []
+        for s in seqs:
+            chunk = max(1, engine.prefill_chunk)
+            while True:
+                part = s.tokens[s.n_cached:s.n_cached + chunk]
+                last = s.n_cached + len(part) >= len(s.tokens)
+                res = engine.step([Feed(s, part, last)])
+                if last:
+                    out.append(res[0])
+                    break
+    for s, tok in zip(seqs, out, strict=True):
+        s.tokens.append(tok)
+    return seqs
+
+
+def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
+    """Measure a loaded engine within about ``seconds``; never raises (errors go in ``error``)."""
+    t_start = time.perf_counter()
+    result: dict[str, Any] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None,
+                              "threads": None, "score": 0.0, "cached": False, "seconds": None, "error": None}
+    live: list[Sequence] = []
+    try:
+        # warm-up: one short sequence, a few steps
+        live = _start(engine, [900_001], [_prompt(engine, 16, 1)])
+        _decode(engine, live, time.perf_counter() + seconds * 0.05, 3)
+        _free(engine, live)
+        # prefill
+        prompt = _prompt(engine, PROMPT_TOKENS, 2)
+        t0 = time.perf_counter()
+        live = _start(engine, [900_002], [prompt])
+        result["prefill_tok_s"] = round(len(prompt) / (time.perf_counter() - t0), 2)
+        # single-stream decode, per thread count
+        threads = engine.thread_counts()
+        best = None
+        for n in threads or [None]:
+            if n is not None:
+                engine.set_threads(n)
+            share = 0.35 / max(1, len(threads))
+            toks, dt = _decode(engine, live, time.perf_counter() + seconds * share, 256)
+            rate = toks / dt if dt > 0 else 0.0
+            if best is None or rate > best[1]:
+                best = (n, rate)
+        if best[0] is not None:
+            engine.set_threads(best[0])
+        result["threads"], result["decode_tok_s"] = best[0], round(best[1], 2)
+        _free(engine, live)
+        # batched decode
+        live = _start(engine, list(range(900_010, 900_010 + BATCH)),
+                      [_prompt(engine, 32, 10 + i) for i in range(BATCH)])
+        remaining = max(seconds * 0.2, seconds - (time.perf_counter() - t_start))
+        toks, dt = _decode(engine, live, time.perf_counter() + remaining, 256)
+        result["batch_decode_tok_s"] = round(toks / dt, 2) if dt > 0 else 0.0
+    except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never raised
+        log.warning("benchmark of %s failed: %s", engine.name, exc)
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        _free(engine, live)
+    result["score"] = score(result)
+    result["seconds"] = round(time.perf_counter() - t_start, 3)
+    return result
+
+
+def _free(engine: Engine, seqs: list[Sequence]) -> None:
+    for s in seqs:
+        try:
+            engine.remove_sequence(s)
+        except Exception:  # noqa: BLE001
+            pass
+    seqs.clear()
+
+
+# -- selection ---------------------------------------------------------------------------------------
+def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type[Engine], str], Engine],
+           seconds: float = 3.0, rebench: bool = False,
+           say: Callable[[str], None] = print) -> tuple[str, Engine, dict[str, dict[str, Any]], str]:
+    """Benchmark ``candidates`` (name -> (engine class, local artifact)); return the loaded winner.
+
+    Returns (winner name, loaded winner engine, results per engine, reason). Raises the last load
+    error when no candidate could be loaded and benchmarked.
+    """
+    results: dict[str, dict[str, Any]] = {}
+    best: tuple[str, Engine | None, float] | None = None  # name, loaded engine (None: cached result), score
+    t0 = time.perf_counter()
+    for name, (cls, artifact) in candidates.items():
+        key = cache_key(cls, artifact)
+        cached = None if rebench else cached_result(key)
+        if cached is not None:
+            res = {**cached, "cached": True}
+            results[name] = res
+            say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  (prefill {res['prefill_tok_s']} tok/s, "
+                f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
+                if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
+            engine = None
+        else:
+            say(f"octo: bench {name:9s} loading and measuring (~{seconds:g} s) ...")
+            t_load = time.perf_counter()
+            try:
+                engine = load(cls, artifact)
+            except Exception as exc:  # noqa: BLE001
+                res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
+                       "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
+                       "error": f"load failed: {getattr(exc, 'message', None) or exc}"}
+                engine = None
+            else:
+                res = micro_benchmark(engine, seconds)
+                res["load_seconds"] = round(time.perf_counter() - t_load - res["seconds"], 3)
+            results[name] = res
+            store_result(key, {k: v for k, v in res.items() if k != "cached"})
+            say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
+                f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
+                f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
+                if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
+        if res.get("error"):
+            _unload(engine)
+            continue
+        if best is None or res["score"] > best[2]:
+            if best is not None:
+                _unload(best[1])
+            best = (name, engine, res["score"])
+        else:
+            _unload(engine)
+    if best is None:
+        errors = "; ".join(f"{n}: {r['error']}" for n, r in results.items())
+        raise RuntimeError(f"no candidate engine could be benchmarked ({errors})")
+    name, engine, _ = best
+    if engine is None:  # the winner's result came from the cache: load it now (its only load)
+        cls, artifact = candidates[name]
+        engine = load(cls, artifact)
+        thr = results[name].get("threads")
+        if thr is not None and thr in engine.thread_counts():
+            engine.set_threads(thr)
+    ranked = sorted(results, key=lambda n: -results[n]["score"])
+    _table(results, ranked, name, say)
+    reason = (f"highest benchmark score among {len(results)} candidates ({', '.join(ranked)}); "
+              f"selection took {time.perf_counter() - t0:.2f} s")
+    return name, engine, results, reason
+
+
+def _unload(engine: Engine | None) -> None:
+    if engine is not None:
+        try:
+            engine.unload()
+        except Exception:  # noqa: BLE001
+            log.exception("unload failed")
+
+
+def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callable[[str], None]) -> None:
+    say(f"{'engine':10s} {'prefill':>9s} {'decode':>9s} {'batch x4':>9s} {'threads':>7s} {'score':>9s}  note")
+    for n in ranked:
+        r = results[n]
+        note = "WINNER" if n == winner else (r.get("error") or "")
+        if r.get("cached"):
+            note += " (cached)"
+
+        def f(v):
+            return f"{v:9.1f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
+        say(f"{n:10s} {f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))} "
+            f"{str(r.get('threads') or '-'):>7s} {r['score']:9.2f}  {note}")

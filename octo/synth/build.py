@@ -1,0 +1,34 @@
+"""Build a synthetic model for one engine's format: ``build_for("demo", "llamacpp")``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from octo.synth.spec import get_spec
+
+# Per engine: the format each synthetic model is served in (small and exact for the demo).
+DEFAULT_QUANT = {"llamacpp": "f16", "mlx": None, "onnx": "int4"}
+
+
+def build_for(name: str, engine: str, quant: str | None = "default", seed: int = 0) -> Path:
+    """The synthetic model ``name`` (a shape from ``octo.synth.SHAPES``) in ``engine``'s format, cached."""
+    spec = get_spec(name)
+    if quant == "default":
+        quant = DEFAULT_QUANT.get(engine)
+    if engine == "llamacpp":
+        from octo.synth.gguf import build_gguf
+
+        return build_gguf(spec, seed, quant or "f16")
+    if engine == "mlx":
+        from octo.synth.mlx import build_mlx
+
+        return build_mlx(spec, seed, quant)
+    if engine in ("onnx", "onnxruntime"):
+        from octo.synth.onnx import build_onnx
+
+        return build_onnx(spec, seed, quant or "int4")
+    if engine == "echo":
+        from octo.synth.hf import build_hf
+
+        return build_hf(spec, seed)
+    raise ValueError(f"no synthetic builder for engine '{engine}' (known: llamacpp, mlx, onnx, echo)")

@@ -1,0 +1,130 @@
+"""Start-up engine selection with fake engines of known speed (registered like any plugin engine)."""
+
+import time
+
+import pytest
+
+from octo.engine import Engine, Feed, ModelInfo, Task
+from octo.selection import artifact_digest, host_fingerprint, micro_benchmark, score, select
+
+LOADS: list[str] = []
+UNLOADS: list[str] = []
+
+
+class _Fake(Engine):
+    tasks = frozenset({Task.CHAT, Task.COMPLETION})
+    formats = frozenset({"fake"})
+    step_seconds = 0.001
+
+    def load(self, artifact, name):
+        LOADS.append(self.name)
+        self.info = ModelInfo(name=name, n_ctx=4096, eos_token_ids=frozenset({0}), n_vocab=100)
+        self.threads = 2
+        return self.info
+
+    def unload(self):
+        UNLOADS.append(self.name)
+        self.info = None
+
+    def tokenize(self, text, special=True):
+        return [1 + (ord(c) % 90) for c in text]
+
+    def step(self, feeds: list[Feed]):
+        # cost grows with tokens processed, and is cheaper per token in a batch (like a real engine)
+        time.sleep(self.step_seconds * (1 + 0.25 * (sum(len(f.tokens) for f in feeds) - 1) / 8))
+        for f in feeds:
+            f.seq.n_cached += len(f.tokens)
+        return [7 if f.sample else None for f in feeds]
+
+    def thread_counts(self):
+        return [2, 1]
+
+    def set_threads(self, n):
+        self.threads = n
+
+
+class Fast(_Fake):
+    name = "fast"
+    step_seconds = 0.001
+
+
+class Slow(_Fake):
+    name = "slow"
+    step_seconds = 0.004
+
+
+class Broken(_Fake):
+    name = "broken"
+    step_seconds = 0.0001
+
+    def step(self, feeds):
+        raise RuntimeError("kaboom")
+
+
+class Unloadable(_Fake):
+    name = "unloadable"
+
+    def load(self, artifact, name):
+        raise RuntimeError("corrupt file")
+
+
+def _load(cls, artifact):
+    e = cls()
+    e.load(artifact, "m")
+    return e
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    LOADS.clear()
+    UNLOADS.clear()
+    art = tmp_path / "model.bin"
+    art.write_bytes(b"x" * 1000)
+    return art
+
+
+def test_micro_benchmark_measures_everything(home):
+    r = micro_benchmark(_load(Fast, str(home)), seconds=0.6)
+    assert r["error"] is None and r["threads"] in (1, 2)
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["batch_decode_tok_s"] > r["decode_tok_s"]
+    assert r["score"] == score(r) > 0 and r["seconds"] < 2.0
+
+
+def test_picks_fastest_never_a_failed_one_and_unloads_losers(home):
+    cands = {n: (c, str(home)) for n, c in
+             [("slow", Slow), ("broken", Broken), ("fast", Fast), ("unloadable", Unloadable)]}
+    name, engine, results, reason = select(cands, _load, seconds=0.5, say=lambda m: None)
+    assert name == "fast" and engine.info is not None and isinstance(engine, Fast)
+    assert results["broken"]["error"].startswith("RuntimeError: kaboom") and results["broken"]["score"] == 0
+    assert results["unloadable"]["error"].startswith("load failed") and results["unloadable"]["score"] == 0
+    assert results["fast"]["score"] > results["slow"]["score"] > 0
+    assert LOADS.count("fast") == 1  # the winner is not loaded twice
+    assert "slow" in UNLOADS and "broken" in UNLOADS and "fast" not in UNLOADS
+    assert "fast" in reason
+
+
+def test_second_start_uses_cache_and_rebench_forces_a_run(home):
+    cands = {"slow": (Slow, str(home)), "fast": (Fast, str(home))}
+    select(cands, _load, seconds=0.4, say=lambda m: None)
+    LOADS.clear()
+    t0 = time.monotonic()
+    name, engine, results, _ = select(cands, _load, seconds=0.4, say=lambda m: None)
+    assert name == "fast" and all(r["cached"] for r in results.values())
+    assert LOADS == ["fast"] and time.monotonic() - t0 < 0.3  # nothing benchmarked, winner loaded once
+    LOADS.clear()
+    _, _, results, _ = select(cands, _load, seconds=0.4, rebench=True, say=lambda m: None)
+    assert not any(r["cached"] for r in results.values()) and sorted(LOADS) == ["fast", "slow"]
+
+
+def test_cache_key_changes_with_the_artifact(home):
+    d1 = artifact_digest(home)
+    home.write_bytes(b"y" * 1000)
+    assert artifact_digest(home) != d1
+    fp = host_fingerprint()
+    assert {"cpu", "cores", "memory_gb", "accelerator"} <= set(fp)
+
+
+def test_all_failing_raises(home):
+    with pytest.raises(RuntimeError, match="no candidate engine"):
+        select({"broken": (Broken, str(home))}, _load, seconds=0.2, say=lambda m: None)
