@@ -179,8 +179,15 @@ def _add_optional_commands() -> None:
     cli.add_command(pull)
 
 
+def _add_bench() -> None:
+    from octo.benchcmd import bench
+
+    cli.add_command(bench)
+
+
 def main() -> None:
     _add_optional_commands()
+    _add_bench()
     from octo.plugins import get_plugin_manager
 
     try:

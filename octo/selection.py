@@ -111,13 +111,13 @@ def score(result: dict[str, Any]) -> float:
     return round(s, 3)
 
 
-def _prompt(engine: Engine, n: int, salt: int = 0) -> list[int]:
+def bench_prompt(engine: Engine, n: int, salt: int = 0) -> list[int]:
     toks = engine.tokenize(f"[{salt}] " + _TEXT * (1 + n // 16), special=False)
     n_ctx = engine.info.n_ctx if engine.info else n + 64
     return toks[: max(8, min(n, n_ctx // 4))]
 
 
-def _decode(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int) -> tuple[int, float]:
+def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int) -> tuple[int, float]:
     """Greedy decode steps for all ``seqs`` until the deadline; returns (tokens, seconds)."""
     tokens, t0, steps = 0, time.perf_counter(), 0
     n_ctx = engine.info.n_ctx if engine.info else 1 << 30
@@ -130,7 +130,7 @@ def _decode(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: in
     return tokens, time.perf_counter() - t0
 
 
-def _start(engine: Engine, ids: list[int], prompts: list[list[int]]) -> list[Sequence]:
+def start_sequences(engine: Engine, ids: list[int], prompts: list[list[int]]) -> list[Sequence]:
     """Add sequences and prefill them (window engines: all prompts in one step)."""
     seqs = [Sequence(i, list(p), SamplingParams(temperature=0.0)) for i, p in zip(ids, prompts, strict=True)]
     for s in seqs:
@@ -161,13 +161,13 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
     live: list[Sequence] = []
     try:
         # warm-up: one short sequence, a few steps
-        live = _start(engine, [900_001], [_prompt(engine, 16, 1)])
-        _decode(engine, live, time.perf_counter() + seconds * 0.05, 3)
-        _free(engine, live)
+        live = start_sequences(engine, [900_001], [bench_prompt(engine, 16, 1)])
+        decode_steps(engine, live, time.perf_counter() + seconds * 0.05, 3)
+        free_sequences(engine, live)
         # prefill
-        prompt = _prompt(engine, PROMPT_TOKENS, 2)
+        prompt = bench_prompt(engine, PROMPT_TOKENS, 2)
         t0 = time.perf_counter()
-        live = _start(engine, [900_002], [prompt])
+        live = start_sequences(engine, [900_002], [prompt])
         result["prefill_tok_s"] = round(len(prompt) / (time.perf_counter() - t0), 2)
         # single-stream decode, per thread count
         threads = engine.thread_counts()
@@ -176,31 +176,31 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
             if n is not None:
                 engine.set_threads(n)
             share = 0.35 / max(1, len(threads))
-            toks, dt = _decode(engine, live, time.perf_counter() + seconds * share, 256)
+            toks, dt = decode_steps(engine, live, time.perf_counter() + seconds * share, 256)
             rate = toks / dt if dt > 0 else 0.0
             if best is None or rate > best[1]:
                 best = (n, rate)
         if best[0] is not None:
             engine.set_threads(best[0])
         result["threads"], result["decode_tok_s"] = best[0], round(best[1], 2)
-        _free(engine, live)
+        free_sequences(engine, live)
         # batched decode
-        live = _start(engine, list(range(900_010, 900_010 + BATCH)),
-                      [_prompt(engine, 32, 10 + i) for i in range(BATCH)])
+        live = start_sequences(engine, list(range(900_010, 900_010 + BATCH)),
+                      [bench_prompt(engine, 32, 10 + i) for i in range(BATCH)])
         remaining = max(seconds * 0.2, seconds - (time.perf_counter() - t_start))
-        toks, dt = _decode(engine, live, time.perf_counter() + remaining, 256)
+        toks, dt = decode_steps(engine, live, time.perf_counter() + remaining, 256)
         result["batch_decode_tok_s"] = round(toks / dt, 2) if dt > 0 else 0.0
     except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never raised
         log.warning("benchmark of %s failed: %s", engine.name, exc)
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        _free(engine, live)
+        free_sequences(engine, live)
     result["score"] = score(result)
     result["seconds"] = round(time.perf_counter() - t_start, 3)
     return result
 
 
-def _free(engine: Engine, seqs: list[Sequence]) -> None:
+def free_sequences(engine: Engine, seqs: list[Sequence]) -> None:
     for s in seqs:
         try:
             engine.remove_sequence(s)
