@@ -104,7 +104,7 @@ def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batc
     app = create_app(config, handle, rows, pm)
     # The event loop and the engine thread share the GIL; a short switch interval keeps the loop responsive
     # while an engine runs Python code (native engines release the GIL anyway).
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(0.001)
     asyncio.run(_serve(app, config, handle))
 
 

@@ -125,6 +125,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._sleeping = False
+        self._kick_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.max_depth = 0
         self.total_processed = 0
@@ -199,8 +200,16 @@ class Scheduler:
             self._pending.extend(jobs)
             if len(self._pending) > self.max_depth:
                 self.max_depth = len(self._pending)
-            if self._sleeping:  # the engine thread looks at the queue before it sleeps again
-                self._cv.notify()
+            if self._sleeping and not self._kick_scheduled:
+                # Wake the engine thread once per event-loop iteration, not once per request: requests that
+                # arrive together are admitted together, and a cross-thread wake-up is costly.
+                self._kick_scheduled = True
+                self._loop.call_soon(self._kick)
+
+    def _kick(self) -> None:
+        with self._cv:
+            self._kick_scheduled = False
+            self._cv.notify()
 
     def _retry_after(self) -> float:
         return min(self.queue_timeout, 1.0 + len(self._pending) / max(1, self.max_batch))
@@ -255,6 +264,8 @@ class Scheduler:
             "total_timeouts": self.total_timeouts,
             "total_cancelled": self.total_cancelled,
             "batching": self.engine.batching,
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
         }
 
     # -- engine thread -----------------------------------------------------------------------------
