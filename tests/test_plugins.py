@@ -75,3 +75,15 @@ def test_octo_engines_command_lists_all_engines():
     rows = json.loads(out.stdout)["data"]
     assert {"echo", "llamacpp", "mlx", "onnx", "whisper"} <= {r["name"] for r in rows}
     assert next(r for r in rows if r["name"] == "echo")["available"] is True
+
+
+def test_request_log_plugin_from_plugins_dir(tmp_path):
+    from serverproc import REPO
+
+    logfile = tmp_path / "requests.jsonl"
+    with run_octo("m", "--engine", "echo", "--plugins-dir", str(REPO / "plugins"),
+                  env={"OCTO_REQUEST_LOG": str(logfile)}) as server:
+        server.openai().chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    lines = [json.loads(line) for line in logfile.read_text().splitlines()]
+    chat = [entry for entry in lines if entry["path"] == "/v1/chat/completions"]
+    assert chat and chat[0]["status"] == 200 and chat[0]["method"] == "POST"
