@@ -139,20 +139,43 @@ def _print_table(rows: list[dict], columns: list[str]) -> None:
 
 @cli.command()
 @click.argument("model", required=False)
+@click.option("--engine", default=None, help="With MODEL: only this engine.")
+@click.option("--bench-seconds", default=3.0, show_default=True, type=click.FloatRange(0.2))
+@click.option("--rebench", is_flag=True, help="Ignore cached benchmark results.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (what GET /v1/engines returns).")
-def engines(model, as_json):
-    """List engines: available here or why not, tasks, formats (as GET /v1/engines)."""
-    from octo.loader import engine_rows
+def engines(model, engine, bench_seconds, rebench, as_json):
+    """List engines (available here or why not, tasks, formats); with MODEL, run the engine selection too.
+
+    `octo engines MODEL` shows what `octo serve MODEL` would choose and why, without serving.
+    """
+    from octo.loader import engine_rows, open_model
     from octo.plugins import engine_registry
 
-    rows = engine_rows(engine_registry())
+    out: dict = {"object": "list"}
+    if model:
+        config = ServerConfig(model=model, engine=engine, bench_seconds=bench_seconds, rebench=rebench)
+        try:
+            handle, rows = open_model(config, say=lambda m: click.echo(m, err=True))
+        except OctoError as err:
+            raise click.ClickException(err.message) from None
+        handle.stop()
+        out.update(active=handle.engine_name, model=handle.name, selection=handle.selection)
+    else:
+        rows = engine_rows(engine_registry())
+    out["data"] = rows
     if as_json:
-        click.echo(json.dumps({"object": "list", "data": rows}, indent=2))
+        click.echo(json.dumps(out, indent=2))
         return
+    table = []
     for r in rows:
-        r["tasks"] = ",".join(r["tasks"]) or None
-        r["formats"] = ",".join(r["formats"]) or None
-    _print_table(rows, ["name", "available", "version", "tasks", "formats", "batching", "reason"])
+        b = r.get("benchmark") or {}
+        table.append({**r, "tasks": ",".join(r["tasks"]) or None, "formats": ",".join(r["formats"]) or None,
+                      "score": b.get("score"), "decode_tok_s": b.get("decode_tok_s"),
+                      "reason": b.get("error") or r.get("reason")})
+    _print_table(table, ["name", "available", "active", "version", "tasks", "formats", "batching", "score",
+                         "decode_tok_s", "reason"])
+    if model:
+        click.echo(f"selection: {out['selection']['reason']}")
 
 
 @cli.command()

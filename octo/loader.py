@@ -95,10 +95,18 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
         have = ", ".join(sorted(resolved.artifacts)) or "none"
         raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
                           "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
-    paths = {}
+    paths, failed = {}, {}
     for name, artifact in candidates.items():
         say(f"octo: {resolved.name}: {name} artifact {artifact.uri}")
-        paths[name] = str(fetch(artifact))
+        try:
+            paths[name] = str(fetch(artifact))
+        except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others
+            failed[name] = f"artifact unavailable: {getattr(exc, 'message', None) or exc}"
+            say(f"octo: {name}: {failed[name]}")
+    candidates = {n: a for n, a in candidates.items() if n in paths}
+    if not candidates:
+        raise ConfigError(f"No engine could get an artifact for '{resolved.name}': "
+                          + "; ".join(f"{n}: {e}" for n, e in failed.items()))
     if len(candidates) == 1:
         (chosen,) = candidates
         engine = load_engine(registry[chosen], config, paths[chosen], resolved.name)
@@ -110,6 +118,10 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
             {n: (registry[n], paths[n]) for n in candidates},
             lambda cls, path: load_engine(cls, config, path, resolved.name),
             seconds=config.bench_seconds, rebench=config.rebench, say=say)
+    for name, err in failed.items():
+        results[name] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
+                         "score": 0.0, "cached": False, "seconds": None, "error": err}
     handle = ModelHandle(resolved.name, tuple(resolved.aliases), chosen, engine, paths[chosen],
-                         selection={"reason": reason, "candidates": sorted(candidates)}, benchmarks=results)
+                         selection={"reason": reason, "candidates": sorted([*candidates, *failed])},
+                         benchmarks=results)
     return handle, engine_rows(registry, chosen, results)

@@ -16,5 +16,5 @@ def synth_dir() -> Path:
 
 
 def bench_dir() -> Path:
-    """Cached start-up benchmark results."""
-    return octo_home() / "bench"
+    """Cached start-up benchmark results (``OCTO_BENCH_DIR`` overrides)."""
+    return Path(os.environ.get("OCTO_BENCH_DIR") or octo_home() / "bench")

@@ -76,8 +76,10 @@ def artifact_digest(path: str | Path) -> str:
 
 
 def cache_key(engine_cls: type[Engine], artifact: str) -> dict[str, Any]:
+    from octo import __version__
+
     return {"host": host_fingerprint(), "engine": engine_cls.name, "version": engine_cls.version(),
-            "artifact": artifact_digest(artifact)}
+            "octo": __version__, "artifact": artifact_digest(artifact)}
 
 
 def _cache_file(key: dict[str, Any]) -> Path:

@@ -1,0 +1,44 @@
+"""`octo serve demo`: synthetic models for every installed engine, auto-benchmark, served offline."""
+
+import json
+import urllib.request
+
+import pytest
+from serverproc import run_octo
+
+
+def engines_json(server):
+    return json.loads(urllib.request.urlopen(server.url("/v1/engines")).read())
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch):
+    # builds are cached under the test OCTO_HOME; the benchmark cache starts empty here
+    import os
+    home = os.environ["OCTO_HOME"]
+    return {"OCTO_HOME": home, "HF_HUB_OFFLINE": "1", "OCTO_BENCH_DIR": str(tmp_path / "bench")}
+
+
+def test_serve_demo_offline_benchmarks_then_uses_the_cache(fresh_home):
+    with run_octo("demo", "--bench-seconds", "1", env=fresh_home, timeout=600) as server:
+        first = engines_json(server)
+        r = server.openai().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=8)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    active = first["active"]
+    rows = {e["name"]: e for e in first["data"]}
+    candidates = first["selection"]["candidates"]
+    assert active in candidates and rows[active]["active"] is True
+    if len(candidates) > 1:  # with real engines installed, the winner has the best score and none failed won
+        bench = {n: rows[n]["benchmark"] for n in candidates}
+        assert all(b is not None and not b["cached"] for b in bench.values())
+        assert bench[active]["error"] is None
+        assert bench[active]["score"] == max(b["score"] for b in bench.values())
+        for b in bench.values():
+            assert set(b) >= {"prefill_tok_s", "decode_tok_s", "batch_decode_tok_s", "threads", "score", "cached",
+                              "seconds", "error"}
+        with run_octo("demo", "--bench-seconds", "1", env=fresh_home, timeout=600) as server:
+            second = engines_json(server)
+        assert second["active"] == active
+        assert all(e["benchmark"]["cached"] for e in second["data"] if e["name"] in candidates
+                   and not ((e["benchmark"] or {}).get("error") or "").startswith("artifact"))
