@@ -1,0 +1,344 @@
+"""The MLX engine (mlx-lm): Apple Silicon (Metal) and Linux with ``mlx[cpu]``.
+
+Loads an MLX model folder (``config.json``, ``*.safetensors``, tokenizer files; quantized folders included;
+Hugging Face safetensors folders load too, through mlx-lm's per-architecture ``sanitize``).
+
+How the shared scheduler's steps map onto mlx-lm (see :mod:`.batch`): a sequence's prompt chunks run through
+the model on its own mlx-lm prompt cache (``make_prompt_cache``); the chunk that samples processes all but
+its last token first, so the output layer only ever runs for one position. The sequence then joins the
+running decode batch, whose KV lives in mlx-lm's ``BatchKVCache`` (the continuous-batching core of
+``BatchGenerator``: ``merge``/``extend`` to join, ``filter`` to leave, ``extract`` to keep a row's KV); each
+step is one batched forward pass over every decoding sequence. ``BatchGenerator.next()`` itself is not
+called because it returns a sequence's first token only two calls after it joins and applies its own stop
+and length rules, while the scheduler needs the token in the step that asks for it.
+
+Prefix cache: ``kv_save`` snapshots a sequence's KV as an mlx-lm prompt cache (a list of ``KVCache``, sized
+in bytes for the shared index); ``kv_restore`` gives a new sequence the first ``n`` tokens of one (the
+``trim_prompt_cache`` operation, done by slicing so the saved entry stays intact).
+
+Options (``-o KEY=VALUE``): ``blas`` (``auto``, ``bundled`` or a library path; see :mod:`.runtime`),
+``dtype`` (``auto``: float parameters, quantization scales included, upcast to float32 on CPU; ``keep``; or
+``float32``/``float16``/``bfloat16``),
+``n_ctx`` (default: the model's ``max_position_embeddings``), ``penalty_last_n`` (default 64),
+``prefill_chunk`` (default 512).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from octo.engine import Detection, Engine, Feed, KVHandle, ModelInfo, Sequence, Task
+from octo.errors import ConfigError, EngineError
+from octo.hookspecs import hookimpl
+
+from . import runtime
+from .batch import DecodeBatch, cache_nbytes, copy_prompt_cache, prefix_view
+from .sampling import SAMPLING_PARAMS, RowSampler, sample_rows
+
+log = logging.getLogger("octo.engines.mlx")
+_OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int}
+_DTYPES = ("auto", "keep", "float32", "float16", "bfloat16")
+
+
+class _Slot:
+    """Per-sequence state: sampler, and its own prompt cache while it is outside the decode batch."""
+
+    __slots__ = ("sampler", "cache", "broken")
+
+    def __init__(self, sampler: RowSampler) -> None:
+        self.sampler = sampler
+        self.cache: list[Any] | None = None
+        self.broken = False
+
+
+class MLXEngine(Engine):
+    name = "mlx"
+    aliases = ("mlx-lm", "mlx_lm")
+    tasks = frozenset({Task.CHAT, Task.COMPLETION})
+    formats = frozenset({"mlx"})
+    batching = "continuous"
+    sampling_params = SAMPLING_PARAMS
+    prefill_chunk = 512
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        opts: dict[str, Any] = {}
+        for key, value in self.config.options.items():
+            if key not in _OPTIONS:
+                raise ConfigError(f"Unknown option '{key}' for engine mlx; known: {', '.join(_OPTIONS)}.", param=key)
+            try:
+                opts[key] = _OPTIONS[key](value)
+            except ValueError:
+                raise ConfigError(f"Option '{key}' must be an integer, got '{value}'.", param=key) from None
+            if _OPTIONS[key] is int and opts[key] <= 0:
+                raise ConfigError(f"Option '{key}' must be > 0.", param=key)
+        self.blas = opts.get("blas", "auto")
+        self.dtype = opts.get("dtype", "auto")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"Option 'dtype' must be one of {', '.join(_DTYPES)}, got '{self.dtype}'.", param="dtype")
+        self.n_ctx_option = opts.get("n_ctx")
+        self.penalty_last_n = opts.get("penalty_last_n", 64)
+        self.prefill_chunk = opts.get("prefill_chunk", type(self).prefill_chunk)
+        self.model = None
+        self.codec = None
+        self.batch: DecodeBatch | None = None
+
+    # -- discovery -------------------------------------------------------------------------------
+    @classmethod
+    def detect(cls) -> Detection:
+        try:
+            reason = runtime.unavailable_reason()
+            if reason:
+                return Detection(False, reason)
+            reason = f"mlx {cls.version()} on {runtime.device_description()}"
+            if sys.platform.startswith("linux"):
+                reason += f"; BLAS: {runtime.blas_hint()}"
+            return Detection(True, reason)
+        except Exception as exc:  # noqa: BLE001 - detect never raises
+            return Detection(False, f"MLX cannot be used here: {type(exc).__name__}: {exc}")
+
+    @classmethod
+    def version(cls) -> str:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as pkg_version
+
+        try:
+            return f"{pkg_version('mlx')}+mlx-lm.{pkg_version('mlx-lm')}"
+        except PackageNotFoundError:
+            return "0"
+
+    @classmethod
+    def artifact_format(cls, path: str) -> str | None:
+        p = Path(path)
+        if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+            return "mlx"
+        return None
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def load(self, artifact: str, name: str) -> ModelInfo:
+        reason = runtime.unavailable_reason()
+        if reason:
+            raise ConfigError(f"The mlx engine is unavailable: {reason}.")
+        path = self._resolve(artifact)
+        try:
+            mx = runtime.import_mlx(self.blas)
+        except OSError as exc:
+            raise ConfigError(f"Option 'blas': {exc}", param="blas") from None
+        from mlx.utils import tree_flatten, tree_map
+        from mlx_lm.utils import load as mlx_load
+
+        from .text import TextCodec
+
+        model, tokenizer, config = mlx_load(str(path), return_config=True)
+        compute = self._compute_dtype(mx)
+        if compute is not None:  # upcast float parameters (quantization scales included); packed weights stay
+            model.update(
+                tree_map(lambda p: p.astype(compute) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
+            )
+            mx.eval(model.parameters())
+        text_cfg = config.get("text_config") or {}
+        n_vocab = int(config.get("vocab_size") or text_cfg.get("vocab_size") or 0)
+        n_ctx_model = int(config.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or 4096)
+        self.model = model
+        self.codec = TextCodec(tokenizer, n_vocab)
+        self.batch = DecodeBatch(model)
+        quant = config.get("quantization")
+        dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
+        self.info = ModelInfo(
+            name=name,
+            n_ctx=min(self.n_ctx_option or n_ctx_model, n_ctx_model),
+            eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
+            n_vocab=n_vocab or self.codec.n_vocab,
+            extra={
+                "device": runtime.device_description(),
+                "blas": runtime.blas_in_use(),
+                "mlx": mx.__version__,
+                "mlx_lm": _pkg_version("mlx-lm"),
+                "model_type": config.get("model_type"),
+                "dtypes": dtypes,
+                "quantization": quant,
+                "batching": "mlx-lm BatchKVCache continuous batch, one batched forward per step",
+                "prefix_cache": "mlx-lm prompt caches (KVCache), trimmed on restore",
+                "prefill_chunk": self.prefill_chunk,
+                "penalty_last_n": self.penalty_last_n,
+            },
+        )
+        return self.info
+
+    def _compute_dtype(self, mx):
+        """``dtype=auto``: float32 on CPU, where MLX's bfloat16/float16 matmuls (and 4-bit matmuls with
+        bfloat16/float16 scales: 9x/45x) are much slower; the model's own dtypes on the GPU."""
+        if self.dtype == "keep" or (self.dtype == "auto" and mx.default_device().type != mx.DeviceType.cpu):
+            return None
+        return mx.float32 if self.dtype == "auto" else getattr(mx, self.dtype)
+
+    def _resolve(self, artifact: str) -> Path:
+        ref = artifact.removeprefix("hf://")
+        path = Path(ref).expanduser()
+        if path.exists():
+            if not self.artifact_format(str(path)):
+                raise ConfigError(f"'{artifact}' is not an MLX model folder (config.json and *.safetensors).")
+            return path
+        if ref.count("/") == 1 and not ref.startswith((".", "/")):  # a Hugging Face repository id
+            return _download(ref)
+        raise ConfigError(f"Model folder not found: '{artifact}'.")
+
+    def unload(self) -> None:
+        if self.batch is not None:
+            self.batch.clear()
+        self.model = self.codec = self.batch = None
+        self.info = None
+        try:
+            import mlx.core as mx
+
+            mx.clear_cache()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.codec.tokenize(text, special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.codec.token_bytes(token)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.codec.render_chat(messages, add_generation_prompt)
+
+    # -- sequences -------------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        seq.slot = _Slot(RowSampler(seq.sampling, self.info.n_vocab, self.penalty_last_n))
+        seq.n_cached = 0
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        if self.batch is not None and seq in self.batch:
+            try:
+                self.batch.leave(seq)
+            except Exception:  # noqa: BLE001 - a broken batch: drop it, its rows fail at their next step
+                log.exception("removing a sequence from the MLX decode batch failed; resetting the batch")
+                for other in self.batch.clear():
+                    if other.slot is not None:
+                        other.slot.broken = True
+        seq.slot = None
+
+    def step(self, feeds: list[Feed]) -> list[int | None]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        batch, model = self.batch, self.model
+        for f in feeds:
+            if f.seq.slot is None or f.seq.slot.broken:
+                raise EngineError(f"Sequence {f.seq.id} has no usable KV state (a previous step failed).")
+        decoding = {f.seq.id: i for i, f in enumerate(feeds) if f.sample and len(f.tokens) == 1 and f.seq in batch}
+        # A batch row without a one-token feed this step leaves the batch, keeping its KV.
+        for seq in [s for s in batch.rows if s.id not in decoding]:
+            seq.slot.cache = batch.leave(seq, keep=True)
+        for f in feeds:
+            f.seq.n_cached += len(f.tokens)
+        pending: list[tuple[list[int], Any]] = []
+        if batch.rows:
+            idx = [decoding[s.id] for s in batch.rows]
+            logits = batch.forward([feeds[i].tokens[0] for i in idx])
+            tokens = sample_rows(batch.rows, logits)
+            mx.async_eval(tokens)
+            pending.append((idx, tokens))
+        joining: list[Sequence] = []
+        for i, f in enumerate(feeds):
+            if f.seq.id in decoding:
+                continue
+            slot = f.seq.slot
+            if slot.cache is None:
+                slot.cache = make_prompt_cache(model)
+            toks = f.tokens
+            if f.sample and len(toks) > 1:  # the output layer runs for the last position only
+                model(mx.array(toks[:-1], dtype=mx.uint32)[None], cache=slot.cache)
+                toks = toks[-1:]
+            if not f.sample:
+                model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)
+                mx.async_eval([c.state for c in slot.cache])
+                continue
+            logits = model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)[:, -1, :]
+            tok = sample_rows([f.seq], logits)
+            mx.async_eval(tok)
+            pending.append(([i], tok))
+            joining.append(f.seq)
+        out: list[int | None] = [None] * len(feeds)
+        if pending:
+            mx.eval([t for _, t in pending])
+            for idx, tokens in pending:
+                for i, tok in zip(idx, tokens.tolist(), strict=True):
+                    out[i] = int(tok)
+        else:
+            mx.eval([[c.state for c in f.seq.slot.cache] for f in feeds if f.seq.slot.cache])
+        for seq in joining:
+            batch.join(seq, seq.slot.cache)
+            seq.slot.cache = None
+        return out
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def kv_save(self, seq: Sequence) -> KVHandle | None:
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        slot = seq.slot
+        if slot is None or slot.broken or seq.n_cached <= 0:
+            return None
+        in_batch = seq in self.batch
+        source = self.batch.cache if in_batch else slot.cache
+        # only plain KV caches can be cut to a shorter prefix (not sliding-window or recurrent state)
+        if not source or not all(type(c) in (KVCache, BatchKVCache) for c in source):
+            return None
+        cache = self.batch.snapshot(seq) if in_batch else copy_prompt_cache(source)
+        if cache[0].offset != seq.n_cached:
+            return None
+        mx.eval([(c.keys, c.values) for c in cache])
+        return KVHandle(tuple(seq.tokens[: seq.n_cached]), cache_nbytes(cache), cache)
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        if handle.data is None:
+            raise ValueError("the KV handle was freed")
+        n = min(n_tokens, len(handle.tokens))
+        if tuple(seq.tokens[:n]) != handle.tokens[:n]:
+            raise ValueError("cached prefix does not match the sequence")
+        seq.slot.cache = prefix_view(handle.data, n)
+        seq.n_cached = n
+
+    def kv_free(self, handle: KVHandle) -> None:
+        handle.data = None
+
+
+def _download(repo_id: str) -> Path:
+    """The files mlx-lm needs from a hub repository (``HF_ENDPOINT``, ``HF_HOME``, ``HF_HUB_OFFLINE`` read now:
+    huggingface_hub reads them once, at import)."""
+    from huggingface_hub import snapshot_download
+
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or str(Path(env.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
+    offline = env.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                cache_dir=cache,
+                endpoint=(env.get("HF_ENDPOINT") or "").rstrip("/") or None,
+                local_files_only=offline,
+                allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - hub errors: not found, offline, unreachable
+        raise ConfigError(f"Cannot fetch '{repo_id}' from the Hugging Face hub: {type(exc).__name__}: {exc}") from None
+
+
+def _pkg_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+@hookimpl
+def register_engines(register):
+    register(MLXEngine)

@@ -1,0 +1,117 @@
+"""Per-sequence sampling with mlx-lm's samplers and logits processors.
+
+Logits processors (``mlx_lm.sample_utils.make_logits_processors``): logit bias (OpenAI's -100 bans the token),
+repetition, presence and frequency penalties over the last ``penalty_last_n`` tokens (prompt included, as in
+llama.cpp). Then, as in ``mlx_lm.sample_utils.make_sampler``: top_p, min_p and top_k filters on the
+log-probabilities, and a categorical draw at ``temperature`` (0: argmax). The draw uses a per-sequence key
+derived from (seed, draw number), so a seeded sequence samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+
+from octo.engine import SamplingParams
+from octo.errors import InvalidRequest
+
+SAMPLING_PARAMS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+    }
+)
+_MASK64 = (1 << 64) - 1
+
+
+def _check(p: SamplingParams, n_vocab: int) -> None:
+    if p.temperature < 0 or not math.isfinite(p.temperature):
+        raise InvalidRequest("temperature must be >= 0.", param="temperature")
+    if not 0 <= p.top_p <= 1:
+        raise InvalidRequest("top_p must be between 0 and 1.", param="top_p")
+    if not 0 <= p.min_p <= 1:
+        raise InvalidRequest("min_p must be between 0 and 1.", param="min_p")
+    if p.top_k < 0:
+        raise InvalidRequest("top_k must be >= 0.", param="top_k")
+    if p.repetition_penalty <= 0:
+        raise InvalidRequest("repetition_penalty must be > 0.", param="repetition_penalty")
+    for tok in p.logit_bias:
+        if not 0 <= int(tok) < n_vocab:
+            raise InvalidRequest(
+                f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1}).", param="logit_bias"
+            )
+
+
+class RowSampler:
+    """Sampling state of one sequence: its logits processors, filters, temperature and key."""
+
+    def __init__(self, p: SamplingParams, n_vocab: int, penalty_last_n: int = 64) -> None:
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+        _check(p, n_vocab)
+        bias = {int(t): (-math.inf if b <= -100 else float(b)) for t, b in p.logit_bias.items()}
+        self.processors = make_logits_processors(
+            logit_bias=bias or None,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+            repetition_context_size=penalty_last_n,
+            presence_penalty=p.presence_penalty or None,
+            presence_context_size=penalty_last_n,
+            frequency_penalty=p.frequency_penalty or None,
+            frequency_context_size=penalty_last_n,
+        )
+        self.context = max(1, penalty_last_n)
+        self.temperature = p.temperature
+        top_k = 1 if p.top_p == 0 else p.top_k  # top_p 0 keeps only the most likely token
+        self.filters = []
+        if 0 < p.top_p < 1:
+            self.filters.append(lambda x, v=p.top_p: apply_top_p(x, v))
+        if p.min_p > 0:
+            self.filters.append(lambda x, v=p.min_p: apply_min_p(x, v))
+        if 0 < top_k < n_vocab:
+            self.filters.append(lambda x, v=top_k: apply_top_k(x, v))
+        self.seed = (p.seed if p.seed is not None else secrets.randbits(63)) & _MASK64
+        self.draws = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits: rows like this are sampled together in one call."""
+        return self.greedy and not self.processors
+
+    def __call__(self, logits, tokens: list[int], n: int):
+        """One token (a shape-(1,) array) from ``logits`` of shape (1, vocab) after ``tokens[:n]``."""
+        import mlx.core as mx
+
+        if self.processors and n > 0:
+            context = mx.array(tokens[max(0, n - self.context) : n])
+            for proc in self.processors:
+                logits = proc(context, logits)
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        for f in self.filters:
+            logprobs = f(logprobs)
+        key = mx.random.key((self.seed * 0x9E3779B97F4A7C15 + self.draws * 0xBF58476D1CE4E5B9 + 1) & _MASK64)
+        self.draws += 1
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
+
+
+def sample_rows(seqs: list, logits):
+    """Tokens (shape (B,)) for a batch of ``logits`` (B, vocab), one :class:`octo.engine.Sequence` per row
+    (its ``slot.sampler`` samples it; its tokens up to ``n_cached`` are the penalties' history)."""
+    import mlx.core as mx
+
+    if all(s.slot.sampler.plain_greedy for s in seqs):
+        return mx.argmax(logits, axis=-1)
+    rows = [seq.slot.sampler(logits[i : i + 1], seq.tokens, seq.n_cached) for i, seq in enumerate(seqs)]
+    return mx.concatenate(rows) if len(rows) > 1 else rows[0]

@@ -1,0 +1,148 @@
+"""`octo serve FOLDER --engine mlx` as a real process, driven by the official openai SDK: streaming equals
+non-streaming, batched requests equal single ones, the prefix cache hits on a shared system prompt, unsupported
+parameters are 400s naming them. Uses the tiny synthetic MLX folder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'octo[mlx]')")
+pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'octo[mlx]')")
+openai = pytest.importorskip("openai")
+
+from serverproc import run_octo  # noqa: E402
+
+SYSTEM = (
+    "You are a careful assistant. The old lighthouse stood at the edge of the harbor, and every evening "
+    "the keeper climbed the narrow stairs to light the lamp. Answer briefly and never forget the rocks."
+)
+QUESTIONS = ["What does the keeper do?", "Where are the rocks?", "Tell me about the harbor.", "Hello!"]
+
+
+@pytest.fixture(scope="module")
+def folder() -> str:
+    from octo.synth.mlx import build_mlx
+
+    return str(build_mlx("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    with run_octo(folder, "--engine", "mlx", "--max-batch", "4") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return server.openai().models.list().data[0].id
+
+
+def _get(server, path: str) -> dict:
+    with urllib.request.urlopen(server.url(path)) as r:
+        return json.loads(r.read())
+
+
+def _msgs(q: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+
+
+def test_engine_is_mlx(server):
+    body = _get(server, "/v1/engines")
+    rows = {r["name"]: r for r in body["data"]}
+    assert body["active"] == "mlx" and rows["mlx"]["active"] and rows["mlx"]["batching"] == "continuous"
+    assert "CPU" in rows["mlx"]["reason"] or "Metal" in rows["mlx"]["reason"]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 11}])
+def test_streaming_equals_non_streaming(server, model, sampling):
+    client = server.openai()
+    for kind in ("chat", "completion"):
+        if kind == "chat":
+            r = client.chat.completions.create(model=model, messages=_msgs(QUESTIONS[0]), max_tokens=24, **sampling)
+            full = r.choices[0].message.content
+            chunks = client.chat.completions.create(
+                model=model, messages=_msgs(QUESTIONS[0]), max_tokens=24, stream=True, **sampling
+            )
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            r = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, **sampling)
+            full = r.choices[0].text
+            chunks = client.completions.create(
+                model=model, prompt="The old lighthouse", max_tokens=24, stream=True, **sampling
+            )
+            streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert r.usage.completion_tokens > 0
+        assert streamed == full and full
+
+
+def test_concurrent_requests_equal_single(server, model):
+    client = server.openai()
+    single = [
+        client.chat.completions.create(model=model, messages=_msgs(q), max_tokens=20, temperature=0)
+        .choices[0]
+        .message.content
+        for q in QUESTIONS
+    ]
+
+    async def together():
+        aclient = server.async_openai()
+        rs = await asyncio.gather(
+            *(
+                aclient.chat.completions.create(model=model, messages=_msgs(q), max_tokens=20, temperature=0)
+                for q in QUESTIONS
+            )
+        )
+        return [r.choices[0].message.content for r in rs]
+
+    assert asyncio.run(together()) == single
+
+
+def test_prefix_cache_hit_on_shared_system_prompt(server, model, folder):
+    from octo.engines.mlx import MLXEngine
+    from test_mlx import Driver, chat_tokens  # the in-process engine gives the cache-miss reference
+
+    from octo.engine import EngineConfig
+
+    client = server.openai()
+    before = _get(server, "/v1/cache/stats")
+    client.chat.completions.create(
+        model=model, messages=_msgs("A first question about ships?"), max_tokens=8, temperature=0
+    )
+    r = client.chat.completions.create(
+        model=model, messages=_msgs("A second one, about the lamp."), max_tokens=24, temperature=0
+    )
+    after = _get(server, "/v1/cache/stats")
+    assert after["enabled"] and after["hits"] > before["hits"] and after["bytes"] > 0
+    assert r.usage.prompt_tokens_details.cached_tokens > 40
+
+    e = MLXEngine(EngineConfig())
+    e.load(folder, "tiny")
+    d = Driver(e)
+    seq = d.add(chat_tokens(e, "A second one, about the lamp.", SYSTEM), 24)
+    d.run()
+    want = [t for t in d.generated(seq) if t not in e.info.eos_token_ids]
+    assert r.choices[0].message.content == b"".join(e.token_bytes(t) for t in want).decode("utf-8", "replace")
+
+
+def test_unsupported_parameters_are_400(server, model):
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=_msgs("hi"), response_format={"type": "json_object"})
+    assert "response_format" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=_msgs("hi"), logit_bias={"999999": 5})
+    assert "logit_bias" in str(e.value)
+
+
+def test_stop_string_and_max_tokens(server, model):
+    client = server.openai()
+    full = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
