@@ -80,6 +80,8 @@ def inspect_path(path: Path) -> tuple[str, str, int | None]:
     if (path / "genai_config.json").is_file():
         cfg = _read_json(path / "genai_config.json")
         return "onnx", "chat", _int((cfg.get("model") or {}).get("context_length"))
+    if (path / "config.json").is_file() and _read_json(path / "config.json").get("model_type") == "whisper":
+        return "whisper", "transcription", None  # a transformers Whisper folder
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         cfg = _read_json(path / "config.json")
         ctx = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")

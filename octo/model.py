@@ -49,7 +49,10 @@ class ModelHandle:
 
     def matches(self, model: str | None) -> bool:
         """Whether a request's ``model`` field names this model (absent means the served one)."""
-        return not model or model == self.name or model in self.aliases
+        if not model or model == self.name or model in self.aliases:
+            return True
+        # OpenAI clients name their hosted models; accept those names for the matching task
+        return model == "whisper-1" and self.task == "transcription"
 
     def start(self, config: ServerConfig) -> None:
         cache = None

@@ -102,12 +102,15 @@ class Ticket(_Job):
 
 
 class _Call(_Job):
-    __slots__ = ("fn", "future")
+    __slots__ = ("fn", "future", "batch_key", "item")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[Engine], Any]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], batch_key: Any = None,
+                 item: Any = None) -> None:
         super().__init__(loop)
         self.fn = fn
         self.future: asyncio.Future = loop.create_future()
+        self.batch_key = batch_key  # calls with the same key queued together run as one fn(engine, items)
+        self.item = item
 
 
 class Scheduler:
@@ -126,6 +129,9 @@ class Scheduler:
         self._stopping = False
         self._sleeping = False
         self._kick_scheduled = False
+        self._outbox: list = []
+        self._out_lock = threading.Lock()
+        self._drain_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.max_depth = 0
         self.total_processed = 0
@@ -184,6 +190,16 @@ class Scheduler:
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread, through the admission queue (embeddings, audio)."""
         job = _Call(self._loop, fn)
+        self._enqueue([job])
+        await self.wait_admitted(job)
+        return await job.future
+
+    async def call_batch(self, key: Any, item: Any, fn: Callable[[Engine, list[Any], Callable], list[Any]]) -> Any:
+        """Like :meth:`call`, but calls with the same ``key`` waiting together at the head of the queue run
+        as one ``fn(engine, items, done)`` (at most ``max_batch`` items). ``fn`` returns one result per item,
+        an exception instance standing for that item's error; it may call ``done(index, result)`` to answer
+        an item before the others finish (transcriptions: ``Engine.transcribe_batch``)."""
+        job = _Call(self._loop, fn, key, item)
         self._enqueue([job])
         await self.wait_admitted(job)
         return await job.future
@@ -282,16 +298,34 @@ class Scheduler:
                 calls, admitted = self._admit_locked()
             for job in admitted + calls:
                 posts.append((_set_result, job.admitted, None))
-            for job in calls:
-                self._run_call(job, posts)
+            if calls and calls[0].batch_key is not None:
+                self._run_batch(calls, posts)
+            else:
+                for job in calls:
+                    self._run_call(job, posts)
             for t in admitted:
                 self._start(t, posts)
             if self._active:
                 self._step(posts)
             if posts:
-                self._loop.call_soon_threadsafe(_deliver, posts)
+                self._post(posts)
                 posts = []
         self._shutdown()
+
+    def _post(self, posts: list) -> None:
+        """Hand results to the event loop; one wake-up covers everything posted until the loop drains."""
+        with self._out_lock:
+            self._outbox.extend(posts)
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._out_lock:
+            posts, self._outbox = self._outbox, []
+            self._drain_scheduled = False
+        _deliver(posts)
 
     def _admit_locked(self) -> tuple[list[_Call], list[Ticket]]:
         calls: list[_Call] = []
@@ -307,6 +341,11 @@ class Scheduler:
                 self._pending.popleft()
                 job.state = "active"
                 calls.append(job)
+                while (job.batch_key is not None and self._pending and len(calls) < self.max_batch
+                       and isinstance(self._pending[0], _Call) and self._pending[0].batch_key == job.batch_key):
+                    nxt = self._pending.popleft()
+                    nxt.state = "active"
+                    calls.append(nxt)
                 break
             if len(self._active) + len(admitted) >= self.max_batch:
                 break
@@ -314,6 +353,24 @@ class Scheduler:
             job.state = "active"
             admitted.append(job)
         return calls, admitted
+
+    def _run_batch(self, jobs: list[_Call], posts: list) -> None:
+        self._post(posts[:])  # admissions now: an item answered early (below) must not wait for them
+        posts.clear()
+
+        def done(i: int, result: Any) -> None:  # the engine answers one item before the batch ends
+            self._post([_outcome(jobs[i].future, result)])
+
+        try:
+            results = list(jobs[0].fn(self.engine, [j.item for j in jobs], done))
+            if len(results) != len(jobs):
+                raise EngineError(f"batched call returned {len(results)} results for {len(jobs)} items")
+        except BaseException as exc:  # noqa: BLE001 - the error goes to every caller still waiting
+            results = [exc] * len(jobs)
+        for job, result in zip(jobs, results, strict=True):
+            posts.append(_outcome(job.future, result))  # no-op for futures already answered by done()
+            job.state = "done"
+            self.total_processed += 1
 
     def _run_call(self, job: _Call, posts: list) -> None:
         try:
@@ -471,6 +528,12 @@ def _as_octo_error(exc: BaseException) -> OctoError:
 
 def _put(queue: asyncio.Queue, item: Any) -> None:
     queue.put_nowait(item)
+
+
+def _outcome(fut: asyncio.Future, result: Any) -> tuple:
+    if isinstance(result, BaseException):
+        return (_set_exception, fut, _as_octo_error(result))
+    return (_set_result, fut, result)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -12,6 +12,10 @@ DEFAULT_QUANT = {"llamacpp": "f16", "mlx": None, "onnx": "int4"}
 
 def build_for(name: str, engine: str, quant: str | None = "default", seed: int = 0) -> Path:
     """The synthetic model ``name`` (a shape from ``octo.synth.SHAPES``) in ``engine``'s format, cached."""
+    if engine == "whisper":
+        from octo.synth.whisper import build_whisper
+
+        return build_whisper(name.removeprefix("whisper-"), seed)
     spec = get_spec(name)
     if quant == "default":
         quant = DEFAULT_QUANT.get(engine)

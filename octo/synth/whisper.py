@@ -1,0 +1,207 @@
+"""Synthetic Whisper checkpoints in openai-whisper's own ``.pt`` format, random weights from a fixed seed.
+
+The file is what ``whisper.load_model(path)`` reads: ``torch.save({"dims": {...}, "model_state_dict": {...}})``
+with ``dims`` a plain dict of :class:`whisper.model.ModelDimensions` fields (as in OpenAI's published
+checkpoints, which also store the weights as float16). Shapes:
+
+- ``tiny`` / ``tiny.en``: the real whisper-tiny dimensions (39 M parameters), for benchmarks;
+- ``test`` / ``test.en``: a small model for tests. Whisper fixes some dimensions: 80 mel bins, an audio
+  context of 1500 frames (30 s of audio after the stride-2 convolution) and the tokenizer's vocabulary
+  (51865 multilingual, 51864 English-only); only widths, heads and layers shrink.
+
+Random weights produce random text; callers bound decoding (the engine's ``max_new_tokens`` option).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from octo.paths import synth_dir
+
+_BASE = dict(n_mels=80, n_audio_ctx=1500, n_text_ctx=448)
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        _BASE,
+        n_vocab=51865,
+        n_audio_state=384,
+        n_audio_head=6,
+        n_audio_layer=4,
+        n_text_state=384,
+        n_text_head=6,
+        n_text_layer=4,
+    ),
+    "test": dict(
+        _BASE,
+        n_vocab=51865,
+        n_audio_state=64,
+        n_audio_head=2,
+        n_audio_layer=2,
+        n_text_state=64,
+        n_text_head=2,
+        n_text_layer=2,
+    ),
+}
+SHAPES["tiny.en"] = dict(SHAPES["tiny"], n_vocab=51864)
+SHAPES["test.en"] = dict(SHAPES["test"], n_vocab=51864)
+
+
+def default_path(shape: str, seed: int = 0) -> Path:
+    return synth_dir() / f"whisper-{shape}-s{seed}" / "whisper" / "model.pt"
+
+
+def build_whisper(shape: str = "test", seed: int = 0, out: str | Path | None = None) -> Path:
+    """Build (or reuse) the checkpoint for ``shape`` and ``seed``; returns its path."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown whisper shape {shape!r}; known shapes: {', '.join(SHAPES)}")
+    path = Path(out) if out is not None else default_path(shape, seed)
+    if path.is_file():
+        return path
+
+    import torch
+    from whisper.model import ModelDimensions, Whisper
+
+    dims = ModelDimensions(**SHAPES[shape])
+    gen = torch.Generator().manual_seed(seed)
+    model = Whisper(dims)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "encoder.positional_embedding":  # fixed sinusoids, as in the real model
+            value = tensor
+        elif name.endswith(("ln.weight", "ln_post.weight")):
+            value = 1.0 + 0.02 * torch.randn(tensor.shape, generator=gen)
+        elif name.endswith(".bias"):
+            value = 0.02 * torch.randn(tensor.shape, generator=gen)
+        else:  # weights: small normal, scaled by fan-in so activations stay O(1)
+            fan_in = tensor[0].numel() if tensor.dim() > 1 else tensor.numel()
+            std = 0.02 if "embedding" in name else fan_in**-0.5
+            value = std * torch.randn(tensor.shape, generator=gen)
+        state[name] = value.to(torch.float16).contiguous()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        torch.save({"dims": dims.__dict__.copy(), "model_state_dict": state}, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# -- speech for tests and benchmarks ---------------------------------------------------------------
+AUDIO_CODECS = {  # container -> ffmpeg output arguments
+    "wav": [],
+    "mp3": ["-c:a", "libmp3lame", "-q:a", "4"],
+    "m4a": ["-c:a", "aac", "-b:a", "64k"],  # moov atom at the end: ffmpeg must seek to read it
+    "ogg": ["-c:a", "libvorbis"],
+    "flac": ["-c:a", "flac"],
+    "webm": ["-c:a", "libopus"],
+}
+
+
+def speech(text: str, out: str | Path, voice: str = "en", speed: int = 160) -> Path:
+    """A WAV file of ``text`` spoken by espeak-ng (22.05 kHz mono); needs ``espeak-ng`` on PATH."""
+    import subprocess
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["espeak-ng", "-v", voice, "-s", str(speed), "-w", str(out), text], check=True, capture_output=True)
+    return out
+
+
+def encode(src: str | Path, fmt: str, out: str | Path | None = None) -> Path:
+    """``src`` re-encoded by ffmpeg into container ``fmt`` (one of :data:`AUDIO_CODECS`)."""
+    import subprocess
+
+    src = Path(src)
+    out = Path(out) if out is not None else src.with_suffix("." + fmt)
+    if out.resolve() == src.resolve():
+        raise ValueError(f"encode: {src} is already a .{fmt} file; give another output path")
+    subprocess.run(
+        ["ffmpeg", "-y", "-nostdin", "-loglevel", "error", "-i", str(src), *AUDIO_CODECS[fmt], str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+# -- the same weights in Hugging Face transformers layout (openai/whisper-* on the hub) -------------
+_TO_HF = [
+    ("encoder.positional_embedding", "encoder.embed_positions.weight"),
+    ("decoder.positional_embedding", "decoder.embed_positions.weight"),
+    ("decoder.token_embedding.", "decoder.embed_tokens."),
+    ("encoder.ln_post.", "encoder.layer_norm."),
+    ("decoder.ln.", "decoder.layer_norm."),
+    (".blocks.", ".layers."),
+    (".attn_ln.", ".self_attn_layer_norm."),
+    (".cross_attn_ln.", ".encoder_attn_layer_norm."),
+    (".attn.", ".self_attn."),
+    (".cross_attn.", ".encoder_attn."),
+    (".mlp_ln.", ".final_layer_norm."),
+    (".mlp.0.", ".fc1."),
+    (".mlp.2.", ".fc2."),
+    (".query.", ".q_proj."),
+    (".key.", ".k_proj."),
+    (".value.", ".v_proj."),
+    (".out.", ".out_proj."),
+]
+
+
+def hf_name(name: str) -> str:
+    for a, b in _TO_HF:
+        name = name.replace(a, b)
+    return "model." + name
+
+
+def build_whisper_hf(shape: str = "test", seed: int = 0, out: str | Path | None = None) -> Path:
+    """The checkpoint of :func:`build_whisper` as a transformers folder (config.json + model.safetensors)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(out) if out is not None else synth_dir() / f"whisper-{shape}-s{seed}" / "hf"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    ckpt = torch.load(build_whisper(shape, seed), map_location="cpu", weights_only=True)
+    d = ckpt["dims"]
+    tensors = {hf_name(k): v.contiguous() for k, v in ckpt["model_state_dict"].items()}
+    multilingual = d["n_vocab"] >= 51865
+    eot = 50257 if multilingual else 50256
+    config = {
+        "architectures": ["WhisperForConditionalGeneration"],
+        "model_type": "whisper",
+        "d_model": d["n_audio_state"],
+        "encoder_layers": d["n_audio_layer"],
+        "encoder_attention_heads": d["n_audio_head"],
+        "decoder_layers": d["n_text_layer"],
+        "decoder_attention_heads": d["n_text_head"],
+        "encoder_ffn_dim": 4 * d["n_audio_state"],
+        "decoder_ffn_dim": 4 * d["n_text_state"],
+        "num_mel_bins": d["n_mels"],
+        "max_source_positions": d["n_audio_ctx"],
+        "max_target_positions": d["n_text_ctx"],
+        "vocab_size": d["n_vocab"],
+        "activation_function": "gelu",
+        "scale_embedding": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float16",
+        "pad_token_id": eot,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "decoder_start_token_id": eot + 1,
+    }
+    heads = [
+        [layer, head] for layer in range(d["n_text_layer"] // 2, d["n_text_layer"]) for head in range(d["n_text_head"])
+    ]
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({"alignment_heads": heads}, indent=2))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder
