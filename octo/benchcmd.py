@@ -73,7 +73,7 @@ def _artifacts(model: str | None, shape: str | None, engines: list[str], quant: 
     from octo.plugins import engine_registry
 
     reg = engine_registry()
-    resolved = load_catalog().resolve(model, {n: c.formats for n, c in reg.items()})
+    resolved = load_catalog().resolve(model, {c.name: c.formats for c in reg.values()})
     return {e: str(fetch(a)) for e, a in resolved.artifacts.items() if e in engines}
 
 

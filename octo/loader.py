@@ -74,7 +74,7 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
     from octo.catalog import load_catalog
     from octo.download import fetch
 
-    formats = {n: c.formats for n, c in registry.items()}
+    formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
     resolved = load_catalog().resolve(config.model, formats)
     usable = {e: a for e, a in resolved.artifacts.items() if e in registry and registry[e].detect().available}
     if engine_name is not None:

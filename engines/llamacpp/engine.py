@@ -1,0 +1,491 @@
+"""The llama.cpp engine: continuous batching over llama-cpp-python's low-level API.
+
+One ``llama_context`` holds every active sequence (``n_seq_max = max_batch``, one llama.cpp sequence id per
+request, a unified KV pool by default). Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and
+decode tokens) into one ``llama_batch`` and runs a single ``llama_decode``; each sequence then samples from its
+own logits row with its own native sampler chain. The prefix cache keeps per-sequence KV snapshots
+(``llama_state_seq_get_data``) in RAM and restores them into a new sequence id (``llama_state_seq_set_data``),
+truncated to the matched prefix with ``llama_memory_seq_rm``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from octo.engine import (
+    Detection,
+    Embeddings,
+    Engine,
+    EngineConfig,
+    Feed,
+    KVHandle,
+    ModelInfo,
+    Sequence,
+    Task,
+)
+from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, Overloaded
+
+from .grammar import grammar_for
+from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores
+from .sampling import SamplerChain
+from .template import ChatTemplate
+
+log = logging.getLogger("octo.engines.llamacpp")
+
+POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+FLASH = {"auto": -1, "off": 0, "on": 1}
+# A GGUF without a chat template gets ChatML, as llama-server does.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass
+class Slot:
+    seq_id: int
+    chain: SamplerChain | None
+
+
+class LlamaCppEngine(Engine):
+    name: ClassVar[str] = "llamacpp"
+    aliases: ClassVar[tuple[str, ...]] = ("llama.cpp", "llama-cpp", "llama_cpp")
+    tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
+    formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
+    batching: ClassVar[str] = "continuous"
+    sampling_params: ClassVar[frozenset[str]] = frozenset(
+        {
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "grammar",
+            "json_schema",
+        }
+    )
+    prefill_chunk: ClassVar[int] = 256
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        super().__init__(config)
+        self.opts = parse_options(self.config.options)
+        if self.config.max_batch < 1:
+            raise ConfigError("max_batch must be >= 1", param="max_batch")
+        self.prefill_chunk = self.opts.get("prefill_chunk", type(self).prefill_chunk)
+        self.model = self.ctx = self.mem = self.vocab = None
+        self._L: Any = None
+
+    # -- discovery ---------------------------------------------------------------------------------
+    @classmethod
+    def detect(cls) -> Detection:
+        try:
+            import llama_cpp
+        except Exception as e:  # ImportError, or a broken shared library (OSError)
+            return Detection(
+                False, f"llama-cpp-python is not installed ({e.__class__.__name__}: {e}); pip install 'octo[llamacpp]'"
+            )
+        gpu = llama_cpp.llama_supports_gpu_offload()
+        return Detection(True, f"llama-cpp-python {llama_cpp.__version__} ({'GPU offload' if gpu else 'CPU'})")
+
+    @classmethod
+    def version(cls) -> str:
+        try:
+            import llama_cpp
+
+            return llama_cpp.__version__
+        except Exception:
+            return "0"
+
+    @classmethod
+    def artifact_format(cls, path: str) -> str | None:
+        try:
+            with open(path, "rb") as f:
+                return "gguf" if f.read(4) == GGUF_MAGIC else None
+        except OSError:
+            return None
+
+    # -- life cycle --------------------------------------------------------------------------------
+    def load(self, artifact: str, name: str) -> ModelInfo:
+        import llama_cpp as L
+
+        self._L = L
+        path = check_gguf(artifact)
+        LogTap.install()
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        if "n_gpu_layers" in self.opts:  # else llama.cpp's default: everything on a GPU backend if there is one
+            mp.n_gpu_layers = self.opts["n_gpu_layers"]
+        mp.use_mmap = self.opts.get("use_mmap", True)
+        LogTap.recent.clear()
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise ConfigError(
+                f"llama.cpp could not load {artifact} (corrupt or truncated GGUF, or an "
+                f"unsupported architecture): {LogTap.tail() or 'no details'}"
+            )
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.metadata = self._metadata()
+        arch = self.metadata.get("general.architecture", "?")
+        pooling = int(self.metadata.get(f"{arch}.pooling_type", "-1"))
+        self.is_embedding = pooling > 0
+        try:
+            self._make_context(pooling)
+        except BaseException:
+            self.unload()
+            raise
+        eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._tok_buf = (L.llama_token * 4096)()
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
+        self.bos = L.llama_vocab_bos(self.vocab)
+        tmpl = L.llama_model_chat_template(self.model, None)
+        self.template_source = "gguf" if tmpl else "chatml (default: no tokenizer.chat_template)"
+        self.template = ChatTemplate(
+            tmpl.decode() if tmpl else CHATML, self._text(self.bos), self._text(L.llama_vocab_eos(self.vocab))
+        )
+        ftype = L.llama_ftype_name(L.llama_model_ftype(self.model))
+        self.info = ModelInfo(
+            name=name,
+            n_ctx=self.n_ctx_seq,
+            eos_token_ids=eog,
+            n_vocab=self.n_vocab,
+            embedding_dim=L.llama_model_n_embd_out(self.model) if self.is_embedding else 0,
+            tasks=frozenset({Task.EMBEDDINGS}) if self.is_embedding else frozenset({Task.CHAT, Task.COMPLETION}),
+            extra={
+                "backend": f"llama-cpp-python {L.__version__}",
+                "architecture": arch,
+                "file_type": ftype.decode() if ftype else self.metadata.get("general.file_type"),
+                "n_params": L.llama_model_n_params(self.model),
+                "size_bytes": L.llama_model_size(self.model),
+                "threads": self.n_threads,
+                "threads_batch": self.n_threads_batch,
+                "n_ctx_train": L.llama_model_n_ctx_train(self.model),
+                "n_ctx_per_seq": self.n_ctx_seq,
+                "kv_cells": L.llama_n_ctx(self.ctx),
+                "kv_unified": self.kv_unified,
+                "n_seq_max": L.llama_n_seq_max(self.ctx),
+                "n_batch": self.n_batch,
+                "n_ubatch": L.llama_n_ubatch(self.ctx),
+                "prefill_chunk": self.prefill_chunk,
+                "flash_attn": self.opts.get("flash_attn", "auto"),
+                "tasks": ["embeddings"] if self.is_embedding else ["chat", "completion"],
+                "pooling": POOLING_NAMES.get(pooling, "none") if self.is_embedding else None,
+                "chat_template": self.template_source,
+                "prefix_cache": "llama_state_seq snapshots",
+            },
+        )
+        return self.info
+
+    def _make_context(self, pooling: int) -> None:
+        L = self._L
+        n_ctx_train = L.llama_model_n_ctx_train(self.model)
+        n_ctx = self.opts.get("n_ctx", n_ctx_train)
+        self.n_threads = self.opts.get("n_threads", physical_cores())
+        self.n_threads_batch = self.opts.get("n_threads_batch", self.n_threads)
+        self.kv_unified = self.opts.get("kv_unified", True)
+        max_batch = self.config.max_batch
+        if max_batch > L.llama_max_parallel_sequences():
+            raise ConfigError(
+                f"max_batch {max_batch} exceeds llama.cpp's {L.llama_max_parallel_sequences()} parallel sequences",
+                param="max_batch",
+            )
+        cp = L.llama_context_default_params()
+        if self.is_embedding:  # a whole input must fit one micro-batch (non-causal attention needs it)
+            self.n_batch = self.opts.get("n_batch", n_ctx)
+            cp.n_ubatch = self.opts.get("n_ubatch", self.n_batch)
+            cp.embeddings = True
+            cp.pooling_type = pooling
+        else:
+            self.n_batch = self.opts.get("n_batch", max(512, max_batch + self.prefill_chunk))
+            cp.n_ubatch = self.opts.get("n_ubatch", min(self.n_batch, 512))
+        if self.n_batch < max_batch + self.prefill_chunk and not self.is_embedding:
+            raise ConfigError(
+                f"n_batch ({self.n_batch}) must hold max_batch + prefill_chunk ({max_batch} + {self.prefill_chunk})",
+                param="n_batch",
+            )
+        # Unified: one pool of KV cells shared by all sequences, each of which may grow to n_ctx; by default
+        # room for max_batch full sequences, capped at the model's trained context (or n_ctx if larger).
+        # Separate streams: each sequence gets n_ctx cells of its own.
+        if self.kv_unified:
+            cells = self.opts.get("kv_cells", min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))
+            if cells < n_ctx:
+                raise ConfigError(f"kv_cells ({cells}) must be >= n_ctx ({n_ctx})", param="kv_cells")
+        else:
+            if "kv_cells" in self.opts:
+                raise ConfigError("kv_cells applies to a unified KV pool (kv_unified=true)", param="kv_cells")
+            cells = n_ctx * max_batch
+        cp.n_ctx = cells
+        cp.n_batch = self.n_batch
+        cp.n_seq_max = max_batch
+        cp.kv_unified = self.kv_unified
+        cp.n_threads = self.n_threads
+        cp.n_threads_batch = self.n_threads_batch
+        cp.flash_attn_type = FLASH[self.opts.get("flash_attn", "auto")]
+        cp.no_perf = True
+        LogTap.recent.clear()
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise ConfigError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {LogTap.tail()}")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.n_ctx_seq = min(n_ctx, L.llama_n_ctx_seq(self.ctx))
+        self.batch = Batch(self.n_batch)
+        self.free_ids = list(range(max_batch - 1, -1, -1))
+        self.active: dict[int, Sequence] = {}
+        self.kv_cells = L.llama_n_ctx(self.ctx)
+
+    def thread_counts(self) -> list[int]:
+        """Current threads first, then one fewer: on a busy 2-core host 1 thread can beat 2 (issue 3)."""
+        if "n_threads" in self.opts or self.n_threads <= 1:
+            return []  # the user chose, or nothing to try
+        return [self.n_threads, self.n_threads - 1]
+
+    def set_threads(self, n: int) -> None:
+        self.n_threads = self.n_threads_batch = n
+        self._L.llama_set_n_threads(self.ctx, n, n)
+        if self.info is not None:
+            self.info.extra.update(threads=n, threads_batch=n)
+
+    def unload(self) -> None:
+        L = self._L
+        if L is not None:
+            if self.ctx:
+                L.llama_free(self.ctx)
+            if self.model:
+                L.llama_model_free(self.model)
+        self.ctx = self.model = self.mem = self.vocab = None
+        super().unload()
+
+    def _metadata(self) -> dict[str, str]:
+        L = self._L
+        out = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(L.llama_model_meta_count(self.model)):
+            if L.llama_model_meta_key_by_index(self.model, i, buf, len(buf)) < 0:
+                continue
+            key = buf.value.decode("utf-8", "replace")
+            if L.llama_model_meta_val_str_by_index(self.model, i, buf, len(buf)) >= 0:
+                out[key] = buf.value.decode("utf-8", "replace")
+        return out
+
+    # -- text --------------------------------------------------------------------------------------
+    def _text(self, token: int) -> str | None:
+        if token < 0:
+            return None
+        raw = self._L.llama_vocab_get_text(self.vocab, token)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """llama.cpp's tokenizer (``llama_tokenize``) with the model's BOS/EOS rule; no doubled BOS when the
+        text (e.g. a rendered chat template) already starts with it."""
+        L = self._L
+        data = text.encode("utf-8")
+        n = L.llama_tokenize(self.vocab, data, len(data), self._tok_buf, len(self._tok_buf), True, special)
+        if n < 0:
+            self._tok_buf = (L.llama_token * (-n + 16))()
+            n = L.llama_tokenize(self.vocab, data, len(data), self._tok_buf, len(self._tok_buf), True, special)
+        tokens = self._tok_buf[:n]
+        if self.add_bos and len(tokens) > 1 and tokens[0] == self.bos and tokens[1] == self.bos:
+            tokens = tokens[1:]
+        return tokens
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = self._piece_buf
+            n = self._L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages, add_generation_prompt)
+
+    # -- generation --------------------------------------------------------------------------------
+    def _require_generative(self) -> None:
+        if self.is_embedding:
+            raise InvalidRequest(f"Model '{self.info.name}' is an embedding model; use /v1/embeddings.", param="model")
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self._require_generative()
+        if len(seq.tokens) >= self.n_ctx_seq:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.n_ctx_seq} tokens; the prompt has "
+                f"{len(seq.tokens)} tokens.",
+                param="messages",
+            )
+        if not self.free_ids:
+            raise EngineError(f"All {self.config.max_batch} llama.cpp sequence slots are in use.")
+        if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences
+            used = sum(s.n_cached for s in self.active.values())
+            if used + len(seq.tokens) + 1 > self.kv_cells:
+                raise Overloaded(
+                    f"The KV cache is full ({used} of {self.kv_cells} cells in use by {len(self.active)} "
+                    f"sequences); retry shortly.",
+                    headers={"Retry-After": "2"},
+                )
+        p = seq.sampling
+        gbnf = grammar_for(p.grammar, p.json_schema)
+        chain = SamplerChain(self.vocab, self.n_vocab, p, gbnf, self.opts.get("penalty_last_n", 64), seq.tokens)
+        seq_id = self.free_ids.pop()
+        self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        seq.slot = Slot(seq_id, chain)
+        seq.n_cached = 0
+        self.active[seq_id] = seq
+
+    def step(self, feeds: list[Feed]) -> list[int | None]:
+        if not feeds:
+            return []
+        b = self.batch
+        n = 0
+        outputs: list[int] = []
+        for f in feeds:
+            k = len(f.tokens)
+            if f.seq.n_cached + k > self.n_ctx_seq:
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {self.n_ctx_seq} tokens; sequence {f.seq.id} "
+                    f"would reach {f.seq.n_cached + k}.",
+                    param="max_tokens",
+                )
+            if n + k > b.capacity:
+                raise EngineError(f"step of more than n_batch={b.capacity} tokens")
+            b.token[n : n + k] = f.tokens
+            b.pos[n : n + k] = range(f.seq.n_cached, f.seq.n_cached + k)
+            b.seq[n : n + k] = f.seq.slot.seq_id
+            b.logits[n : n + k] = 0
+            if f.sample and k:
+                b.logits[n + k - 1] = 1
+            n += k
+            outputs.append(n - 1 if f.sample and k else -1)
+        b.struct.n_tokens = n
+        rc = self._L.llama_decode(self.ctx, b.struct)
+        if rc != 0:
+            self._decode_failed(rc, feeds)
+        result: list[int | None] = []
+        for f, idx in zip(feeds, outputs, strict=True):
+            f.seq.n_cached += len(f.tokens)
+            result.append(f.seq.slot.chain.sample(self.ctx, idx) if idx >= 0 else None)
+        return result
+
+    def _decode_failed(self, rc: int, feeds: list[Feed]) -> None:
+        if rc == 1:  # no KV slot: the memory state was restored, nothing was consumed
+            used = sum(f.seq.n_cached for f in feeds)
+            raise EngineError(
+                f"llama.cpp's KV cache is full ({self._L.llama_n_ctx(self.ctx)} cells shared by "
+                f"{len(feeds)} sequences holding {used} tokens); lower --max-batch or raise "
+                "-o n_ctx."
+            )
+        # A fatal error may leave part of the batch in memory: drop what each sequence added.
+        for f in feeds:
+            self._L.llama_memory_seq_rm(self.mem, f.seq.slot.seq_id, f.seq.n_cached, -1)
+        raise EngineError(f"llama_decode failed with code {rc}: {LogTap.tail()}")
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        slot: Slot | None = seq.slot
+        if slot is None:
+            return
+        self._L.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        if slot.chain is not None:
+            slot.chain.close()
+        self.free_ids.append(slot.seq_id)
+        self.active.pop(slot.seq_id, None)
+        seq.slot = None
+
+    # -- prefix cache ------------------------------------------------------------------------------
+    def kv_save(self, seq: Sequence) -> KVHandle | None:
+        slot: Slot | None = seq.slot
+        if slot is None or seq.n_cached <= 0 or self.is_embedding:
+            return None
+        L = self._L
+        size = L.llama_state_seq_get_size(self.ctx, slot.seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        written = L.llama_state_seq_get_data(self.ctx, buf, size, slot.seq_id)
+        if written == 0:
+            return None
+        return KVHandle(tokens=tuple(seq.tokens[: seq.n_cached]), nbytes=written, data=(buf, written))
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        """Load the snapshot into ``seq``'s sequence id and cut it to ``n_tokens`` (at least one prompt token
+        is always left to feed, so the next step has logits to sample from). On failure ``n_cached`` stays 0."""
+        L = self._L
+        slot: Slot = seq.slot
+        n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
+        if n_tokens <= 0:
+            return
+        buf, size = handle.data
+        if L.llama_state_seq_set_data(self.ctx, buf, size, slot.seq_id) == 0:
+            log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
+            L.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            return
+        if not L.llama_memory_seq_rm(self.mem, slot.seq_id, n_tokens, -1):
+            L.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            return
+        seq.n_cached = n_tokens
+
+    def kv_free(self, handle: KVHandle) -> None:
+        handle.data = None  # the ctypes buffer is released with the last reference
+
+    # -- embeddings --------------------------------------------------------------------------------
+    def embed(self, texts: list[str]) -> Embeddings:
+        if not self.is_embedding:
+            raise InvalidRequest(
+                f"Model '{self.info.name}' is not an embedding model (its GGUF has no pooling_type).", param="model"
+            )
+        import numpy as np
+
+        L = self._L
+        inputs = [self.tokenize(t, special=False) for t in texts]
+        for i, toks in enumerate(inputs):
+            if not toks:
+                raise InvalidRequest(f"Input {i} is empty.", param="input")
+            if len(toks) > min(self.n_ctx_seq, self.n_batch):
+                raise ContextLengthExceeded(
+                    f"This model's maximum context length is {min(self.n_ctx_seq, self.n_batch)} tokens; "
+                    f"input {i} has {len(toks)} tokens.",
+                    param="input",
+                )
+        n_embd = self.info.embedding_dim
+        vectors: list[list[float]] = [[] for _ in texts]
+        b, start = self.batch, 0
+        while start < len(inputs):  # pack as many inputs as fit one llama_decode call
+            group, n = [], 0
+            while (
+                start + len(group) < len(inputs)
+                and len(group) < self.config.max_batch
+                and n + len(inputs[start + len(group)]) <= b.capacity
+            ):
+                n += len(inputs[start + len(group)])
+                group.append(start + len(group))
+            n = 0
+            for sid, i in enumerate(group):
+                k = len(inputs[i])
+                b.token[n : n + k] = inputs[i]
+                b.pos[n : n + k] = range(k)
+                b.seq[n : n + k] = sid
+                b.logits[n : n + k] = 1
+                n += k
+            b.struct.n_tokens = n
+            if self.mem:
+                L.llama_memory_clear(self.mem, True)
+            rc = L.llama_decode(self.ctx, b.struct)
+            if rc != 0:
+                raise EngineError(f"llama_decode failed with code {rc} while embedding: {LogTap.tail()}")
+            for sid, i in enumerate(group):
+                ptr = L.llama_get_embeddings_seq(self.ctx, sid)
+                if not ptr:
+                    raise EngineError("llama.cpp returned no pooled embedding")
+                v = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+                norm = float(np.linalg.norm(v))
+                vectors[i] = (v / norm if norm > 0 else v).tolist()
+            start += len(group)
+        return Embeddings(vectors=vectors, n_tokens=sum(len(t) for t in inputs))

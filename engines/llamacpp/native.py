@@ -1,0 +1,177 @@
+"""Thin helpers over llama-cpp-python's ctypes bindings: options, the log hook, GGUF checks and a batch.
+
+Everything here imports ``llama_cpp`` lazily, inside functions, so the engine package imports without it.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from octo.errors import ConfigError
+
+log = logging.getLogger("octo.engines.llamacpp")
+
+GGUF_MAGIC = b"GGUF"
+
+
+# -- engine options (-o KEY=VALUE) -----------------------------------------------------------------
+def _bool(v: str) -> bool:
+    s = v.strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got {v!r}")
+
+
+def _flash(v: str) -> str:
+    s = v.strip().lower()
+    s = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(s, s)
+    if s not in ("auto", "on", "off"):
+        raise ValueError(f"expected auto, on or off, got {v!r}")
+    return s
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n <= 0:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return n
+
+
+OPTIONS = {
+    "n_ctx": (_positive, "context length per sequence (default: the model's, from GGUF metadata)"),
+    "n_threads": (_positive, "decode threads (default: physical cores)"),
+    "n_threads_batch": (_positive, "prompt/batch threads (default: n_threads)"),
+    "n_batch": (_positive, "tokens per llama_decode call (default: max(512, max_batch + prefill_chunk))"),
+    "n_ubatch": (_positive, "physical micro-batch (default: min(n_batch, 512))"),
+    "prefill_chunk": (_positive, "prompt tokens fed per step while other sequences decode (default 256)"),
+    "flash_attn": (_flash, "auto | on | off (default auto)"),
+    "kv_unified": (_bool, "one KV pool shared by all sequences (default true)"),
+    "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
+    "use_mmap": (_bool, "memory-map the GGUF (default true)"),
+    "n_gpu_layers": (int, "layers offloaded to a GPU backend if llama.cpp has one (default: llama.cpp's, all)"),
+    "penalty_last_n": (int, "tokens the repetition/presence/frequency penalties look back on (default 64)"),
+}
+
+
+def parse_options(options: dict[str, str]) -> dict:
+    out = {}
+    for key, value in options.items():
+        if key not in OPTIONS:
+            known = ", ".join(sorted(OPTIONS))
+            raise ConfigError(f"Unknown llamacpp engine option {key!r}; known options: {known}.", param=key)
+        try:
+            out[key] = OPTIONS[key][0](value)
+        except ValueError as e:
+            raise ConfigError(f"Invalid value for llamacpp option {key!r}: {e}", param=key) from None
+    return out
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyper-threads counted once)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:  # macOS
+        allowed = None
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            return int(subprocess.check_output(["sysctl", "-n", "hw.physicalcpu"], text=True).strip())
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return os.cpu_count() or 1
+    cores = set()
+    try:
+        for cpu in allowed or range(os.cpu_count() or 1):
+            base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((base / "physical_package_id").read_text().strip(), (base / "core_id").read_text().strip()))
+    except OSError:
+        return len(allowed) if allowed else (os.cpu_count() or 1)
+    return max(1, len(cores))
+
+
+# -- llama.cpp log ---------------------------------------------------------------------------------
+class LogTap:
+    """Routes llama.cpp's log to Python logging and keeps the recent lines for error messages."""
+
+    _callback = None  # keep the ctypes callback alive for the life of the process
+    recent: collections.deque = collections.deque(maxlen=40)
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._callback is not None:
+            return
+        import llama_cpp
+
+        # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line
+        levels = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+        last = [logging.DEBUG]
+
+        @llama_cpp.llama_log_callback
+        def _cb(level, text, _user):
+            line = text.decode("utf-8", "replace")
+            cls.recent.append(line)
+            lvl = last[0] if level == 5 else levels.get(level, logging.DEBUG)
+            last[0] = lvl
+            if line.strip() and log.isEnabledFor(lvl):
+                log.log(lvl, "%s", line.rstrip())
+
+        cls._callback = _cb
+        llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+
+    @classmethod
+    def tail(cls, n: int = 6) -> str:
+        lines = [s.strip() for s in list(cls.recent) if s.strip()]
+        return " | ".join(lines[-n:])
+
+
+def check_gguf(path: str) -> Path:
+    """A clear ConfigError for a missing, non-GGUF or truncated file, before llama.cpp reads it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"GGUF file not found: {path}")
+    with open(p, "rb") as f:
+        head = f.read(24)
+    if head[:4] != GGUF_MAGIC:
+        raise ConfigError(f"{path} is not a GGUF file (bad magic {head[:4]!r}).")
+    if len(head) < 24:
+        raise ConfigError(f"{path} is a truncated GGUF file ({len(head)} bytes).")
+    return p
+
+
+# -- a reusable llama_batch backed by numpy arrays -----------------------------------------------
+@dataclass
+class Batch:
+    """A ``llama_batch`` whose arrays are numpy buffers, so a step fills them with slice assignments."""
+
+    capacity: int
+
+    def __post_init__(self) -> None:
+        import llama_cpp
+        import numpy as np
+
+        n = self.capacity
+        self.token = np.zeros(n, dtype=np.int32)
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.seq = np.zeros(n, dtype=np.int32)
+        self.n_seq = np.ones(n, dtype=np.int32)
+        self.logits = np.zeros(n, dtype=np.int8)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (i32 * n)(*[ctypes.cast(base + 4 * i, i32) for i in range(n)])
+        b = llama_cpp.llama_batch()
+        b.n_tokens = 0
+        b.token = self.token.ctypes.data_as(i32)
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self.pos.ctypes.data_as(i32)
+        b.n_seq_id = self.n_seq.ctypes.data_as(i32)
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32))
+        b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.struct = b

@@ -1,0 +1,95 @@
+"""One native llama.cpp sampler chain per sequence, built from the request's SamplingParams.
+
+Order as in llama.cpp's common sampler: logit bias, penalties, grammar (applied to the full distribution,
+i.e. "grammar first"), then top-k, top-p, min-p, temperature and the final pick (greedy or seeded dist).
+Samplers left at their "off" value are not added, so a plain greedy chain is just ``greedy``.
+"""
+
+from __future__ import annotations
+
+from octo.engine import SamplingParams
+from octo.errors import InvalidRequest
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama_sampler_init_dist: draw a random seed
+
+
+class SamplerChain:
+    """Owns a ``llama_sampler`` chain (freed with :meth:`close`)."""
+
+    def __init__(
+        self,
+        vocab,
+        n_vocab: int,
+        p: SamplingParams,
+        grammar: str | None,
+        penalty_last_n: int = 64,
+        history: list[int] | None = None,
+    ) -> None:
+        import llama_cpp as L
+
+        self._L = L
+        self.ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        try:
+            self._build(vocab, n_vocab, p, grammar, penalty_last_n, history or [])
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, sampler) -> int:
+        self._L.llama_sampler_chain_add(self.ptr, sampler)
+        return self._L.llama_sampler_chain_n(self.ptr) - 1
+
+    def _build(self, vocab, n_vocab, p, grammar, penalty_last_n, history) -> None:
+        L = self._L
+        if p.logit_bias:
+            arr = (L.llama_logit_bias * len(p.logit_bias))()
+            for i, (tok, bias) in enumerate(p.logit_bias.items()):
+                tok = int(tok)
+                if not 0 <= tok < n_vocab:
+                    raise InvalidRequest(
+                        f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1}).", param="logit_bias"
+                    )
+                arr[i].token = tok
+                # finite on purpose: a ban that a grammar overrides (e.g. EOS when the JSON is complete) must
+                # leave a finite logit, or greedy picks a grammar-rejected token and llama.cpp aborts
+                arr[i].bias = float(bias)
+            self._add(L.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), arr))
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            if p.repetition_penalty <= 0:
+                raise InvalidRequest("repetition_penalty must be > 0.", param="repetition_penalty")
+            idx = self._add(
+                L.llama_sampler_init_penalties(
+                    n_vocab, penalty_last_n, p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+                )
+            )
+            penalties = L.llama_sampler_chain_get(self.ptr, idx)
+            for tok in history[-penalty_last_n:] if penalty_last_n > 0 else []:
+                L.llama_sampler_accept(penalties, tok)  # the prompt counts, as in llama-server
+        if grammar is not None:
+            g = L.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not g:
+                raise InvalidRequest("The grammar could not be parsed (GBNF).", param="grammar")
+            self._add(g)
+        if p.greedy:
+            self._add(L.llama_sampler_init_greedy())
+            return
+        if p.temperature < 0:
+            raise InvalidRequest("temperature must be >= 0.", param="temperature")
+        if p.top_k > 0:
+            self._add(L.llama_sampler_init_top_k(p.top_k))
+        if p.top_p < 1.0:
+            self._add(L.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            self._add(L.llama_sampler_init_min_p(p.min_p, 1))
+        self._add(L.llama_sampler_init_temp(p.temperature))
+        seed = LLAMA_DEFAULT_SEED if p.seed is None else int(p.seed) & 0xFFFFFFFF
+        self._add(L.llama_sampler_init_dist(seed))
+
+    def sample(self, ctx, idx: int) -> int:
+        """Sample from the logits of batch position ``idx`` and accept the token into the chain."""
+        return self._L.llama_sampler_sample(self.ptr, ctx, idx)
+
+    def close(self) -> None:
+        if self.ptr:
+            self._L.llama_sampler_free(self.ptr)
+            self.ptr = None
