@@ -14,12 +14,12 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.octo-installed: $(PY) pyproject.toml constraints.txt
-	$(PIP) -e ".[llamacpp,onnx,mlx]"
+	$(PIP) -e ".[llamacpp,onnx,mlx,synth]"
 	touch $@
 
 $(VENV)/.octo-dev-installed: $(PY) pyproject.toml constraints.txt
 	./scripts/system-deps.sh
-	$(PIP) -e ".[all,dev]"
+	$(PIP) -e ".[all,synth,dev,bench]"
 	touch $@
 
 install: $(VENV)/.octo-installed

@@ -16,8 +16,11 @@ log = logging.getLogger("octo.loader")
 
 
 def engine_rows(registry: dict[str, type[Engine]], active: str | None = None,
-                benchmarks: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every known engine (built-in or plugin), for /v1/engines and ``octo engines``."""
+                benchmarks: dict[str, Any] | None = None, engine: Engine | None = None) -> list[dict[str, Any]]:
+    """Every known engine (built-in or plugin), for /v1/engines and ``octo engines``.
+
+    ``engine`` is the loaded active engine: its row shows the live batching mode and the model's details.
+    """
     rows = []
     names = list(dict.fromkeys([*KNOWN_ENGINES, *(c.name for c in registry.values())]))
     for name in names:
@@ -43,6 +46,10 @@ def engine_rows(registry: dict[str, type[Engine]], active: str | None = None,
                      "tasks": sorted(t.value for t in cls.tasks), "formats": sorted(cls.formats),
                      "version": version, "batching": cls.batching,
                      "benchmark": (benchmarks or {}).get(name), "active": name == active})
+        if engine is not None and name == active:
+            rows[-1]["batching"] = engine.batching
+            if engine.info is not None:
+                rows[-1]["model"] = engine.info.extra
     return rows
 
 
@@ -70,7 +77,7 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
         engine = load_engine(registry[engine_name], config, config.model, config.model)
         handle = ModelHandle(config.model, (), engine_name, engine, config.model,
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
-        return handle, engine_rows(registry, engine_name)
+        return handle, engine_rows(registry, engine_name, engine=engine)
     from octo.catalog import load_catalog
     from octo.download import fetch
 
@@ -88,7 +95,7 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
         engine = load_engine(registry[engine_name], config, str(path), resolved.name)
         handle = ModelHandle(resolved.name, tuple(resolved.aliases), engine_name, engine, str(path),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
-        return handle, engine_rows(registry, engine_name)
+        return handle, engine_rows(registry, engine_name, engine=engine)
     real = {e: a for e, a in usable.items() if "any" not in registry[e].formats}
     candidates = real or usable  # echo-like engines only when no real engine can serve the model
     if not candidates:
@@ -124,4 +131,4 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
     handle = ModelHandle(resolved.name, tuple(resolved.aliases), chosen, engine, paths[chosen],
                          selection={"reason": reason, "candidates": sorted([*candidates, *failed])},
                          benchmarks=results)
-    return handle, engine_rows(registry, chosen, results)
+    return handle, engine_rows(registry, chosen, results, engine=engine)

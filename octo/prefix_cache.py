@@ -64,6 +64,12 @@ class PrefixCache:
         self.tokens_reused += depth
         return handle, depth
 
+    def restore_failed(self, n_tokens: int) -> None:
+        """The engine could not restore the handle a lookup returned: count that lookup as a miss."""
+        self.hits -= 1
+        self.misses += 1
+        self.tokens_reused -= n_tokens
+
     # -- insert / evict ----------------------------------------------------------------------------
     def insert(self, handle: KVHandle) -> None:
         """Take ownership of ``handle``; frees it at once when it is redundant or over budget."""

@@ -395,8 +395,11 @@ class Scheduler:
                 try:
                     self.engine.kv_restore(seq, handle, n)
                     t.cached = seq.n_cached
+                    if seq.n_cached != n:  # the engine reused less than the index offered
+                        self.cache.tokens_reused -= n - seq.n_cached
                 except Exception:  # noqa: BLE001 - a failed restore is a miss, never an error
                     log.exception("KV restore failed; recomputing the prompt")
+                    self.cache.restore_failed(n)
                     self.engine.remove_sequence(seq)
                     self.engine.add_sequence(seq)
                     seq.n_cached = 0

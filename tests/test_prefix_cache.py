@@ -64,3 +64,12 @@ def test_clear_frees_everything():
     cache.insert(h([4, 5, 6]))
     cache.clear()
     assert len(freed) == 2 and cache.stats()["bytes"] == 0
+
+
+def test_failed_restore_counts_as_a_miss():
+    cache, _ = make()
+    cache.insert(h([1, 2, 3, 4]))
+    handle, n = cache.lookup([1, 2, 3, 9], 4)
+    cache.restore_failed(n)
+    s = cache.stats()
+    assert (s["hits"], s["misses"], s["tokens_reused"]) == (0, 1, 0)

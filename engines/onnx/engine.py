@@ -1,0 +1,196 @@
+"""The onnx engine: onnxruntime-genai model folders (``genai_config.json`` + ``model.onnx``) on CPU.
+
+Two ways to run a folder behind the shared scheduler (``-o backend=``):
+
+* ``session`` (default when the folder allows): octo runs the folder's decoder with plain onnxruntime and owns
+  the KV tensors (:mod:`.session`). Continuous batching: sequences join and leave between any two steps, all
+  one-token feeds of a step share one forward pass, a cancelled sequence stops costing compute at the next step,
+  and the prefix cache restores real KV copies for any shared prefix.
+* ``generator``: onnxruntime-genai's own ``og.Generator``, one per batch window (:mod:`.generator`). On CPU the
+  library cannot add a sequence to a running Generator (its continuous-batching ``og.Engine`` needs a paged
+  attention build, which the model builder makes for CUDA/WebGPU only), so the scheduler admits a new group only
+  when the previous one has finished.
+
+``onnxruntime`` / ``onnxruntime_genai`` are imported lazily: the package imports without them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+from octo.engine import Detection, Engine, EngineConfig, Feed, KVHandle, ModelInfo, Sequence, Task
+from octo.errors import ConfigError
+
+from .folder import TextCodec, read_config
+from .options import parse_options
+from .sampler import SAMPLING_PARAMS
+
+log = logging.getLogger("octo.engines.onnx")
+DEFAULT_N_CTX = 4096
+
+
+class OnnxEngine(Engine):
+    name: ClassVar[str] = "onnx"
+    aliases: ClassVar[tuple[str, ...]] = ("onnxruntime", "onnxruntime-genai", "ort")
+    tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION})
+    formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
+    batching: ClassVar[str] = "continuous"  # the session backend; a generator-backend instance says "window"
+    sampling_params: ClassVar[frozenset[str]] = SAMPLING_PARAMS
+    prefill_chunk: ClassVar[int] = 256
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        super().__init__(config)
+        self.opts = parse_options(self.config.options)
+        if self.config.max_batch < 1:
+            raise ConfigError("max_batch must be >= 1", param="max_batch")
+        self.prefill_chunk = self.opts.get("prefill_chunk", type(self).prefill_chunk)
+        self.backend: Any = None
+        self.codec: TextCodec | None = None
+
+    # -- discovery ---------------------------------------------------------------------------------
+    @classmethod
+    def detect(cls) -> Detection:
+        try:
+            import onnxruntime as ort
+        except Exception as e:  # ImportError, or a broken shared library (OSError)
+            return Detection(False, f"onnxruntime is not installed ({type(e).__name__}: {e}); "
+                                    "pip install 'octo[onnx]'")
+        try:
+            import onnxruntime_genai as og
+
+            genai = f", onnxruntime-genai {og.__version__}"
+        except Exception:  # noqa: BLE001 - the session backend runs without it
+            genai = " (onnxruntime-genai not installed: session backend only)"
+        return Detection(True, f"onnxruntime {ort.__version__}{genai} (CPU)")
+
+    @classmethod
+    def version(cls) -> str:
+        try:
+            import onnxruntime as ort
+        except Exception:  # noqa: BLE001
+            return "0"
+        try:
+            import onnxruntime_genai as og
+
+            return f"{ort.__version__}+genai{og.__version__}"
+        except Exception:  # noqa: BLE001
+            return ort.__version__
+
+    @classmethod
+    def artifact_format(cls, path: str) -> str | None:
+        p = Path(path)
+        if p.is_file() and p.name == "genai_config.json":
+            p = p.parent
+        return "onnx" if (p / "genai_config.json").is_file() else None
+
+    # -- life cycle --------------------------------------------------------------------------------
+    def load(self, artifact: str, name: str) -> ModelInfo:
+        folder = Path(artifact)
+        if folder.is_file():
+            folder = folder.parent
+        spec, _ = read_config(folder)
+        n_ctx = self.opts.get("n_ctx", min(spec.context_length, DEFAULT_N_CTX))
+        if n_ctx > spec.context_length:
+            raise ConfigError(f"n_ctx {n_ctx} exceeds the model's context length {spec.context_length}.",
+                              param="n_ctx")
+        threads = self.opts.get("threads", int(spec.session_options.get("intra_op_num_threads") or 0))
+        penalty_last_n = self.opts.get("penalty_last_n", 64)
+        choice = self.opts.get("backend", "auto")
+        if choice == "auto":
+            choice = "session" if spec.share_buffer else "generator"
+        self.codec = TextCodec(folder, spec.vocab_size)
+        if choice == "session":
+            from .session import SessionBackend, SessionRunner
+
+            runner = SessionRunner(str(folder / spec.filename), spec, self.config.max_batch, n_ctx, threads)
+            self.backend = SessionBackend(runner, spec.vocab_size, penalty_last_n)
+            kv = {"kv_dtype": runner.kv_dtype.__name__, "kv_bytes_per_token": runner.bytes_per_token,
+                  "prefix_cache": "KV copies of any shared prefix (session rows)"}
+        else:
+            from .generator import GeneratorBackend
+
+            self.backend = GeneratorBackend(folder, spec, self.config.max_batch, n_ctx, threads, penalty_last_n)
+            kv = {"prefix_cache": "none (og.Generator KV cannot be copied; kv_save returns None)"}
+        self.batching = self.backend.batching
+        self.sampling_params = self.backend.sampling_params
+        self.info = ModelInfo(
+            name=name,
+            n_ctx=n_ctx,
+            eos_token_ids=spec.eos_token_ids,
+            n_vocab=spec.vocab_size,
+            extra={
+                "batching": self.backend.scheme,
+                "backend": self.backend.describe(),
+                "model_type": spec.model_type,
+                "precision": _precision(folder),
+                "threads": threads or "onnxruntime default",
+                "n_ctx": n_ctx,
+                "context_length": spec.context_length,
+                "max_batch": self.config.max_batch,
+                "prefill_chunk": self.prefill_chunk,
+                "chat_template": self.codec.template_source,
+                "execution_provider": "cpu" + (f" (folder built for {', '.join(spec.providers)})"
+                                               if spec.providers else ""),
+                **kv,
+            },
+        )
+        return self.info
+
+    def unload(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+        self.info = None
+
+    # -- text ------------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.codec.tokenize(text, special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.codec.token_bytes(token)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.codec.render_chat(messages, add_generation_prompt)
+
+    # -- generation --------------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        self.backend.add(seq)
+
+    def step(self, feeds: list[Feed]) -> list[int | None]:
+        return self.backend.step(feeds)
+
+    def remove_sequence(self, seq: Sequence) -> None:
+        self.backend.remove(seq)
+
+    def kv_save(self, seq: Sequence) -> KVHandle | None:
+        return self.backend.save(seq)
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        self.backend.restore(seq, handle, n_tokens)
+
+    def kv_free(self, handle: KVHandle) -> None:
+        if self.backend is not None:
+            self.backend.free(handle)
+        else:
+            handle.data = None
+
+
+def _precision(folder: Path) -> str:
+    """int4 / int8 (MatMulNBits), else the float type of the weights, from the decoder graph's op names."""
+    import json
+
+    meta = folder / ".complete"
+    if meta.is_file():
+        try:
+            return json.loads(meta.read_text())["precision"]
+        except (ValueError, KeyError):
+            pass
+    try:
+        head = (folder / "model.onnx").read_bytes()[:4_000_000]
+    except OSError:
+        return "unknown"
+    if b"MatMulNBits" in head:
+        return "int4" if b"_Q4" in head else "int8/int4"
+    return "float"
