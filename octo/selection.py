@@ -1,8 +1,8 @@
 """Start-up engine selection: a bounded micro-benchmark per candidate engine, cached per host.
 
 Per candidate: load, warm up, then measure prefill tok/s, single-stream decode tok/s and batched decode
-tok/s (4 sequences), and try each thread count the engine offers, all within ``--bench-seconds``. The
-score favours serving throughput (a weighted geometric mean, so no metric's units dominate):
+tok/s (4 sequences), and try each thread count the engine offers, all within ``--bench-seconds`` (load
+included). The score favours serving throughput (a weighted geometric mean, so no metric's units dominate):
 
     score = batch_decode_tok_s ** 0.5 * decode_tok_s ** 0.3 * prefill_tok_s ** 0.2
 
@@ -29,7 +29,7 @@ from octo.paths import bench_dir
 log = logging.getLogger("octo.selection")
 WEIGHTS = {"batch_decode_tok_s": 0.5, "decode_tok_s": 0.3, "prefill_tok_s": 0.2}
 BATCH = 4
-PROMPT_TOKENS = 128
+PROMPT_TOKENS = 64
 _TEXT = ("The quick brown fox jumps over the lazy dog while the busy engineers measure how fast each engine "
          "decodes tokens on this machine, one step at a time. ")
 
@@ -244,8 +244,11 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
                        "error": f"load failed: {getattr(exc, 'message', None) or exc}"}
                 engine = None
             else:
-                res = micro_benchmark(engine, seconds)
-                res["load_seconds"] = round(time.perf_counter() - t_load - res["seconds"], 3)
+                load_s = time.perf_counter() - t_load
+                # the budget covers load, warm-up and measurement; at least a short measurement always runs
+                res = micro_benchmark(engine, max(seconds - load_s, 0.25 * seconds))
+                res["load_seconds"] = round(load_s, 3)
+                res["seconds"] = round(time.perf_counter() - t_load, 3)
             results[name] = res
             store_result(key, {k: v for k, v in res.items() if k != "cached"})
             say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "

@@ -1,0 +1,84 @@
+"""Does the start-up micro-benchmark pick the engine that `octo bench` finds fastest, and how long does it take?
+
+On a synthetic model of a real shape (default Qwen2.5-0.5B, 4-bit weights for every engine), one run:
+1. the start-up selection (`octo.selection.select`) over all available engines, from an empty cache;
+2. the same selection again, from the cache (nothing benchmarked, only the winner loaded);
+3. the long benchmark (`octo bench` workers, one engine at a time), whose winner is the best decode tok/s.
+Writes JSON with both winners, their agreement and the selection times.
+
+    python bench/selection.py [--shape qwen2.5-0.5b] [--seconds 3] [--out bench/results/selection.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--seconds", type=float, default=3.0, help="start-up budget per engine (--bench-seconds)")
+    ap.add_argument("--bench-seconds", type=float, default=4.0, help="octo bench decode time per batch size")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection.json"))
+    args = ap.parse_args()
+
+    import os
+
+    from octo.benchcmd import QUANTS
+    from octo.engine import EngineConfig
+    from octo.plugins import engine_registry
+    from octo.selection import host_fingerprint, select
+    from octo.synth import build_for
+
+    reg = engine_registry()
+    engines = [e for e in ("llamacpp", "onnx", "mlx") if e in reg and reg[e].detect().available]
+    artifacts = {e: str(build_for(args.shape, e, QUANTS["4bit"][e])) for e in engines}
+
+    def load(cls, path):
+        eng = cls(EngineConfig(max_batch=8))
+        eng.load(path, args.shape)
+        return eng
+
+    os.environ["OCTO_BENCH_DIR"] = tempfile.mkdtemp(prefix="octo-selection-")
+    cands = {e: (reg[e], artifacts[e]) for e in engines}
+    t0 = time.perf_counter()
+    winner, engine, results, reason = select(cands, load, seconds=args.seconds, rebench=True)
+    fresh_s = time.perf_counter() - t0
+    engine.unload()
+    t0 = time.perf_counter()
+    winner2, engine2, _, _ = select(cands, load, seconds=args.seconds)
+    cached_s = time.perf_counter() - t0
+    t_bench_only = sum(r["seconds"] for r in results.values())
+    engine2.unload()
+
+    long = {}
+    for e in engines:
+        spec = json.dumps({"engine": e, "artifact": artifacts[e], "batches": [1, 4, 8], "seconds": args.bench_seconds,
+                           "options": {}})
+        out = subprocess.run([sys.executable, "-m", "octo.benchcmd", spec], capture_output=True, text=True)
+        ok = out.returncode == 0
+        long[e] = json.loads(out.stdout.strip().splitlines()[-1]) if ok else {"error": out.stderr[-500:]}
+    best = {e: max(r["decode_tok_s"] for r in v["rows"]) for e, v in long.items() if "rows" in v}
+    bench_winner = max(best, key=best.get) if best else None
+    report = {"shape": args.shape, "quant": "4bit", "host": host_fingerprint(), "engines": engines,
+              "startup": {"winner": winner, "reason": reason, "seconds_fresh": round(fresh_s, 2),
+                          "seconds_benchmarking": round(t_bench_only, 2), "seconds_cached": round(cached_s, 2),
+                          "cached_winner": winner2, "results": results},
+              "octo_bench": {"winner": bench_winner, "best_decode_tok_s": best, "runs": long},
+              "agree": winner == bench_winner}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"start-up winner {winner} ({fresh_s:.1f} s fresh, {cached_s:.2f} s cached, winner load included); "
+          f"octo bench winner {bench_winner}; agree={winner == bench_winner}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
