@@ -13,6 +13,7 @@ import threading
 from typing import Any
 
 from octo.errors import InvalidRequest
+from octo.tokenbytes import decoder_kind, token_byte_table
 
 
 class TextCodec:
@@ -32,7 +33,7 @@ class TextCodec:
         self._bytes: list[bytes] | None = None
         self._lock = threading.Lock()
         decoder = json.loads(backend.to_str()).get("decoder") or {}
-        self.kind = _decoder_kind(decoder)
+        self.kind = decoder_kind({"decoder": decoder})
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         tok = self._special if special else self._plain
@@ -49,43 +50,9 @@ class TextCodec:
         return self._bytes
 
     def _build_table(self) -> list[bytes]:
-        from mlx_lm.tokenizer_utils import _byte_decoder
-
-        backend = self._special
-        added = backend.get_added_tokens_decoder()
-        byte_map = _byte_decoder()
-        table: list[bytes] = []
-        for i in range(self.n_vocab):
-            piece = backend.id_to_token(i)
-            if piece is None:  # rows past the tokenizer (padded output layers)
-                table.append(b"")
-            elif i in added:
-                table.append(b"" if added[i].special else added[i].content.encode())
-            elif self.kind == "bytelevel" and all(c in byte_map for c in piece):
-                table.append(bytes(byte_map[c] for c in piece))
-            elif self.kind == "spm" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                table.append(bytes([int(piece[3:5], 16)]))
-            elif self.kind == "spm":
-                table.append(piece.replace("\u2581", " ").encode())
-            else:
-                table.append(backend.decode([i], skip_special_tokens=False).encode())
-        return table
+        return token_byte_table(self._special, self.n_vocab, self.kind)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.wrapper.has_chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="messages")
         return self.wrapper.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _decoder_kind(decoder: dict) -> str:
-    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    types = {p.get("type") for p in parts}
-    if "ByteLevel" in types:
-        return "bytelevel"
-    if (
-        "ByteFallback" in types
-        or "Metaspace" in types
-        or any(p.get("type") == "Replace" and p.get("pattern", {}).get("String") == "\u2581" for p in parts)
-    ):
-        return "spm"
-    return "other"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from octo.errors import ConfigError, InvalidRequest
+from octo.tokenbytes import decoder_kind, token_byte_table
 
 
 @dataclass
@@ -95,7 +96,7 @@ class TextCodec:
         self._plain = Tokenizer.from_file(str(path))
         self._plain.encode_special_tokens = True
         self.n_vocab = max(n_vocab, self._special.get_vocab_size(with_added_tokens=True))
-        self.kind = _decoder_kind(json.loads(path.read_text(encoding="utf-8")).get("decoder") or {})
+        self.kind = decoder_kind(json.loads(path.read_text(encoding="utf-8")))
         self._bytes: list[bytes] | None = None
         self._lock = threading.Lock()
         tcfg = _read_json(folder / "tokenizer_config.json")
@@ -132,50 +133,7 @@ class TextCodec:
         return self._bytes
 
     def _build_table(self) -> list[bytes]:
-        tok = self._special
-        added = tok.get_added_tokens_decoder()
-        byte_map = {c: b for b, c in _bytes_to_unicode().items()}
-        table: list[bytes] = []
-        for i in range(self.n_vocab):
-            piece = tok.id_to_token(i)
-            if piece is None:  # rows past the tokenizer (padded output layers)
-                table.append(b"")
-            elif i in added:
-                table.append(b"" if added[i].special else added[i].content.encode())
-            elif self.kind == "bytelevel" and all(c in byte_map for c in piece):
-                table.append(bytes(byte_map[c] for c in piece))
-            elif self.kind == "spm" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                table.append(bytes([int(piece[3:5], 16)]))
-            elif self.kind == "spm":
-                table.append(piece.replace("\u2581", " ").encode())
-            else:
-                table.append(tok.decode([i], skip_special_tokens=False).encode())
-        return table
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
-def _decoder_kind(decoder: dict) -> str:
-    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    types = {p.get("type") for p in parts}
-    if "ByteLevel" in types:
-        return "bytelevel"
-    if "ByteFallback" in types or "Metaspace" in types or any(
-        p.get("type") == "Replace" and (p.get("pattern") or {}).get("String") == "\u2581" for p in parts
-    ):
-        return "spm"
-    return "other"
+        return token_byte_table(self._special, self.n_vocab, self.kind)
 
 
 def _read_json(path: Path) -> dict:
