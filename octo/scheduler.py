@@ -208,14 +208,18 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
-            if len(self._pending) + len(jobs) > self.max_queue:
+            # free batch slots count as room: requests arriving together at an idle server are admitted at the
+            # engine thread's next look at the queue, not refused while a slot waits for them
+            free = max(0, self.max_batch - len(self._active))
+            if len(self._pending) + len(jobs) > self.max_queue + free:
                 self.total_rejected += len(jobs)
                 raise Overloaded(
                     f"The request queue is full ({self.max_queue} waiting); retry later.",
                     headers={"Retry-After": str(max(1, round(self._retry_after())))})
             self._pending.extend(jobs)
-            if len(self._pending) > self.max_depth:
-                self.max_depth = len(self._pending)
+            waiting = len(self._pending) - free  # beyond the free slots: really waiting for one
+            if waiting > self.max_depth:
+                self.max_depth = waiting
             if self._sleeping and not self._kick_scheduled:
                 # Wake the engine thread once per event-loop iteration, not once per request: requests that
                 # arrive together are admitted together, and a cross-thread wake-up is costly.
