@@ -97,10 +97,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tickets = handle.scheduler.submit(gen, req.n)
     model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
     try:
-        await _admitted(handle, tickets)
-        if not req.stream:
+        if not req.stream:  # a queue timeout arrives on the result future as well
             results = [await t.result for t in tickets]
             return json_response(serving.chat_response(rid, model, fp, results))
+        await _admitted(handle, tickets)
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = await _sse(request)

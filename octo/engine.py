@@ -80,15 +80,15 @@ class SamplingParams:
 
     def changed(self) -> set[str]:
         """Names of the fields that differ from their defaults."""
-        default = _DEFAULT_SAMPLING
-        return {f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        d = self.__dict__
+        return {name for name, default in _SAMPLING_DEFAULTS if d[name] != default}
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-_DEFAULT_SAMPLING = SamplingParams()
+_SAMPLING_DEFAULTS = tuple((f.name, getattr(SamplingParams(), f.name)) for f in fields(SamplingParams))
 
 
 @dataclass(eq=False)

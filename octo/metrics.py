@@ -1,49 +1,65 @@
-"""Prometheus metrics (prometheus_client), one registry per application."""
+"""Prometheus metrics (prometheus_client text format), one registry per application.
+
+Request counts and the latency histogram are plain counters updated on the event loop (no locks on the hot
+path) and turned into metric families at scrape time, like the scheduler and cache numbers.
+"""
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
     def __init__(self, state: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("octo_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.latency = Histogram("octo_request_duration_seconds", "HTTP request latency by endpoint and status",
-                                 ["endpoint", "status"], buckets=_BUCKETS, registry=self.registry)
-        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
-        self.registry.register(_StateCollector(state))
+        # (endpoint, status) -> [count, sum of seconds, per-bucket counts (last one: +Inf)]
+        self.requests: dict[tuple[str, int], list] = {}
+        self.registry.register(_Collector(state, self))
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
-        key = (endpoint, status)
-        pair = self._children.get(key)
-        if pair is None:
-            labels = (endpoint, str(status))
-            pair = self._children[key] = (self.requests.labels(*labels), self.latency.labels(*labels))
-        pair[0].inc()
-        pair[1].observe(seconds)
+        entry = self.requests.get((endpoint, status))
+        if entry is None:
+            entry = self.requests[(endpoint, status)] = [0, 0.0, [0] * (len(BUCKETS) + 1)]
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2][bisect.bisect_left(BUCKETS, seconds)] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _StateCollector:
-    """Scheduler and cache numbers, read at scrape time (no per-token bookkeeping on the hot path)."""
+class _Collector:
+    """Everything is read at scrape time: request stats, scheduler and cache numbers."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, metrics: Metrics) -> None:
         self.state = state
+        self.metrics = metrics
 
     def describe(self):
         return []
 
     def collect(self):
+        requests = CounterMetricFamily("octo_requests", "HTTP requests by endpoint and status",
+                                       labels=["endpoint", "status"])
+        latency = HistogramMetricFamily("octo_request_duration_seconds",
+                                        "HTTP request latency by endpoint and status", labels=["endpoint", "status"])
+        for (endpoint, status), (count, total, buckets) in list(self.metrics.requests.items()):
+            labels = [endpoint, str(status)]
+            requests.add_metric(labels, count)
+            cumulative, acc = [], 0
+            for bound, n in zip([*map(str, BUCKETS), "+Inf"], buckets, strict=True):
+                acc += n
+                cumulative.append((bound, acc))
+            latency.add_metric(labels, cumulative, total)
+        yield requests
+        yield latency
         handle = self.state.handle
         sched = handle.scheduler
         if sched is None:
@@ -55,8 +71,7 @@ class _StateCollector:
         yield CounterMetricFamily("octo_queue_rejected", "Requests refused with 503", value=q["total_rejected"])
         yield CounterMetricFamily("octo_queue_timeouts", "Requests that timed out in the queue (504)",
                                   value=q["total_timeouts"])
-        yield CounterMetricFamily("octo_processed", "Requests processed by the engine",
-                                  value=q["total_processed"])
+        yield CounterMetricFamily("octo_processed", "Requests processed by the engine", value=q["total_processed"])
         if handle.cache is not None:
             c = handle.cache.stats()
             yield CounterMetricFamily("octo_cache_hits", "Prefix-cache hits", value=c["hits"])

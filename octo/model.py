@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ class ModelHandle:
                 return t.value
         return next(iter(self.tasks)).value
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         return f"octo-{self.engine_name}-{self.engine.version()}"
 

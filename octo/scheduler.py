@@ -50,12 +50,13 @@ class Result:
 class _Job:
     """Common part of a queued sequence or call: admission future and deadline handling."""
 
-    __slots__ = ("admitted", "state", "loop")
+    __slots__ = ("admitted", "state", "loop", "deadline")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.admitted: asyncio.Future = loop.create_future()
         self.state = "pending"  # pending -> active -> done | expired | cancelled
+        self.deadline = 0.0  # loop time after which a still-pending job gets a 504
 
 
 class Ticket(_Job):
@@ -144,10 +145,14 @@ class Scheduler:
     # -- life cycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self._sweep_every = min(0.05, self.queue_timeout / 4)
+        self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
         self._thread = threading.Thread(target=self._run, name="octo-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        if getattr(self, "_sweeper", None) is not None:
+            self._sweeper.cancel()
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -216,6 +221,9 @@ class Scheduler:
                 raise Overloaded(
                     f"The request queue is full ({self.max_queue} waiting); retry later.",
                     headers={"Retry-After": str(max(1, round(self._retry_after())))})
+            deadline = self._loop.time() + self.queue_timeout
+            for job in jobs:
+                job.deadline = deadline
             self._pending.extend(jobs)
             waiting = len(self._pending) - free  # beyond the free slots: really waiting for one
             if waiting > self.max_depth:
@@ -235,28 +243,33 @@ class Scheduler:
         return min(self.queue_timeout, 1.0 + len(self._pending) / max(1, self.max_batch))
 
     async def wait_admitted(self, job: _Job) -> None:
-        """Wait until the job leaves the queue; 504 after ``queue_timeout`` seconds."""
+        """Wait until the job leaves the queue; QueueTimeout (504) once its deadline has passed."""
         if job.admitted.done():
             return job.admitted.result()
-        timer = self._loop.call_later(self.queue_timeout, self._expire, job)
         try:
             await job.admitted
         except asyncio.CancelledError:
             self.abandon(job)
             raise
-        finally:
-            timer.cancel()
 
-    def _expire(self, job: _Job) -> None:
-        """Queue deadline passed: a job still pending leaves the queue with a 504."""
+    def _sweep(self) -> None:
+        """Expire pending jobs past their deadline (one timer per scheduler, not one per request)."""
+        now = self._loop.time()
+        expired = []
         with self._cv:
-            if job.state != "pending":
-                return
-            job.state = "expired"
-            self._pending.remove(job)
-            self.total_timeouts += 1
-        _set_exception(job.admitted, QueueTimeout(
-            f"The request waited {self.queue_timeout:g} s in the queue without being scheduled."))
+            if self._pending and self._pending[0].deadline <= now:  # FIFO: the oldest expire first
+                for job in list(self._pending):
+                    if job.deadline <= now:
+                        job.state = "expired"
+                        self._pending.remove(job)
+                        self.total_timeouts += 1
+                        expired.append(job)
+        err = QueueTimeout(f"The request waited {self.queue_timeout:g} s in the queue without being scheduled.")
+        for job in expired:
+            _set_exception(job.admitted, err)
+            _set_exception(job.result if isinstance(job, Ticket) else job.future, err)
+        if not self._stopping:
+            self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 
     def abandon(self, job: _Job) -> None:
         """The client is gone: drop a pending job now, or cancel an active sequence at the next step."""

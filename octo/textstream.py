@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import codecs
 
+_Utf8Decoder = codecs.getincrementaldecoder("utf-8")
+
 
 class TextStream:
     __slots__ = ("_decoder", "_stops", "_held", "_max_stop", "matched")
 
     def __init__(self, stops: list[str] | None = None) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decoder = _Utf8Decoder("replace")
         self._stops = [s for s in (stops or []) if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._held = ""
