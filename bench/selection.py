@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# bench/ holds mlx.py, onnx.py and whisper.py: keep it off sys.path so the real packages import
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 
 
 def main() -> None:
