@@ -42,7 +42,10 @@ def main() -> None:
 
     reg = engine_registry()
     engines = [e for e in ("llamacpp", "onnx", "mlx") if e in reg and reg[e].detect().available]
-    artifacts = {e: str(build_for(args.shape, e, QUANTS["4bit"][e])) for e in engines}
+    # 4-bit weights for llama.cpp and ONNX; MLX in float32, its fastest form on a CPU (4-bit MLX matmuls are
+    # slower there, issue 5) - on Apple Silicon its 4-bit build would be the one to try
+    quants = {**QUANTS["4bit"], "mlx": None}
+    artifacts = {e: str(build_for(args.shape, e, quants[e])) for e in engines}
 
     def load(cls, path):
         eng = cls(EngineConfig(max_batch=8))
@@ -63,14 +66,15 @@ def main() -> None:
 
     long = {}
     for e in engines:
-        spec = json.dumps({"engine": e, "artifact": artifacts[e], "batches": [1, 4, 8], "seconds": args.bench_seconds,
-                           "options": {}})
+        spec = json.dumps({"engine": e, "artifact": artifacts[e], "batches": [1, 4], "seconds": args.bench_seconds,
+                           "options": {}, "prompt": 32})
         out = subprocess.run([sys.executable, "-m", "octo.benchcmd", spec], capture_output=True, text=True)
         ok = out.returncode == 0
         long[e] = json.loads(out.stdout.strip().splitlines()[-1]) if ok else {"error": out.stderr[-500:]}
     best = {e: max(r["decode_tok_s"] for r in v["rows"]) for e, v in long.items() if "rows" in v}
     bench_winner = max(best, key=best.get) if best else None
-    report = {"shape": args.shape, "quant": "4bit", "host": host_fingerprint(), "engines": engines,
+    report = {"shape": args.shape, "weights": {e: quants[e] or "float32" for e in engines},
+              "host": host_fingerprint(), "engines": engines,
               "startup": {"winner": winner, "reason": reason, "seconds_fresh": round(fresh_s, 2),
                           "seconds_benchmarking": round(t_bench_only, 2), "seconds_cached": round(cached_s, 2),
                           "cached_winner": winner2, "results": results},

@@ -25,7 +25,8 @@ QUANTS = {"4bit": {"llamacpp": "q4_k_m", "onnx": "int4", "mlx": "4bit"},
 PROMPT = 256
 
 
-def run_worker(engine_name: str, artifact: str, batches: list[int], seconds: float, options: dict[str, str]) -> dict:
+def run_worker(engine_name: str, artifact: str, batches: list[int], seconds: float, options: dict[str, str],
+               prompt: int = PROMPT) -> dict:
     """Measure one engine in this process (called in a child process)."""
     from octo.engine import EngineConfig
     from octo.plugins import engine_registry
@@ -42,7 +43,7 @@ def run_worker(engine_name: str, artifact: str, batches: list[int], seconds: flo
     decode_steps(engine, warm, time.perf_counter() + 0.5, 4)
     free_sequences(engine, warm)
     for b in batches:
-        prompts = [bench_prompt(engine, PROMPT, 100 + i) for i in range(b)]
+        prompts = [bench_prompt(engine, prompt, 100 + i) for i in range(b)]
         t0 = time.perf_counter()
         first = start_sequences(engine, [1000], prompts[:1])
         ttft = time.perf_counter() - t0
@@ -164,5 +165,6 @@ def bench(model, shape, engines_opt, batch_opt, quant, seconds, options, out):
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    result = run_worker(spec["engine"], spec["artifact"], spec["batches"], spec["seconds"], spec["options"])
+    result = run_worker(spec["engine"], spec["artifact"], spec["batches"], spec["seconds"], spec["options"],
+                        spec.get("prompt", PROMPT))
     print(json.dumps(result))
