@@ -8,10 +8,7 @@ name)``, so a tensor's values do not depend on the order in which tensors are wr
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import struct
-import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from octo.paths import synth_dir
+from octo.synth.folder import build_folder
 from octo.synth.spec import TOKENIZER_VOCAB, ModelSpec, get_spec
 from octo.synth.tokenizer import write_tokenizer_files
 
 DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-COMPLETE = ".complete"
 INIT_STD = 0.02
 EMBED_STD = 0.02
 LOGIT_STD = 4.0
@@ -162,11 +159,8 @@ def build_hf(spec: ModelSpec | str, seed: int = 0, out: Path | None = None, dtyp
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     out = Path(out) if out is not None else default_dir(spec, seed, dtype)
-    if (out / COMPLETE).exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> dict:
         ids = write_tokenizer_files(tmp, spec.max_position_embeddings)
         (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype, ids), indent=2) + "\n")
         gen = {
@@ -177,14 +171,6 @@ def build_hf(spec: ModelSpec | str, seed: int = 0, out: Path | None = None, dtyp
         }
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         write_safetensors(tmp / "model.safetensors", spec, seed, dtype)
-        (tmp / COMPLETE).write_text(json.dumps({"shape": spec.name, "seed": seed, "dtype": dtype}) + "\n")
-        if out.exists():  # an interrupted or concurrent build
-            if (out / COMPLETE).exists():
-                shutil.rmtree(tmp)
-                return out
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        return {"shape": spec.name, "seed": seed, "dtype": dtype}
+
+    return build_folder(out, write)

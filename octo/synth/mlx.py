@@ -15,17 +15,14 @@ sibling folder that is renamed into place, and a finished folder holds a ``.comp
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from octo.synth.folder import COMPLETE, build_folder
 from octo.synth.spec import ModelSpec, get_spec
 
-COMPLETE = ".complete"
 QUANTS = {None: None, "4bit": {"bits": 4, "group_size": 64}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -50,24 +47,15 @@ def build_mlx(spec: ModelSpec | str, seed: int = 0, quant: str | None = None, ou
     if (out / COMPLETE).exists():
         return out
     hf = build_hf(spec, seed=seed, dtype="float32")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> dict:
         cmd = [sys.executable, "-m", "octo.synth.mlx", str(hf), str(tmp)] + (["--quant", quant] if quant else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"MLX conversion of {hf} failed:\n{proc.stderr[-4000:]}")
-        (tmp / COMPLETE).write_text(json.dumps({"shape": spec.name, "seed": seed, "quant": quant}) + "\n")
-        if out.exists():  # an interrupted or concurrent build
-            if (out / COMPLETE).exists():
-                shutil.rmtree(tmp)
-                return out
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+        return {"shape": spec.name, "seed": seed, "quant": quant}
+
+    return build_folder(out, write)
 
 
 def _convert(hf: Path, dst: Path, quant: dict | None) -> None:

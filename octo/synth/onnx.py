@@ -11,20 +11,17 @@ build goes to a temporary sibling folder, gets a ``.complete`` marker and is ren
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
+from octo.synth.folder import COMPLETE, build_folder
 from octo.synth.hf import build_hf
 from octo.synth.spec import ModelSpec, get_spec
 
 VERSION = 1
 PRECISIONS = ("int4", "int8", "fp32")
-COMPLETE = ".complete"
 
 
 def default_dir(spec: ModelSpec | str, seed: int = 0, precision: str = "int4") -> Path:
@@ -47,9 +44,8 @@ def build_onnx(shape: ModelSpec | str, seed: int = 0, precision: str = "int4", o
     if (out / COMPLETE).exists():
         return out
     hf = build_hf(spec, seed, dtype="float32")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def write(tmp: Path) -> dict:
         model_dir, cache_dir = tmp / "model", tmp / "cache"
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(model_dir),
                "-p", precision, "-e", "cpu", "-c", str(cache_dir)]
@@ -59,21 +55,10 @@ def build_onnx(shape: ModelSpec | str, seed: int = 0, precision: str = "int4", o
             tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
             raise RuntimeError(f"onnxruntime-genai's model builder failed for {spec.name} {precision} "
                                f"(exit {proc.returncode}):\n{tail}")
-        meta = {"shape": spec.name, "seed": seed, "precision": precision, "execution_provider": "cpu",
+        return {"shape": spec.name, "seed": seed, "precision": precision, "execution_provider": "cpu",
                 "builder": _builder_version()}
-        (model_dir / COMPLETE).write_text(json.dumps(meta) + "\n")
-        if out.exists():  # an interrupted or concurrent build
-            if (out / COMPLETE).exists():
-                return out
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            os.replace(model_dir, out)
-        except OSError:
-            if not (out / COMPLETE).exists():  # lost a race to a concurrent build: use its result
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_folder(out, write, subdir="model")
 
 
 def _builder_version() -> str:
