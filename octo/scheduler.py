@@ -215,7 +215,8 @@ class Scheduler:
                 raise Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
             # free batch slots count as room: requests arriving together at an idle server are admitted at the
             # engine thread's next look at the queue, not refused while a slot waits for them
-            free = max(0, self.max_batch - len(self._active))
+            # calls (embeddings, audio) run one batch at a time and take no batch slot: no extra room for them
+            free = max(0, self.max_batch - len(self._active)) if isinstance(jobs[0], Ticket) else 0
             if len(self._pending) + len(jobs) > self.max_queue + free:
                 self.total_rejected += len(jobs)
                 raise Overloaded(
