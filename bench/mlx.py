@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -196,15 +195,9 @@ def child(args) -> dict:
 
 # -- parent ------------------------------------------------------------------------------------------
 def host() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+    from octo.selection import host_fingerprint
+
+    return {"platform": platform.platform(), **host_fingerprint(), "python": platform.python_version()}
 
 
 def main() -> None:

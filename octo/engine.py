@@ -15,6 +15,7 @@ receives every active sequence's feed, so a backend that can batch (llama.cpp) r
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -86,6 +87,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def validate(self, n_vocab: int) -> None:
+        """Range checks engines that sample in Python apply before a sequence starts (400 naming the field)."""
+        from octo.errors import InvalidRequest
+
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise InvalidRequest("temperature must be >= 0.", param="temperature")
+        if not 0 <= self.top_p <= 1:
+            raise InvalidRequest("top_p must be between 0 and 1.", param="top_p")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest("min_p must be between 0 and 1.", param="min_p")
+        if self.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0.", param="top_k")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequest("repetition_penalty must be > 0.", param="repetition_penalty")
+        for tok in self.logit_bias:
+            if not 0 <= int(tok) < n_vocab:
+                raise InvalidRequest(f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1}).",
+                                     param="logit_bias")
 
 
 _SAMPLING_DEFAULTS = tuple((f.name, getattr(SamplingParams(), f.name)) for f in fields(SamplingParams))

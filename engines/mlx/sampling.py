@@ -13,7 +13,6 @@ import math
 import secrets
 
 from octo.engine import SamplingParams
-from octo.errors import InvalidRequest
 
 SAMPLING_PARAMS = frozenset(
     {
@@ -31,31 +30,13 @@ SAMPLING_PARAMS = frozenset(
 _MASK64 = (1 << 64) - 1
 
 
-def _check(p: SamplingParams, n_vocab: int) -> None:
-    if p.temperature < 0 or not math.isfinite(p.temperature):
-        raise InvalidRequest("temperature must be >= 0.", param="temperature")
-    if not 0 <= p.top_p <= 1:
-        raise InvalidRequest("top_p must be between 0 and 1.", param="top_p")
-    if not 0 <= p.min_p <= 1:
-        raise InvalidRequest("min_p must be between 0 and 1.", param="min_p")
-    if p.top_k < 0:
-        raise InvalidRequest("top_k must be >= 0.", param="top_k")
-    if p.repetition_penalty <= 0:
-        raise InvalidRequest("repetition_penalty must be > 0.", param="repetition_penalty")
-    for tok in p.logit_bias:
-        if not 0 <= int(tok) < n_vocab:
-            raise InvalidRequest(
-                f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1}).", param="logit_bias"
-            )
-
-
 class RowSampler:
     """Sampling state of one sequence: its logits processors, filters, temperature and key."""
 
     def __init__(self, p: SamplingParams, n_vocab: int, penalty_last_n: int = 64) -> None:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-        _check(p, n_vocab)
+        p.validate(n_vocab)
         bias = {int(t): (-math.inf if b <= -100 else float(b)) for t, b in p.logit_bias.items()}
         self.processors = make_logits_processors(
             logit_bias=bias or None,

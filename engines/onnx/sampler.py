@@ -16,7 +16,6 @@ import math
 import numpy as np
 
 from octo.engine import SamplingParams
-from octo.errors import InvalidRequest
 
 SAMPLING_PARAMS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
@@ -25,28 +24,11 @@ SAMPLING_PARAMS = frozenset({
 _TOP_P_PROBE = 1024  # top_p first tries the most likely 1024 tokens before sorting the whole vocabulary
 
 
-def check(p: SamplingParams, n_vocab: int) -> None:
-    if p.temperature < 0 or not math.isfinite(p.temperature):
-        raise InvalidRequest("temperature must be >= 0.", param="temperature")
-    if not 0 <= p.top_p <= 1:
-        raise InvalidRequest("top_p must be between 0 and 1.", param="top_p")
-    if not 0 <= p.min_p <= 1:
-        raise InvalidRequest("min_p must be between 0 and 1.", param="min_p")
-    if p.top_k < 0:
-        raise InvalidRequest("top_k must be >= 0.", param="top_k")
-    if not p.repetition_penalty > 0:
-        raise InvalidRequest("repetition_penalty must be > 0.", param="repetition_penalty")
-    for tok in p.logit_bias:
-        if not 0 <= int(tok) < n_vocab:
-            raise InvalidRequest(f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1}).",
-                                 param="logit_bias")
-
-
 class RowSampler:
     """Sampling state of one sequence."""
 
     def __init__(self, p: SamplingParams, n_vocab: int, penalty_last_n: int = 64) -> None:
-        check(p, n_vocab)
+        p.validate(n_vocab)
         self.p = p
         self.last_n = penalty_last_n
         bias = {int(t): (-np.inf if b <= -100 else float(b)) for t, b in p.logit_bias.items()}
