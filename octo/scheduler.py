@@ -50,10 +50,9 @@ class Result:
 class _Job:
     """Common part of a queued sequence or call: admission future and deadline handling."""
 
-    __slots__ = ("admitted", "state", "loop", "deadline")
+    __slots__ = ("admitted", "state", "deadline")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
         self.admitted: asyncio.Future = loop.create_future()
         self.state = "pending"  # pending -> active -> done | expired | cancelled
         self.deadline = 0.0  # loop time after which a still-pending job gets a 504
