@@ -1,10 +1,11 @@
 """Gateway overhead: octo (echo engine, no token delay) vs a bare aiohttp server returning fixed JSON.
 
-Both servers run as separate processes on loopback; the load generator (this process) alternates
-A and B rounds at each concurrency so that machine noise hits both alike. Writes JSON with requests/s,
-p50 and p99 per server and concurrency, and the ratio octo / bare.
+Both servers run as separate processes on loopback and on the same event loop implementation (octo's
+default, uvloop when installed; `--loop asyncio` for both on asyncio's own loop); the load generator (this
+process) alternates A and B rounds at each concurrency so that machine noise hits both alike. Writes JSON
+with requests/s, p50 and p99 per server and concurrency, and the ratio octo / bare.
 
-    python bench/overhead.py [--requests 2000] [--rounds 3] [--out bench/results/overhead.json]
+    python bench/overhead.py [--requests 2000] [--rounds 3] [--loop auto] [--out bench/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ async def health(request):
 app = web.Application()
 app.router.add_post("/v1/chat/completions", chat)
 app.router.add_get("/health", health)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+loop = None
+if sys.argv[2] == "uvloop":
+    import uvloop
+    loop = uvloop.new_event_loop()
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None, loop=loop)
 '''
 
 
@@ -88,15 +93,28 @@ async def load(url: str, concurrency: int, total: int) -> dict:
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
 
 
+def loop_name(choice: str) -> str:
+    """The loop octo's `--loop` picks for ``choice`` (auto: uvloop when installed)."""
+    if choice != "auto":
+        return choice
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
 async def main(args) -> dict:
     octo_port, bare_port = free_port(), free_port()
+    loop = loop_name(args.loop)
     octo = start([sys.executable, "-m", "octo.cli", "serve", "bench", "--engine", "echo", "--max-batch", "64",
-                  "--max-queue", "4096", "--port", str(octo_port), "--log-level", "warning"], octo_port)
-    bare = start([sys.executable, "-c", BARE_SERVER, str(bare_port)], bare_port)
+                  "--max-queue", "4096", "--port", str(octo_port), "--log-level", "warning", "--loop", loop],
+                 octo_port)
+    bare = start([sys.executable, "-c", BARE_SERVER, str(bare_port), loop], bare_port)
     targets = {"octo": f"http://127.0.0.1:{octo_port}/v1/chat/completions",
                "bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
     results: dict = {"host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                              "python": platform.python_version()},
+                              "python": platform.python_version()}, "loop": loop,
                      "requests_per_round": args.requests, "rounds": args.rounds, "concurrency": {}}
     try:
         for url in targets.values():  # warm-up
@@ -129,6 +147,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                    help="event loop of both servers (auto: octo's default)")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
     a = ap.parse_args()

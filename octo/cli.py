@@ -77,12 +77,17 @@ def _env(name: str) -> dict:
 @click.option("--bench-seconds", default=3.0, show_default=True, type=click.FloatRange(0.2),
               help="Start-up benchmark time budget per candidate engine.", **_env("BENCH_SECONDS"))
 @click.option("--rebench", is_flag=True, help="Ignore cached start-up benchmark results.", **_env("REBENCH"))
+@click.option("--loop", "loop_name", default="auto", show_default=True,
+              type=click.Choice(["auto", "uvloop", "asyncio"]),
+              help="Event loop: uvloop (faster HTTP handling), asyncio, or auto (uvloop when installed).",
+              **_env("LOOP"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
 def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batch, cache_size, no_cache,
           max_body_mb, max_audio_mb, max_audio_seconds, api_key, insecure_no_auth, plugins_dir, bench_seconds,
-          rebench, log_level):
+          rebench, loop_name, log_level):
     """Serve MODEL (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API."""
+    loop_factory = _loop_factory(loop_name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(host) and not api_key and not insecure_no_auth:
         raise click.UsageError(f"refusing to serve on {host} without --api-key (anyone on the network could use "
@@ -105,7 +110,25 @@ def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batc
     # The event loop and the engine thread share the GIL; a short switch interval keeps the loop responsive
     # while an engine runs Python code (native engines release the GIL anyway).
     sys.setswitchinterval(0.001)
-    asyncio.run(_serve(app, config, handle))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_serve(app, config, handle))
+
+
+def _loop_factory(name: str):
+    """``new_event_loop`` of the chosen loop implementation (None: asyncio's default)."""
+    if name == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise click.UsageError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
+
+
+def _loop_label(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
 async def _serve(app, config: ServerConfig, handle) -> None:
@@ -116,10 +139,10 @@ async def _serve(app, config: ServerConfig, handle) -> None:
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.port
-    click.echo(f"octo: serving '{handle.name}' with {handle.engine_name} at http://{config.host}:{port}/v1 "
-               f"(max batch {config.max_batch}, queue {config.max_queue})", err=True)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    click.echo(f"octo: serving '{handle.name}' with {handle.engine_name} at http://{config.host}:{port}/v1 "
+               f"(max batch {config.max_batch}, queue {config.max_queue}, {_loop_label(loop)} loop)", err=True)
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:

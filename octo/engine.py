@@ -127,7 +127,7 @@ class Sequence:
     slot: Any = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Feed:
     """Append ``tokens`` to ``seq``'s KV; when ``sample`` is true, sample the next token afterwards."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -50,19 +51,20 @@ class Result:
 class _Job:
     """Common part of a queued sequence or call: admission future and deadline handling."""
 
-    __slots__ = ("admitted", "state", "deadline")
+    __slots__ = ("admitted", "state", "deadline", "error")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.admitted: asyncio.Future = loop.create_future()
+        self.admitted: asyncio.Future | None = None  # created by wait_admitted, for those who wait for it
         self.state = "pending"  # pending -> active -> done | expired | cancelled
         self.deadline = 0.0  # loop time after which a still-pending job gets a 504
+        self.error: OctoError | None = None  # why a job that never ran was dropped (504, shutdown)
 
 
 class Ticket(_Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel")
+                 "finish", "hit_eos", "_cancel", "max_tokens")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -72,6 +74,7 @@ class Ticket(_Job):
         self.req = req
         self.seq = Sequence(self.id, list(req.prompt_tokens), sampling)
         self.n_prompt = len(req.prompt_tokens)
+        self.max_tokens = req.max_tokens
         # (index, "text", str) | (index, "done", Result | OctoError); shared by the tickets of one request
         self.events = events
         self.result: asyncio.Future = loop.create_future()
@@ -124,7 +127,8 @@ class Scheduler:
         self._pending: deque[_Job] = deque()
         self._active: list[Ticket] = []
         self._by_seq: dict[int, Ticket] = {}
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._sleeping = False
@@ -152,9 +156,9 @@ class Scheduler:
     def stop(self) -> None:
         if getattr(self, "_sweeper", None) is not None:
             self._sweeper.cancel()
-        with self._cv:
+        with self._lock:
             self._stopping = True
-            self._cv.notify()
+        self._wake.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -193,23 +197,25 @@ class Scheduler:
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread, through the admission queue (embeddings, audio)."""
-        job = _Call(self._loop, fn)
-        self._enqueue([job])
-        await self.wait_admitted(job)
-        return await job.future
+        return await self._await_call(_Call(self._loop, fn))
 
     async def call_batch(self, key: Any, item: Any, fn: Callable[[Engine, list[Any], Callable], list[Any]]) -> Any:
         """Like :meth:`call`, but calls with the same ``key`` waiting together at the head of the queue run
         as one ``fn(engine, items, done)`` (at most ``max_batch`` items). ``fn`` returns one result per item,
         an exception instance standing for that item's error; it may call ``done(index, result)`` to answer
         an item before the others finish (transcriptions: ``Engine.transcribe_batch``)."""
-        job = _Call(self._loop, fn, key, item)
+        return await self._await_call(_Call(self._loop, fn, key, item))
+
+    async def _await_call(self, job: _Call) -> Any:
         self._enqueue([job])
-        await self.wait_admitted(job)
-        return await job.future
+        try:
+            return await job.future  # a queue timeout arrives here as well
+        except asyncio.CancelledError:
+            self.abandon(job)
+            raise
 
     def _enqueue(self, jobs: list[_Job]) -> None:
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 raise Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
             # free batch slots count as room: requests arriving together at an idle server are admitted at the
@@ -235,54 +241,58 @@ class Scheduler:
                 self._loop.call_soon(self._kick)
 
     def _kick(self) -> None:
-        with self._cv:
-            self._kick_scheduled = False
-            self._cv.notify()
+        self._kick_scheduled = False
+        self._wake.put(None)
 
     def _retry_after(self) -> float:
         return min(self.queue_timeout, 1.0 + len(self._pending) / max(1, self.max_batch))
 
     async def wait_admitted(self, job: _Job) -> None:
         """Wait until the job leaves the queue; QueueTimeout (504) once its deadline has passed."""
-        if job.admitted.done():
-            return job.admitted.result()
+        with self._lock:  # the engine thread admits under this lock: it sees the future or we see the state
+            if job.state == "pending":
+                job.admitted = self._loop.create_future()
+        if job.admitted is None:
+            if job.error is not None:
+                raise job.error
+            return
         try:
             await job.admitted
         except asyncio.CancelledError:
             self.abandon(job)
             raise
 
+    def _timeout_error(self) -> QueueTimeout:
+        return QueueTimeout(f"The request waited {self.queue_timeout:g} s in the queue without being scheduled.")
+
     def _sweep(self) -> None:
         """Expire pending jobs past their deadline (one timer per scheduler, not one per request)."""
         now = self._loop.time()
         expired = []
-        with self._cv:
+        with self._lock:
             if self._pending and self._pending[0].deadline <= now:  # FIFO: the oldest expire first
+                err = self._timeout_error()
                 for job in list(self._pending):
                     if job.deadline <= now:
-                        job.state = "expired"
+                        job.state, job.error = "expired", err
                         self._pending.remove(job)
                         self.total_timeouts += 1
                         expired.append(job)
-        err = QueueTimeout(f"The request waited {self.queue_timeout:g} s in the queue without being scheduled.")
         for job in expired:
-            _set_exception(job.admitted, err)
-            _set_exception(job.result if isinstance(job, Ticket) else job.future, err)
+            _fail_job(job, err)
         if not self._stopping:
             self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 
     def abandon(self, job: _Job) -> None:
         """The client is gone: drop a pending job now, or cancel an active sequence at the next step."""
-        with self._cv:
+        with self._lock:
             if job.state == "pending":
                 job.state = "cancelled"
                 self._pending.remove(job)
                 self.total_cancelled += 1
                 return
         if isinstance(job, Ticket):
-            job.cancel()
-            with self._cv:
-                self._cv.notify()
+            job.cancel()  # an active sequence keeps the engine thread awake: it leaves at the next step
 
     # -- stats ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -305,16 +315,19 @@ class Scheduler:
     def _run(self) -> None:
         posts: list[tuple[Any, ...]] = []
         while True:
-            with self._cv:
-                while not self._stopping and not self._pending and not self._active:
-                    self._sleeping = True
-                    self._cv.wait()
-                    self._sleeping = False
-                if self._stopping:
-                    break
-                calls, admitted = self._admit_locked()
+            with self._lock:
+                idle = not self._stopping and not self._pending and not self._active
+                self._sleeping = idle
+                if not idle:
+                    if self._stopping:
+                        break
+                    calls, admitted = self._admit_locked()
+            if idle:
+                self._wake.get()  # a kick (or stop) wakes us; spurious wake-ups just look again
+                continue
             for job in admitted + calls:
-                posts.append((_set_result, job.admitted, None))
+                if job.admitted is not None:
+                    posts.append((_set_result, job.admitted, None))
             if calls and calls[0].batch_key is not None:
                 self._run_batch(calls, posts)
             else:
@@ -426,15 +439,21 @@ class Scheduler:
     def _step(self, posts: list) -> None:
         eng = self.engine
         n_ctx = eng.info.n_ctx if eng.info else 1 << 30
+        for t in [t for t in self._active if t._cancel]:
+            self._finish(t, "cancelled", posts)
+        # decode tokens first (one per sequence), then prompt chunks within the engine's prefill budget
         feeds: list[Feed] = []
+        owners: list[Ticket] = []  # the ticket of each feed
+        prefilling: list[Ticket] = []
+        for t in self._active:
+            seq = t.seq
+            remaining = len(seq.tokens) - seq.n_cached
+            if remaining == 1:
+                feeds.append(Feed(seq, seq.tokens[-1:], True))
+                owners.append(t)
+            elif remaining > 1:
+                prefilling.append(t)
         budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
-        for t in list(self._active):
-            if t._cancel:
-                self._finish(t, "cancelled", posts)
-        decoding = [t for t in self._active if len(t.seq.tokens) - t.seq.n_cached == 1]
-        prefilling = [t for t in self._active if len(t.seq.tokens) - t.seq.n_cached > 1]
-        for t in decoding:
-            feeds.append(Feed(t.seq, t.seq.tokens[-1:], True))
         for t in prefilling:
             if budget <= 0:
                 break
@@ -443,43 +462,41 @@ class Scheduler:
             take = min(remaining, budget)
             budget -= take
             feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
+            owners.append(t)
         if not feeds:
             return
         try:
             out = eng.step(feeds)
+            if len(out) != len(feeds):
+                raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
         except BaseException as exc:  # noqa: BLE001 - fail this step's sequences, keep serving
             log.exception("engine step failed")
-            for f in feeds:
-                t = self._ticket(f.seq)
-                if t is not None:
+            for t in owners:
+                if t.state == "active":
                     self._fail(t, exc, posts)
             return
         self.steps += 1
         eos = eng.info.eos_token_ids if eng.info else frozenset()
-        for feed, tok in zip(feeds, out, strict=True):
+        token_bytes = eng.token_bytes
+        for t, tok in zip(owners, out, strict=True):
             if tok is None:
                 continue
-            t = self._ticket(feed.seq)
-            seq = feed.seq
-            seq.tokens.append(tok)
+            tokens = t.seq.tokens
+            tokens.append(tok)
             self.generated_tokens += 1
             if tok in eos:
                 t.hit_eos = True
                 self._finish(t, "stop", posts)
                 continue
-            piece, stopped = t.stream.push(eng.token_bytes(tok))
+            piece, stopped = t.stream.push(token_bytes(tok))
             if piece:
                 t.text.append(piece)
                 if t.req.stream:
                     posts.append((_put, t.events, (t.index, "text", piece)))
-            n_gen = len(seq.tokens) - t.n_prompt
             if stopped:
                 self._finish(t, "stop", posts, flush=False)
-            elif (t.req.max_tokens is not None and n_gen >= t.req.max_tokens) or len(seq.tokens) >= n_ctx:
+            elif (t.max_tokens is not None and len(tokens) - t.n_prompt >= t.max_tokens) or len(tokens) >= n_ctx:
                 self._finish(t, "length", posts)
-
-    def _ticket(self, seq: Sequence) -> Ticket | None:
-        return self._by_seq.get(seq.id)
 
     def _finish(self, t: Ticket, reason: str, posts: list, flush: bool = True) -> None:
         t.finish = reason
@@ -503,7 +520,8 @@ class Scheduler:
         if remove:
             self._retire(t, save=False)
         err = _as_octo_error(exc)
-        posts.append((_put, t.events, (t.index, "done", err)))
+        if t.events is not None:
+            posts.append((_put, t.events, (t.index, "done", err)))
         posts.append((_set_exception, t.result, err))
 
     def _retire(self, t: Ticket, save: bool = True) -> None:
@@ -530,20 +548,29 @@ class Scheduler:
         err = Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
         for t in list(self._active):
             self._fail(t, err, posts)
-        with self._cv:
+        with self._lock:
             pending, self._pending = list(self._pending), deque()
-        for job in pending:
-            posts.append((_set_exception, job.admitted, err))
+            for job in pending:
+                job.state, job.error = "failed", err
         if self.cache is not None:
             self.cache.clear()
-        if posts and self._loop is not None and not self._loop.is_closed():
+        if (posts or pending) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_deliver, posts)
+            for job in pending:
+                self._loop.call_soon_threadsafe(_fail_job, job, err)
 
 
 def _as_octo_error(exc: BaseException) -> OctoError:
     if isinstance(exc, OctoError):
         return exc
     return EngineError(f"The engine failed: {type(exc).__name__}: {exc}")
+
+
+def _fail_job(job: _Job, err: OctoError) -> None:
+    """On the event loop: a job that never ran gets ``err`` (its admission wait, and its result)."""
+    if job.admitted is not None:
+        _set_exception(job.admitted, err)
+    _set_exception(job.result if isinstance(job, Ticket) else job.future, err)
 
 
 def _put(queue: asyncio.Queue, item: Any) -> None:

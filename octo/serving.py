@@ -30,15 +30,21 @@ def new_id(prefix: str) -> str:
 
 
 def _unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:
+    given = req.model_fields_set  # only what the request sent can be set
     for name in names:
-        value = getattr(req, name, None)
-        if value not in (None, False, [], {}):
+        if name in given and getattr(req, name) not in (None, False, [], {}):
             raise UnsupportedParameter(name, why)
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "response_format")
 
 
 def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
     """SamplingParams from an OpenAI-style request; 400 for what the engine cannot honour."""
     sp = SamplingParams()
+    if not req.model_fields_set.intersection(_SAMPLING_FIELDS):
+        return sp  # the request sets no sampling parameter
     if req.temperature is not None:
         sp.temperature = float(req.temperature)
     if req.top_p is not None:

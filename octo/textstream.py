@@ -15,7 +15,7 @@ class TextStream:
     __slots__ = ("_decoder", "_stops", "_held", "_max_stop", "matched")
 
     def __init__(self, stops: list[str] | None = None) -> None:
-        self._decoder = _Utf8Decoder("replace")
+        self._decoder = None  # an incremental UTF-8 decoder, from the first non-ASCII token on
         self._stops = [s for s in (stops or []) if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._held = ""
@@ -23,7 +23,14 @@ class TextStream:
 
     def push(self, data: bytes) -> tuple[str, bool]:
         """Add a token's bytes; return (text safe to emit, whether a stop string was hit)."""
-        text = self._decoder.decode(data)
+        if self._decoder is None:
+            if data.isascii():  # the common case, without the codec machinery
+                text = data.decode("ascii")
+            else:
+                self._decoder = _Utf8Decoder("replace")
+                text = self._decoder.decode(data)
+        else:
+            text = self._decoder.decode(data)
         if not self._stops:
             return text, False
         buf = self._held + text
@@ -41,7 +48,7 @@ class TextStream:
 
     def flush(self) -> str:
         """Everything still held back (called when generation ends for another reason than a stop)."""
-        text = self._held + self._decoder.decode(b"", final=True)
+        text = self._held + (self._decoder.decode(b"", final=True) if self._decoder is not None else "")
         self._held = ""
         return text
 

@@ -94,3 +94,11 @@ def test_refuses_public_bind_without_key():
     out = subprocess.run([sys.executable, "-m", "octo.cli", "serve", "m", "--engine", "echo", "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--api-key" in out.stderr
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_event_loop_choice(loop):
+    with run_octo("m", "--engine", "echo", "--loop", loop) as server:
+        reply = server.openai().chat.completions.create(model="m", messages=[{"role": "user", "content": "a b"}])
+        assert reply.choices[0].message.content == "a b"
+        assert f"{loop} loop" in server.log()
