@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2.5-0.5b")
     ap.add_argument("--seconds", type=float, default=3.0, help="start-up budget per engine (--bench-seconds)")
     ap.add_argument("--bench-seconds", type=float, default=4.0, help="octo bench decode time per batch size")
+    ap.add_argument("--mlx-weights", choices=["4bit", "float32"], default="4bit",
+                    help="MLX artifact: 4-bit like the others (what `octo serve MODEL:4bit` offers it), or float32, "
+                         "its fastest form on a CPU (4-bit MLX matmuls are slower there)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection.json"))
     args = ap.parse_args()
 
@@ -42,9 +45,9 @@ def main() -> None:
 
     reg = engine_registry()
     engines = [e for e in ("llamacpp", "onnx", "mlx") if e in reg and reg[e].detect().available]
-    # 4-bit weights for llama.cpp and ONNX; MLX in float32, its fastest form on a CPU (4-bit MLX matmuls are
-    # slower there, issue 5) - on Apple Silicon its 4-bit build would be the one to try
-    quants = {**QUANTS["4bit"], "mlx": None}
+    quants = dict(QUANTS["4bit"])
+    if args.mlx_weights == "float32":
+        quants["mlx"] = None
     artifacts = {e: str(build_for(args.shape, e, quants[e])) for e in engines}
 
     def load(cls, path):
@@ -62,6 +65,7 @@ def main() -> None:
     winner2, engine2, _, _ = select(cands, load, seconds=args.seconds)
     cached_s = time.perf_counter() - t0
     t_bench_only = sum(r["seconds"] for r in results.values())
+    t_loads = sum(r.get("load_seconds") or 0.0 for r in results.values())
     engine2.unload()
 
     long = {}
@@ -76,7 +80,8 @@ def main() -> None:
     report = {"shape": args.shape, "weights": {e: quants[e] or "float32" for e in engines},
               "host": host_fingerprint(), "engines": engines,
               "startup": {"winner": winner, "reason": reason, "seconds_fresh": round(fresh_s, 2),
-                          "seconds_benchmarking": round(t_bench_only, 2), "seconds_cached": round(cached_s, 2),
+                          "seconds_benchmarking": round(t_bench_only, 2), "seconds_loading": round(t_loads, 2),
+                          "seconds_cached": round(cached_s, 2),
                           "cached_winner": winner2, "results": results},
               "octo_bench": {"winner": bench_winner, "best_decode_tok_s": best, "runs": long},
               "agree": winner == bench_winner}

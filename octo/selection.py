@@ -10,6 +10,10 @@ geometric mean, so no metric's units dominate):
 A candidate that fails to load or errors during its benchmark gets ``error`` set and can never win. The
 winner stays loaded (no second load); losers are unloaded before serving starts. Results are cached in
 ``OCTO_HOME/bench`` keyed by host fingerprint, engine name and version, and artifact digest.
+
+Candidates run one at a time, the one with the best earlier result on this host first. Once a leader exists,
+a candidate stops as soon as it cannot win even with perfect batching (``upper_bound`` below the leader's
+score after its single-stream decode): its result says ``stopped`` and its batch figure stays null.
 """
 
 from __future__ import annotations
@@ -117,14 +121,21 @@ def score(result: dict[str, Any]) -> float:
     return round(s, 3)
 
 
+def upper_bound(result: dict[str, Any]) -> float:
+    """The best score ``result`` could still reach: batched decode at most BATCH times single-stream decode."""
+    return score({**result, "batch_decode_tok_s": BATCH * float(result.get("decode_tok_s") or 0.0)})
+
+
 def bench_prompt(engine: Engine, n: int, salt: int = 0) -> list[int]:
     toks = engine.tokenize(f"[{salt}] " + _TEXT * (1 + n // 16), special=False)
     n_ctx = engine.info.n_ctx if engine.info else n + 64
     return toks[: max(1, min(n, n_ctx // 4))]
 
 
-def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int) -> tuple[int, float]:
-    """Greedy decode steps for all ``seqs`` until the deadline; returns (tokens, seconds)."""
+def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int,
+                 enough: Callable[[float], bool] | None = None) -> tuple[int, float]:
+    """Greedy decode steps for all ``seqs`` until the deadline (or until ``enough(tok_s)`` says so, checked
+    from the third step and 0.25 s on); returns (tokens, seconds)."""
     tokens, t0, steps = 0, time.perf_counter(), 0
     n_ctx = engine.info.n_ctx if engine.info else 1 << 30
     while steps < max_steps and time.perf_counter() < deadline and all(len(s.tokens) < n_ctx - 1 for s in seqs):
@@ -133,6 +144,10 @@ def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_step
             s.tokens.append(tok)
         tokens += len(seqs)
         steps += 1
+        if enough is not None and steps >= 3:
+            dt = time.perf_counter() - t0
+            if dt >= 0.25 and enough(tokens / dt):
+                break
     return tokens, time.perf_counter() - t0
 
 
@@ -173,18 +188,22 @@ def _prefill_until(engine: Engine, seq: Sequence, deadline: float) -> int:
     return fed
 
 
-def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
+def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = None) -> dict[str, Any]:
     """Measure a loaded engine within ``seconds`` (checked before every step); never raises.
 
     Phases: warm-up (4-token prompt), prefill of a 64-token prompt in chunks (stops at 30% of the budget),
     single-stream decode on the warm-up sequence for each thread count (to 55%), then 4 sequences with
     4-token prompts decoding together until the budget ends. A phase the engine is too slow to reach stays
     null; ``score`` then counts batched decode as single-stream decode (no batching gain).
+
+    With ``beat`` (the leader's score), the engine stops once it cannot reach it: a thread count's decode
+    phase ends when its upper bound is below ``beat``, and the batch phase is skipped when the best one is.
     """
     t_start = time.perf_counter()
     deadline = t_start + seconds
     result: dict[str, Any] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None,
-                              "threads": None, "score": 0.0, "cached": False, "seconds": None, "error": None}
+                              "threads": None, "score": 0.0, "cached": False, "seconds": None, "error": None,
+                              "stopped": None}
     live: list[Sequence] = []
     try:
         warm = Sequence(900_001, bench_prompt(engine, 4, 1), SamplingParams(temperature=0.0))
@@ -204,11 +223,16 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
         threads = engine.thread_counts()
         best = None
         phase_end = t_start + 0.55 * seconds
+
+        def hopeless(tok_s: float) -> bool:
+            return beat is not None and upper_bound({**result, "decode_tok_s": tok_s}) < beat
+
         for k, n in enumerate(threads or [None]):
             if n is not None:
                 engine.set_threads(n)
             now = time.perf_counter()
-            toks, dt = decode_steps(engine, [warm], now + (phase_end - now) / (len(threads or [1]) - k), 256)
+            toks, dt = decode_steps(engine, [warm], now + (phase_end - now) / (len(threads or [1]) - k), 256,
+                                    hopeless)
             rate = toks / dt if toks and dt > 0 else 0.0
             if best is None or rate > best[1]:
                 best = (n, rate)
@@ -217,21 +241,11 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
         result["threads"] = best[0]
         result["decode_tok_s"] = round(best[1], 2) if best[1] else None
         free_sequences(engine, live)
-        batch = [Sequence(900_010 + i, bench_prompt(engine, 4, 10 + i), SamplingParams(temperature=0.0))
-                 for i in range(BATCH)]
-        for s in batch:
-            engine.add_sequence(s)
-            live.append(s)
-        if engine.batching == "window":
-            out = engine.step([Feed(s, s.tokens, True) for s in batch])
-            for s, tok in zip(batch, out, strict=True):
-                s.tokens.append(tok)
+        if beat is not None and upper_bound(result) < beat:
+            result["stopped"] = (f"cannot win: at most {upper_bound(result):.2f} with perfect batching, "
+                                 f"below the leader's {beat:.2f}")
         else:
-            for s in batch:
-                _prefill_until(engine, s, deadline)
-        if all(s.n_cached == len(s.tokens) - 1 for s in batch):
-            toks, dt = decode_steps(engine, batch, deadline, 256)
-            result["batch_decode_tok_s"] = round(toks / dt, 2) if toks and dt > 0 else None
+            result["batch_decode_tok_s"] = _batch_decode(engine, live, deadline)
     except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never raised
         log.warning("benchmark of %s failed: %s", engine.name, exc)
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -240,6 +254,26 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
     result["score"] = score(result)
     result["seconds"] = round(time.perf_counter() - t_start, 3)
     return result
+
+
+def _batch_decode(engine: Engine, live: list[Sequence], deadline: float) -> float | None:
+    """BATCH sequences with 4-token prompts decoding together until ``deadline``: aggregate tok/s."""
+    batch = [Sequence(900_010 + i, bench_prompt(engine, 4, 10 + i), SamplingParams(temperature=0.0))
+             for i in range(BATCH)]
+    for s in batch:
+        engine.add_sequence(s)
+        live.append(s)
+    if engine.batching == "window":
+        out = engine.step([Feed(s, s.tokens, True) for s in batch])
+        for s, tok in zip(batch, out, strict=True):
+            s.tokens.append(tok)
+    else:
+        for s in batch:
+            _prefill_until(engine, s, deadline)
+    if not all(s.n_cached == len(s.tokens) - 1 for s in batch):
+        return None
+    toks, dt = decode_steps(engine, batch, deadline, 256)
+    return round(toks / dt, 2) if toks and dt > 0 else None
 
 
 def free_sequences(engine: Engine, seqs: list[Sequence]) -> None:
@@ -263,7 +297,7 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
     results: dict[str, dict[str, Any]] = {}
     best: tuple[str, Engine | None, float] | None = None  # name, loaded engine (None: cached result), score
     t0 = time.perf_counter()
-    for name, (cls, artifact) in candidates.items():
+    for name, (cls, artifact) in _ordered(candidates).items():
         key = cache_key(cls, artifact)
         cached = None if rebench else cached_result(key)
         if cached is not None:
@@ -287,13 +321,14 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
                 load_s = time.perf_counter() - t_load
                 # the budget covers warm-up and measurement; loading is reported apart (the winner's load is
                 # the one serving needs anyway)
-                res = micro_benchmark(engine, seconds)
+                res = micro_benchmark(engine, seconds, beat=best[2] if best is not None else None)
                 res["load_seconds"] = round(load_s, 3)
             results[name] = res
             store_result(key, {k: v for k, v in res.items() if k != "cached"})
             say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
                 f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
                 f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
+                + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "")
                 if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
         if res.get("error"):
             _unload(engine)
@@ -321,6 +356,24 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
     return name, engine, results, reason
 
 
+def _ordered(candidates: dict[str, tuple[type[Engine], str]]) -> dict[str, tuple[type[Engine], str]]:
+    """Candidates with the best earlier results on this host first (any artifact), then in the given order; the
+    order only decides how soon a leader lets the others stop early, never who wins."""
+    host = host_fingerprint()
+    past: dict[str, float] = {}
+    for f in bench_dir().glob("*.json") if bench_dir().is_dir() else ():
+        try:
+            data = json.loads(f.read_text())
+            key, res = data["key"], data["result"]
+            if key["host"] == host and key["engine"] in candidates and not res.get("error") \
+                    and not res.get("stopped"):
+                past[key["engine"]] = max(past.get(key["engine"], 0.0), float(res["score"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    names = sorted(candidates, key=lambda n: -past.get(n, -1.0))  # stable: no history keeps the given order
+    return {n: candidates[n] for n in names}
+
+
 def _unload(engine: Engine | None) -> None:
     if engine is not None:
         try:
@@ -333,7 +386,8 @@ def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callab
     say(f"{'engine':10s} {'prefill':>9s} {'decode':>9s} {'batch x4':>9s} {'threads':>7s} {'score':>9s}  note")
     for n in ranked:
         r = results[n]
-        note = "WINNER" if n == winner else (r.get("error") or "")
+        note = "WINNER" if n == winner else (r.get("error") or ("stopped early (cannot win)" if r.get("stopped")
+                                                               else ""))
         if r.get("cached"):
             note += " (cached)"
 

@@ -326,6 +326,65 @@ def test_generator_backend_windows(int4_dir):
     engine.unload()
 
 
+# -- onnxruntime-genai's og.Engine backend -------------------------------------------------------------------
+def test_og_engine_backend(int4_dir):
+    engine = make_engine(int4_dir, backend="engine")
+    assert engine.batching == "continuous" and engine.info.extra["batching"] == "continuous:og.Engine"
+    assert "fixed batch" in engine.info.extra["backend"]  # a CPU folder: no paged attention
+    prompts = [engine.tokenize(p) for p in PROMPTS[:4]]
+    want = [og_greedy(int4_dir, p, 16) for p in prompts]
+    assert [generate(engine, [p], 16)[0] for p in prompts] == want
+    assert generate(engine, prompts, 16) == want
+    assert generate(engine, prompts, 16, chunk=5) == want  # prompts fed in chunks start one whole turn
+    # a sequence that joins a running batch waits inside the library (fixed batch on CPU), then runs
+    assert generate(engine, prompts[:2], 16, join_at=[0, 3]) == want[:2]
+    outs = generate(engine, prompts, 16, cancel={1: 2})
+    assert outs[1] == want[1][:2] and [outs[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert not engine.backend.live  # every request was closed
+    # the library wants every call from the thread that made its Engine: another thread (the scheduler's, after
+    # the start-up benchmark ran in the main one) gets its own
+    import threading
+
+    other: list = []
+    worker = threading.Thread(target=lambda: other.append(generate(engine, prompts[:1], 8)))
+    worker.start()
+    worker.join()
+    assert other == [[want[0][:8]]]
+    sampled = generate(engine, prompts[:2], 12, SamplingParams(temperature=1.5, top_k=50))
+    assert sampled != [w[:12] for w in want[:2]] and all(0 <= t < engine.info.n_vocab for o in sampled for t in o)
+    assert engine.kv_save(Sequence(9, [1, 2], GREEDY)) is None
+    # the library takes a per-turn seed only with paged attention: refused (400 naming it) on this folder
+    assert "min_p" not in engine.sampling_params and "seed" not in engine.sampling_params
+    engine.unload()
+
+
+def test_paged_attention_folder_selects_og_engine(int4_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from octo.engines.onnx import ogengine
+
+    folder = tmp_path / "paged"
+    shutil.copytree(int4_dir, folder)
+    assert not ogengine.has_dynamic_batching(folder)
+    cfg = json.loads((folder / "genai_config.json").read_text())
+    cfg["engine"] = {"dynamic_batching": {"block_size": 256, "max_batch_size": 8, "num_blocks": 64}}
+    (folder / "genai_config.json").write_text(json.dumps(cfg))
+    assert ogengine.has_dynamic_batching(folder)
+    # this CPU build of the library cannot run paged attention (nor is the copied model paged), so only the
+    # routing is checked here: auto picks og.Engine, the one backend that can drive such a folder
+    chosen = []
+
+    class Probe(ogengine.EngineBackend):
+        def __init__(self, folder, *args):
+            chosen.append(folder)
+            raise RuntimeError("probe")
+
+    monkeypatch.setattr(ogengine, "EngineBackend", Probe)
+    with pytest.raises(RuntimeError, match="probe"):
+        make_engine(str(folder))
+    assert chosen == [folder]
+
+
 def test_synthetic_build_is_cached(int4_dir, fp32_dir):
     from octo.synth.onnx import build_onnx
 

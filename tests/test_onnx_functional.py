@@ -182,3 +182,28 @@ def test_generator_backend_serves_in_windows(folder, server, model):
 
         assert asyncio.run(together())[1] == reference
         assert _get(s, "/v1/cache/stats")["hits"] == 0
+
+
+def test_og_engine_backend_serves(folder, server, model):
+    reference = server.openai().chat.completions.create(model=model, messages=_msgs(QUESTIONS[1]), max_tokens=16,
+                                                        temperature=0).choices[0].message.content
+    with run_octo(folder, "--engine", "onnx", "-o", "backend=engine", "--max-batch", "4") as s:
+        engines = _get(s, "/v1/engines")
+        row = next(e for e in engines["data"] if e["name"] == "onnx")
+        assert row["batching"] == "continuous:og.Engine" or "og.Engine" in json.dumps(row)
+        name = s.openai().models.list().data[0].id
+
+        async def together():
+            aclient = s.async_openai()
+            rs = await asyncio.gather(*(aclient.chat.completions.create(
+                model=name, messages=_msgs(q), max_tokens=16, temperature=0) for q in QUESTIONS[:3]))
+            return [r.choices[0].message.content for r in rs]
+
+        assert asyncio.run(together())[1] == reference
+        stream = s.openai().chat.completions.create(model=name, messages=_msgs(QUESTIONS[1]), max_tokens=16,
+                                                    temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference
+        with pytest.raises(openai.BadRequestError) as e:  # no per-turn seed without paged attention
+            s.openai().chat.completions.create(model=name, messages=_msgs(QUESTIONS[0]), max_tokens=4, seed=1)
+        assert e.value.body["param"] == "seed"
+        assert _get(s, "/v1/cache/stats")["hits"] == 0

@@ -3,9 +3,9 @@
 import asyncio
 
 import pytest
+from octo.engines.echo import EchoEngine
 
 from octo.engine import EngineConfig, Feed
-from octo.engines.echo import EchoEngine
 from octo.errors import EngineError, Overloaded, QueueTimeout
 from octo.scheduler import GenerationRequest, Scheduler
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from octo.engine import Engine, Feed, ModelInfo, Task
-from octo.selection import artifact_digest, host_fingerprint, micro_benchmark, score, select
+from octo.selection import artifact_digest, host_fingerprint, micro_benchmark, score, select, upper_bound
 
 LOADS: list[str] = []
 UNLOADS: list[str] = []
@@ -128,3 +128,24 @@ def test_cache_key_changes_with_the_artifact(home):
 def test_all_failing_raises(home):
     with pytest.raises(RuntimeError, match="no candidate engine"):
         select({"broken": (Broken, str(home))}, _load, seconds=0.2, say=lambda m: None)
+
+
+def test_a_candidate_that_cannot_win_stops_early_and_the_best_known_goes_first(home):
+    cands = {"slow": (Slow, str(home)), "fast": (Fast, str(home))}
+    _, _, first, _ = select(cands, _load, seconds=1.0, say=lambda m: None)
+    assert first["slow"]["stopped"] is None and first["slow"]["batch_decode_tok_s"] > 0  # measured before any leader
+    LOADS.clear()
+    lines: list[str] = []
+    name, _, results, _ = select(cands, _load, seconds=1.0, rebench=True, say=lines.append)
+    assert LOADS[:2] == ["fast", "slow"]  # the best earlier result on this host runs first
+    slow = results["slow"]
+    assert name == "fast" and slow["stopped"].startswith("cannot win") and slow["batch_decode_tok_s"] is None
+    assert slow["decode_tok_s"] > 0 and slow["seconds"] < 0.8 < results["fast"]["seconds"]
+    assert upper_bound(slow) < results["fast"]["score"] and slow["score"] < upper_bound(slow)
+    assert any("stopped early" in line for line in lines)
+
+
+def test_early_stop_never_drops_a_candidate_that_could_win(home):
+    fast = micro_benchmark(_load(Fast, str(home)), seconds=0.6)
+    r = micro_benchmark(_load(Fast, str(home)), seconds=0.6, beat=0.5 * fast["score"])
+    assert r["stopped"] is None and r["batch_decode_tok_s"] > 0

@@ -10,6 +10,9 @@ Two ways to run a folder behind the shared scheduler (``-o backend=``):
   library cannot add a sequence to a running Generator (its continuous-batching ``og.Engine`` needs a paged
   attention build, which the model builder makes for CUDA/WebGPU only), so the scheduler admits a new group only
   when the previous one has finished.
+* ``engine``: onnxruntime-genai's continuous-batching ``og.Engine`` (:mod:`.ogengine`), chosen automatically for
+  paged-attention folders (``engine.dynamic_batching`` in ``genai_config.json``); on a CPU folder the library
+  runs it as a fixed batch.
 
 ``onnxruntime`` / ``onnxruntime_genai`` are imported lazily: the package imports without them.
 """
@@ -99,7 +102,12 @@ class OnnxEngine(Engine):
         penalty_last_n = self.opts.get("penalty_last_n", 64)
         choice = self.opts.get("backend", "auto")
         if choice == "auto":
-            choice = "session" if spec.share_buffer else "generator"
+            from .ogengine import has_dynamic_batching
+
+            if has_dynamic_batching(folder):  # a paged-attention build: only og.Engine can drive it
+                choice = "engine"
+            else:
+                choice = "session" if spec.share_buffer else "generator"
         self.codec = TextCodec(folder, spec.vocab_size)
         if choice == "session":
             from .session import SessionBackend, SessionRunner
@@ -108,6 +116,11 @@ class OnnxEngine(Engine):
             self.backend = SessionBackend(runner, spec.vocab_size, penalty_last_n)
             kv = {"kv_dtype": runner.kv_dtype.__name__, "kv_bytes_per_token": runner.bytes_per_token,
                   "prefix_cache": "KV copies of any shared prefix (session rows)"}
+        elif choice == "engine":
+            from .ogengine import EngineBackend
+
+            self.backend = EngineBackend(folder, spec, self.config.max_batch, n_ctx, threads)
+            kv = {"prefix_cache": "none claimed (the library's KV is not octo's to copy; kv_save returns None)"}
         else:
             from .generator import GeneratorBackend
 

@@ -21,15 +21,17 @@ def _non_negative(v: str) -> int:
 
 def _backend(v: str) -> str:
     s = v.strip().lower()
-    if s not in ("auto", "session", "generator"):
-        raise ValueError(f"expected auto, session or generator, got {v!r}")
+    if s not in ("auto", "session", "generator", "engine"):
+        raise ValueError(f"expected auto, session, generator or engine, got {v!r}")
     return s
 
 
 OPTIONS = {
     "backend": (_backend, "session: octo drives the ONNX decoder with onnxruntime and owns the KV rows "
                           "(continuous batching, any prefix reused); generator: onnxruntime-genai's "
-                          "og.Generator, one per batch window; auto (default): session when the folder allows"),
+                          "og.Generator, one per batch window; engine: onnxruntime-genai's og.Engine "
+                          "(continuous batching with paged-attention builds, CUDA/WebGPU); auto (default): engine "
+                          "for paged-attention folders, else session when the folder allows"),
     "threads": (_non_negative, "onnxruntime intra-op threads (default 0: onnxruntime's choice, physical cores)"),
     "n_ctx": (_positive, "context length per sequence (default: min(the model's, 4096))"),
     "prefill_chunk": (_positive, "prompt tokens fed per step while other sequences decode (default 256)"),
