@@ -2,7 +2,8 @@
 
 Per candidate: load, warm up, then measure prefill tok/s, single-stream decode tok/s and batched decode
 tok/s (4 sequences), and try each thread count the engine offers, all within ``--bench-seconds`` (warm-up
-and measurement; the load time is reported apart). The score favours serving throughput (a weighted
+and measurement; the load time is reported apart). The budget is a ceiling: a decode phase ends as soon as its
+rate is known to 1.5% (standard error of the mean step time). The score favours serving throughput (a weighted
 geometric mean, so no metric's units dominate):
 
     score = batch_decode_tok_s ** 0.5 * decode_tok_s ** 0.3 * prefill_tok_s ** 0.2
@@ -21,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +38,7 @@ log = logging.getLogger("octo.selection")
 WEIGHTS = {"batch_decode_tok_s": 0.5, "decode_tok_s": 0.3, "prefill_tok_s": 0.2}
 BATCH = 4
 PROMPT_TOKENS = 64
+SETTLE = 0.015  # a decode phase ends once its mean step time is known to 1.5% (standard error)
 _TEXT = ("The quick brown fox jumps over the lazy dog while the busy engineers measure how fast each engine "
          "decodes tokens on this machine, one step at a time. ")
 
@@ -133,21 +137,31 @@ def bench_prompt(engine: Engine, n: int, salt: int = 0) -> list[int]:
 
 
 def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int,
-                 enough: Callable[[float], bool] | None = None) -> tuple[int, float]:
-    """Greedy decode steps for all ``seqs`` until the deadline (or until ``enough(tok_s)`` says so, checked
-    from the third step and 0.25 s on); returns (tokens, seconds)."""
+                 enough: Callable[[float], bool] | None = None, settle: float = 0.0) -> tuple[int, float]:
+    """Greedy decode steps for all ``seqs`` until the deadline; returns (tokens, seconds).
+
+    From the third step and 0.25 s on, it ends early when ``enough(tok_s)`` says so, or, with ``settle``, once
+    the rate is known that well: the standard error of the mean step time below ``settle`` times the mean
+    (after at least 8 steps), so a fast, steady engine does not spend its whole budget confirming a number.
+    """
     tokens, t0, steps = 0, time.perf_counter(), 0
     n_ctx = engine.info.n_ctx if engine.info else 1 << 30
+    times: list[float] = []
     while steps < max_steps and time.perf_counter() < deadline and all(len(s.tokens) < n_ctx - 1 for s in seqs):
+        t_step = time.perf_counter()
         out = engine.step([Feed(s, s.tokens[-1:], True) for s in seqs])
+        times.append(time.perf_counter() - t_step)
         for s, tok in zip(seqs, out, strict=True):
             s.tokens.append(tok)
         tokens += len(seqs)
         steps += 1
-        if enough is not None and steps >= 3:
-            dt = time.perf_counter() - t0
-            if dt >= 0.25 and enough(tokens / dt):
-                break
+        dt = time.perf_counter() - t0
+        if steps < 3 or dt < 0.25:
+            continue
+        if enough is not None and enough(tokens / dt):
+            break
+        if settle and steps >= 8 and statistics.stdev(times) / math.sqrt(steps) < settle * statistics.fmean(times):
+            break
     return tokens, time.perf_counter() - t0
 
 
@@ -232,7 +246,7 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
                 engine.set_threads(n)
             now = time.perf_counter()
             toks, dt = decode_steps(engine, [warm], now + (phase_end - now) / (len(threads or [1]) - k), 256,
-                                    hopeless)
+                                    hopeless, SETTLE)
             rate = toks / dt if toks and dt > 0 else 0.0
             if best is None or rate > best[1]:
                 best = (n, rate)
@@ -272,7 +286,7 @@ def _batch_decode(engine: Engine, live: list[Sequence], deadline: float) -> floa
             _prefill_until(engine, s, deadline)
     if not all(s.n_cached == len(s.tokens) - 1 for s in batch):
         return None
-    toks, dt = decode_steps(engine, batch, deadline, 256)
+    toks, dt = decode_steps(engine, batch, deadline, 256, settle=SETTLE)
     return round(toks / dt, 2) if toks and dt > 0 else None
 
 
@@ -308,17 +322,13 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
                 if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
             engine = None
         else:
-            say(f"octo: bench {name:9s} loading and measuring (~{seconds:g} s) ...")
-            t_load = time.perf_counter()
-            try:
-                engine = load(cls, artifact)
-            except Exception as exc:  # noqa: BLE001
+            say(f"octo: bench {name:9s} loading and measuring (at most {seconds:g} s after the load) ...")
+            engine, load_s, exc = _timed_load(load, cls, artifact)
+            if engine is None:
                 res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
-                       "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
+                       "score": 0.0, "cached": False, "seconds": round(load_s, 3),
                        "error": f"load failed: {getattr(exc, 'message', None) or exc}"}
-                engine = None
             else:
-                load_s = time.perf_counter() - t_load
                 # the budget covers warm-up and measurement; loading is reported apart (the winner's load is
                 # the one serving needs anyway)
                 res = micro_benchmark(engine, seconds, beat=best[2] if best is not None else None)
@@ -354,6 +364,15 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
     reason = (f"highest benchmark score among {len(results)} candidates ({', '.join(ranked)}); "
               f"selection took {time.perf_counter() - t0:.2f} s")
     return name, engine, results, reason
+
+
+def _timed_load(load: Callable[[type[Engine], str], Engine], cls: type[Engine],
+                artifact: str) -> tuple[Engine | None, float, BaseException | None]:
+    t = time.perf_counter()
+    try:
+        return load(cls, artifact), time.perf_counter() - t, None
+    except Exception as exc:  # noqa: BLE001 - recorded as the candidate's load failure
+        return None, time.perf_counter() - t, exc
 
 
 def _ordered(candidates: dict[str, tuple[type[Engine], str]]) -> dict[str, tuple[type[Engine], str]]:

@@ -140,7 +140,7 @@ def test_a_candidate_that_cannot_win_stops_early_and_the_best_known_goes_first(h
     assert LOADS[:2] == ["fast", "slow"]  # the best earlier result on this host runs first
     slow = results["slow"]
     assert name == "fast" and slow["stopped"].startswith("cannot win") and slow["batch_decode_tok_s"] is None
-    assert slow["decode_tok_s"] > 0 and slow["seconds"] < 0.8 < results["fast"]["seconds"]
+    assert slow["decode_tok_s"] > 0 and slow["seconds"] < 1.0
     assert upper_bound(slow) < results["fast"]["score"] and slow["score"] < upper_bound(slow)
     assert any("stopped early" in line for line in lines)
 
@@ -149,3 +149,8 @@ def test_early_stop_never_drops_a_candidate_that_could_win(home):
     fast = micro_benchmark(_load(Fast, str(home)), seconds=0.6)
     r = micro_benchmark(_load(Fast, str(home)), seconds=0.6, beat=0.5 * fast["score"])
     assert r["stopped"] is None and r["batch_decode_tok_s"] > 0
+
+
+def test_a_steady_engine_settles_before_its_budget(home):
+    r = micro_benchmark(_load(Fast, str(home)), seconds=5.0)
+    assert r["decode_tok_s"] > 0 and r["batch_decode_tok_s"] > 0 and r["seconds"] < 3.0  # the budget is a ceiling
