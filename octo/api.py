@@ -83,6 +83,26 @@ async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[tuple[int,
         yield batch
 
 
+async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
+                        text_chunk: Callable[[int, str], bytes],
+                        finish_chunk: Callable[[int, str], bytes]) -> list[Result | None]:
+    """Write the events of ``n`` sequences as SSE chunks until all are done; their results by choice index
+    (None for one that failed: its error went out as an error event)."""
+    results: list[Result | None] = [None] * n
+    async for batch in _events(queue, n):
+        out = []
+        for index, kind, value in batch:
+            if kind == "text":
+                out.append(text_chunk(index, value))
+            elif isinstance(value, Result):
+                results[index] = value
+                out.append(finish_chunk(index, value.finish_reason))
+            else:
+                out.append(_error_event(value))
+        await resp.write(b"".join(out))
+    return results
+
+
 def _error_event(exc: Any) -> bytes:
     err = exc if isinstance(exc, OctoError) else InvalidRequest(str(exc))
     return _data(err.body())
@@ -110,18 +130,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish), **extra})
 
         await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
-        results: list[Result] = [None] * req.n  # type: ignore[list-item]
-        async for batch in _events(tickets[0].events, req.n):
-            out = []
-            for index, kind, value in batch:
-                if kind == "text":
-                    out.append(chunk(index, {"content": value}))
-                elif isinstance(value, Result):
-                    results[index] = value
-                    out.append(chunk(index, {}, value.finish_reason))
-                else:
-                    out.append(_error_event(value))
-            await resp.write(b"".join(out))
+        results = await _write_events(resp, tickets[0].events, req.n, lambda i, text: chunk(i, {"content": text}),
+                                      lambda i, finish: chunk(i, {}, finish))
         if include_usage and all(results):
             usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                      "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
@@ -150,28 +160,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise
     model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
     try:
-        await _admitted(handle, tickets)
         if not req.stream:
             results = [await t.result for t in tickets]
             texts = serving.prompt_texts(handle, req) if req.echo else [""] * len(gens)
             prefixes = [texts[i // req.n] for i in range(len(results))]
             return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
+        await _admitted(handle, tickets)
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = await _sse(request)
-        results: list[Result] = [None] * len(tickets)  # type: ignore[list-item]
-        async for batch in _events(queue, len(tickets)):
-            out = []
-            for index, kind, value in batch:
-                if kind == "text":
-                    out.append(_data(serving.completion_chunk(rid, model, fp, created, index, value)))
-                elif isinstance(value, Result):
-                    results[index] = value
-                    out.append(_data(serving.completion_chunk(rid, model, fp, created, index, "",
-                                                              value.finish_reason)))
-                else:
-                    out.append(_error_event(value))
-            await resp.write(b"".join(out))
+
+        def chunk(index: int, text: str, finish: str | None = None) -> bytes:
+            return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish))
+
+        results = await _write_events(resp, queue, len(tickets), chunk, lambda i, finish: chunk(i, "", finish))
         if include_usage and all(results):
             u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
             await resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,

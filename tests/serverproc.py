@@ -14,6 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# the conversation the engine functional tests share: a long system prompt (prefix-cache hits) and short turns
+SYSTEM = ("You are a careful assistant. The old lighthouse stood at the edge of the harbor, and every evening "
+          "the keeper climbed the narrow stairs to light the lamp. Answer briefly and never forget the rocks.")
+QUESTIONS = ["What does the keeper do?", "Where are the rocks?", "Tell me about the harbor.", "Hello!"]
+
+
+def chat_messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
 def free_port() -> int:
@@ -45,6 +53,12 @@ class OctoServer:
         import openai
 
         return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", **kw)
+
+    def get_json(self, path: str) -> dict:
+        import json
+
+        with urllib.request.urlopen(self.url(path)) as r:
+            return json.loads(r.read())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

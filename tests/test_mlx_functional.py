@@ -5,8 +5,6 @@ parameters are 400s naming them. Uses the tiny synthetic MLX folder."""
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 
 import pytest
 
@@ -14,13 +12,8 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'octo[
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'octo[mlx]')")
 openai = pytest.importorskip("openai")
 
-from serverproc import run_octo  # noqa: E402
-
-SYSTEM = (
-    "You are a careful assistant. The old lighthouse stood at the edge of the harbor, and every evening "
-    "the keeper climbed the narrow stairs to light the lamp. Answer briefly and never forget the rocks."
-)
-QUESTIONS = ["What does the keeper do?", "Where are the rocks?", "Tell me about the harbor.", "Hello!"]
+from serverproc import QUESTIONS, SYSTEM, run_octo  # noqa: E402
+from serverproc import chat_messages as _msgs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +34,10 @@ def model(server) -> str:
     return server.openai().models.list().data[0].id
 
 
-def _get(server, path: str) -> dict:
-    with urllib.request.urlopen(server.url(path)) as r:
-        return json.loads(r.read())
-
-
-def _msgs(q: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
 
 
 def test_engine_is_mlx(server):
-    body = _get(server, "/v1/engines")
+    body = server.get_json("/v1/engines")
     rows = {r["name"]: r for r in body["data"]}
     assert body["active"] == "mlx" and rows["mlx"]["active"] and rows["mlx"]["batching"] == "continuous"
     assert "CPU" in rows["mlx"]["reason"] or "Metal" in rows["mlx"]["reason"]
@@ -108,14 +94,14 @@ def test_prefix_cache_hit_on_shared_system_prompt(server, model, folder):
     from octo.engine import EngineConfig
 
     client = server.openai()
-    before = _get(server, "/v1/cache/stats")
+    before = server.get_json("/v1/cache/stats")
     client.chat.completions.create(
         model=model, messages=_msgs("A first question about ships?"), max_tokens=8, temperature=0
     )
     r = client.chat.completions.create(
         model=model, messages=_msgs("A second one, about the lamp."), max_tokens=24, temperature=0
     )
-    after = _get(server, "/v1/cache/stats")
+    after = server.get_json("/v1/cache/stats")
     assert after["enabled"] and after["hits"] > before["hits"] and after["bytes"] > 0
     assert r.usage.prompt_tokens_details.cached_tokens > 40
 

@@ -6,9 +6,7 @@ them, and the og.Generator batch-window backend serves too. Uses the tiny synthe
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.request
 
 import pytest
 
@@ -17,11 +15,8 @@ for _mod in ("torch", "transformers", "onnx_ir"):
     pytest.importorskip(_mod, reason=f"{_mod} is needed by onnxruntime-genai's model builder")
 openai = pytest.importorskip("openai")
 
-from serverproc import run_octo  # noqa: E402
-
-SYSTEM = ("You are a careful assistant. The old lighthouse stood at the edge of the harbor, and every evening "
-          "the keeper climbed the narrow stairs to light the lamp. Answer briefly and never forget the rocks.")
-QUESTIONS = ["What does the keeper do?", "Where are the rocks?", "Tell me about the harbor.", "Hello!"]
+from serverproc import QUESTIONS, run_octo  # noqa: E402
+from serverproc import chat_messages as _msgs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +37,6 @@ def model(server) -> str:
     return server.openai().models.list().data[0].id
 
 
-def _get(server, path: str) -> dict:
-    with urllib.request.urlopen(server.url(path)) as r:
-        return json.loads(r.read())
-
-
-def _msgs(q: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
 
 
 def _local_reply(folder: str, messages: list[dict], max_tokens: int) -> str:
@@ -66,11 +54,11 @@ def _local_reply(folder: str, messages: list[dict], max_tokens: int) -> str:
 
 
 def test_engine_is_onnx(server):
-    body = _get(server, "/v1/engines")
+    body = server.get_json("/v1/engines")
     rows = {r["name"]: r for r in body["data"]}
     assert body["active"] == "onnx" and rows["onnx"]["active"] and rows["onnx"]["available"]
     assert "onnxruntime" in rows["onnx"]["reason"]
-    assert _get(server, "/v1/queue/stats")["batching"] == "continuous"
+    assert server.get_json("/v1/queue/stats")["batching"] == "continuous"
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 11}])
@@ -110,7 +98,7 @@ def test_concurrent_requests_equal_single(server, model):
 
 
 def test_disconnected_stream_leaves_the_batch(server, model):
-    before = _get(server, "/v1/queue/stats")["total_cancelled"]
+    before = server.get_json("/v1/queue/stats")["total_cancelled"]
 
     async def go():
         aclient = server.async_openai()
@@ -124,7 +112,7 @@ def test_disconnected_stream_leaves_the_batch(server, model):
     asyncio.run(go())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        stats = _get(server, "/v1/queue/stats")
+        stats = server.get_json("/v1/queue/stats")
         if stats["active"] == 0 and stats["total_cancelled"] > before:
             break
         time.sleep(0.05)
@@ -133,13 +121,13 @@ def test_disconnected_stream_leaves_the_batch(server, model):
 
 def test_prefix_cache_reuses_a_conversation(server, model, folder):
     client = server.openai()
-    before = _get(server, "/v1/cache/stats")
+    before = server.get_json("/v1/cache/stats")
     first = _msgs("A first question about ships?")
     r1 = client.chat.completions.create(model=model, messages=first, max_tokens=8, temperature=0)
     turn2 = first + [{"role": "assistant", "content": r1.choices[0].message.content},
                      {"role": "user", "content": "And the lamp?"}]
     r2 = client.chat.completions.create(model=model, messages=turn2, max_tokens=16, temperature=0)
-    after = _get(server, "/v1/cache/stats")
+    after = server.get_json("/v1/cache/stats")
     assert after["enabled"] and after["hits"] > before["hits"] and after["bytes"] > 0
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached > 40 and after["tokens_reused"] - before["tokens_reused"] >= cached
@@ -171,7 +159,7 @@ def test_generator_backend_serves_in_windows(folder, server, model):
     reference = server.openai().chat.completions.create(model=model, messages=_msgs(QUESTIONS[1]), max_tokens=16,
                                                         temperature=0).choices[0].message.content
     with run_octo(folder, "--engine", "onnx", "-o", "backend=generator", "--max-batch", "2") as s:
-        assert _get(s, "/v1/queue/stats")["batching"] == "window"
+        assert s.get_json("/v1/queue/stats")["batching"] == "window"
         name = s.openai().models.list().data[0].id
 
         async def together():
@@ -181,16 +169,17 @@ def test_generator_backend_serves_in_windows(folder, server, model):
             return [r.choices[0].message.content for r in rs]
 
         assert asyncio.run(together())[1] == reference
-        assert _get(s, "/v1/cache/stats")["hits"] == 0
+        assert s.get_json("/v1/cache/stats")["hits"] == 0
 
 
 def test_og_engine_backend_serves(folder, server, model):
     reference = server.openai().chat.completions.create(model=model, messages=_msgs(QUESTIONS[1]), max_tokens=16,
                                                         temperature=0).choices[0].message.content
     with run_octo(folder, "--engine", "onnx", "-o", "backend=engine", "--max-batch", "4") as s:
-        engines = _get(s, "/v1/engines")
+        engines = s.get_json("/v1/engines")
         row = next(e for e in engines["data"] if e["name"] == "onnx")
-        assert row["batching"] == "continuous:og.Engine" or "og.Engine" in json.dumps(row)
+        assert row["batching"] == "continuous" and row["model"]["batching"] == "continuous:og.Engine"
+        assert "og.Engine" in row["model"]["backend"]
         name = s.openai().models.list().data[0].id
 
         async def together():
@@ -206,4 +195,4 @@ def test_og_engine_backend_serves(folder, server, model):
         with pytest.raises(openai.BadRequestError) as e:  # no per-turn seed without paged attention
             s.openai().chat.completions.create(model=name, messages=_msgs(QUESTIONS[0]), max_tokens=4, seed=1)
         assert e.value.body["param"] == "seed"
-        assert _get(s, "/v1/cache/stats")["hits"] == 0
+        assert s.get_json("/v1/cache/stats")["hits"] == 0
