@@ -64,7 +64,7 @@ class Ticket(_Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel", "max_tokens")
+                 "finish", "hit_eos", "_cancel")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -74,7 +74,6 @@ class Ticket(_Job):
         self.req = req
         self.seq = Sequence(self.id, list(req.prompt_tokens), sampling)
         self.n_prompt = len(req.prompt_tokens)
-        self.max_tokens = req.max_tokens
         # (index, "text", str) | (index, "done", Result | OctoError); shared by the tickets of one request
         self.events = events
         self.result: asyncio.Future = loop.create_future()
@@ -126,7 +125,6 @@ class Scheduler:
         self.cache = cache
         self._pending: deque[_Job] = deque()
         self._active: list[Ticket] = []
-        self._by_seq: dict[int, Ticket] = {}
         self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
         self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
         self._thread: threading.Thread | None = None
@@ -434,7 +432,6 @@ class Scheduler:
                     self.engine.add_sequence(seq)
                     seq.n_cached = 0
         self._active.append(t)
-        self._by_seq[seq.id] = t
 
     def _step(self, posts: list) -> None:
         eng = self.engine
@@ -495,7 +492,8 @@ class Scheduler:
                     posts.append((_put, t.events, (t.index, "text", piece)))
             if stopped:
                 self._finish(t, "stop", posts, flush=False)
-            elif (t.max_tokens is not None and len(tokens) - t.n_prompt >= t.max_tokens) or len(tokens) >= n_ctx:
+            elif (t.req.max_tokens is not None and len(tokens) - t.n_prompt >= t.req.max_tokens) \
+                    or len(tokens) >= n_ctx:
                 self._finish(t, "length", posts)
 
     def _finish(self, t: Ticket, reason: str, posts: list, flush: bool = True) -> None:
@@ -527,7 +525,7 @@ class Scheduler:
     def _retire(self, t: Ticket, save: bool = True) -> None:
         """Take ``t`` out of the batch; offer its KV to the prefix cache first."""
         t.state = "done"
-        if self._by_seq.pop(t.seq.id, None) is not None:
+        if t in self._active:
             self._active.remove(t)
         seq = t.seq
         if save and self.cache is not None and seq.n_cached > 0:

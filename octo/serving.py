@@ -36,8 +36,9 @@ def _unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:
             raise UnsupportedParameter(name, why)
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "response_format")
+_PLAIN_SAMPLING = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# every request field sampling_params reads: a request that sets none of them gets the defaults at once
+_SAMPLING_FIELDS = frozenset({"temperature", "top_p", *_PLAIN_SAMPLING, "logit_bias", "response_format"})
 
 
 def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
@@ -49,7 +50,7 @@ def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
         sp.temperature = float(req.temperature)
     if req.top_p is not None:
         sp.top_p = float(req.top_p)
-    for name in ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in _PLAIN_SAMPLING:
         value = getattr(req, name, None)
         if value is not None:
             setattr(sp, name, value)
