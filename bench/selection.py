@@ -89,6 +89,8 @@ def main() -> None:
               "startup": {"winner": winner, "reason": reason, "seconds_fresh": round(fresh_s, 2),
                           "seconds_benchmarking": round(t_bench_only, 2),
                           "seconds_outside_benchmarks": round(t_loads, 2),
+                          # what selecting adds to a start: everything but the winner's own load, which serving needs
+                          "seconds_added_by_selection": round(fresh_s - (results[winner].get("load_seconds") or 0), 2),
                           "seconds_cached": round(cached_s, 2),
                           "cached_winner": winner2, "results": results,
                           "rebench_warm": {"winner": winner3, "seconds": round(warm_s, 2),
