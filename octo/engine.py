@@ -207,6 +207,12 @@ class Engine:
         return "0"
 
     @classmethod
+    def prepare(cls) -> None:
+        """Optional: import slow pure-Python parts of the backend ahead of ``load``. The start-up selection calls
+        it in a background thread while another candidate loads (native loads release the GIL), and waits for it
+        before any measurement. Must not choose anything ``load``'s options decide, and must not raise."""
+
+    @classmethod
     def artifact_format(cls, path: str) -> str | None:
         """The format of a local artifact if this engine can load it, else None."""
         return None

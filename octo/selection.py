@@ -12,7 +12,9 @@ A candidate that fails to load or errors during its benchmark gets ``error`` set
 winner stays loaded (no second load); losers are unloaded before serving starts. Results are cached in
 ``OCTO_HOME/bench`` keyed by host fingerprint, engine name and version, and artifact digest.
 
-Candidates run one at a time, the one with the best earlier result on this host first. Once a leader exists,
+While the first candidate loads, the others' ``Engine.prepare`` (slow imports) runs in a background thread;
+every measurement waits for it. Candidates run one at a time, the one with the best earlier result on this host
+first. Once a leader exists,
 a candidate stops as soon as it cannot win even with perfect batching (``upper_bound`` below the leader's
 score after its single-stream decode): its result says ``stopped`` and its batch figure stays null.
 """
@@ -26,6 +28,7 @@ import math
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -311,9 +314,13 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
     results: dict[str, dict[str, Any]] = {}
     best: tuple[str, Engine | None, float] | None = None  # name, loaded engine (None: cached result), score
     t0 = time.perf_counter()
-    for name, (cls, artifact) in _ordered(candidates).items():
-        key = cache_key(cls, artifact)
-        cached = None if rebench else cached_result(key)
+    ordered = _ordered(candidates)
+    keys = {name: cache_key(cls, artifact) for name, (cls, artifact) in ordered.items()}
+    cached_results = {name: None if rebench else cached_result(key) for name, key in keys.items()}
+    # the candidates after the first prepare (slow imports) while the first one loads; no measurement overlaps it
+    prep = _prepare([cls for name, (cls, _) in ordered.items() if cached_results[name] is None][1:])
+    for name, (cls, artifact) in ordered.items():
+        key, cached = keys[name], cached_results[name]
         if cached is not None:
             res = {**cached, "cached": True}
             results[name] = res
@@ -331,6 +338,7 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
             else:
                 # the budget covers warm-up and measurement; loading is reported apart (the winner's load is
                 # the one serving needs anyway)
+                prep.join()
                 res = micro_benchmark(engine, seconds, beat=best[2] if best is not None else None)
                 res["load_seconds"] = round(load_s, 3)
             results[name] = res
@@ -364,6 +372,21 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
     reason = (f"highest benchmark score among {len(results)} candidates ({', '.join(ranked)}); "
               f"selection took {time.perf_counter() - t0:.2f} s")
     return name, engine, results, reason
+
+
+def _prepare(classes: list[type[Engine]]) -> threading.Thread:
+    """Run ``Engine.prepare`` of ``classes`` in a background thread (started; join it before measuring)."""
+
+    def run() -> None:
+        for cls in classes:
+            try:
+                cls.prepare()
+            except Exception:  # noqa: BLE001 - prepare is an optimisation; load reports real failures
+                log.debug("prepare of %s failed", cls.name, exc_info=True)
+
+    thread = threading.Thread(target=run, name="octo-prepare", daemon=True)
+    thread.start()
+    return thread
 
 
 def _timed_load(load: Callable[[type[Engine], str], Engine], cls: type[Engine],

@@ -1,5 +1,6 @@
 """Start-up engine selection with fake engines of known speed (registered like any plugin engine)."""
 
+import threading
 import time
 
 import pytest
@@ -154,3 +155,33 @@ def test_early_stop_never_drops_a_candidate_that_could_win(home):
 def test_a_steady_engine_settles_before_its_budget(home):
     r = micro_benchmark(_load(Fast, str(home)), seconds=5.0)
     assert r["decode_tok_s"] > 0 and r["batch_decode_tok_s"] > 0 and r["seconds"] < 3.0  # the budget is a ceiling
+
+
+PREPARED: list[tuple[str, float]] = []
+FIRST_STEP: list[float] = []
+
+
+class Preparing(Slow):
+    name = "preparing"
+
+    @classmethod
+    def prepare(cls):  # a slow import, done while the first candidate loads
+        time.sleep(0.3)
+        PREPARED.append((threading.current_thread().name, time.monotonic()))
+
+
+class FirstMeasured(Fast):
+    name = "first"
+
+    def step(self, feeds):
+        FIRST_STEP.append(time.monotonic())
+        return super().step(feeds)
+
+
+def test_prepare_runs_in_the_background_and_ends_before_any_measurement(home):
+    PREPARED.clear()
+    FIRST_STEP.clear()
+    select({"first": (FirstMeasured, str(home)), "preparing": (Preparing, str(home))}, _load, seconds=0.4,
+           say=lambda m: None)
+    assert [p[0] for p in PREPARED] == ["octo-prepare"]  # only the candidates after the first, in the background
+    assert PREPARED[0][1] <= FIRST_STEP[0]  # no measurement shares the machine with it
