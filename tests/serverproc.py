@@ -24,6 +24,33 @@ def chat_messages(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
+def check_unsupported_parameters_are_400(server: OctoServer, model: str) -> None:
+    """For engines that honour neither: response_format and logit_bias get a 400 naming them."""
+    import openai
+    import pytest
+
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=chat_messages("hi"),
+                                       response_format={"type": "json_object"})
+    assert "response_format" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=chat_messages("hi"), logit_bias={"999999": 5})
+    assert "logit_bias" in str(e.value)
+
+
+def check_stop_string_and_max_tokens(server: OctoServer, model: str) -> None:
+    """max_tokens ends with "length"; a stop string taken from that text cuts it just before the string."""
+    client = server.openai()
+    full = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,13 @@ pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'octo[
 pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'octo[mlx]')")
 openai = pytest.importorskip("openai")
 
-from serverproc import QUESTIONS, SYSTEM, run_octo  # noqa: E402
+from serverproc import (  # noqa: E402
+    QUESTIONS,
+    SYSTEM,
+    check_stop_string_and_max_tokens,
+    check_unsupported_parameters_are_400,
+    run_octo,
+)
 from serverproc import chat_messages as _msgs  # noqa: E402
 
 
@@ -115,20 +121,8 @@ def test_prefix_cache_hit_on_shared_system_prompt(server, model, folder):
 
 
 def test_unsupported_parameters_are_400(server, model):
-    client = server.openai()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=_msgs("hi"), response_format={"type": "json_object"})
-    assert "response_format" in str(e.value)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=_msgs("hi"), logit_bias={"999999": 5})
-    assert "logit_bias" in str(e.value)
+    check_unsupported_parameters_are_400(server, model)
 
 
 def test_stop_string_and_max_tokens(server, model):
-    client = server.openai()
-    full = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, temperature=0)
-    text = full.choices[0].text
-    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 24
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    cut = client.completions.create(model=model, prompt="The old lighthouse", max_tokens=24, temperature=0, stop=[stop])
-    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
+    check_stop_string_and_max_tokens(server, model)
