@@ -515,3 +515,37 @@ def test_embeddings_are_batched_normalised_and_order_independent(embedder):
 def test_generative_model_refuses_embeddings(engine):
     with pytest.raises(InvalidRequest, match="not an embedding model"):
         engine.embed(["hello"])
+
+
+def test_repack_probe_decides_and_the_option_overrides(gguf_path, monkeypatch, tmp_path):
+    """A host where the probe's child crashes loads with repack off (use_extra_bufts=false); -o repack wins."""
+    from octo.engines.llamacpp import probe
+
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    monkeypatch.setattr(probe, "_probe", lambda: (False, "SIGSEGV"))
+    e = LlamaCppEngine(EngineConfig(max_batch=1))
+    try:
+        extra = e.load(gguf_path, "tiny").extra
+        assert (extra["repack"], extra["repack_source"]) == (False, "probe")
+        assert generate(e, [e.tokenize(PROMPTS[0])], 3)[0]  # serves without repacking
+    finally:
+        e.unload()
+    # the verdict is cached for this host and build: a second load does not probe again
+    monkeypatch.setattr(probe, "_probe", lambda: pytest.fail("probed twice"))
+    assert probe.repack_safe(LlamaCppEngine.version()) is False
+    e = LlamaCppEngine(EngineConfig(max_batch=1, options={"repack": "true"}))
+    try:
+        extra = e.load(gguf_path, "tiny").extra
+        assert (extra["repack"], extra["repack_source"]) == (True, "option")
+    finally:
+        e.unload()
+    with pytest.raises(ConfigError, match="repack"):
+        LlamaCppEngine(EngineConfig(options={"repack": "maybe"}))
+
+
+def test_repack_probe_child_runs_here():
+    """The real probe child decodes the tiny quantized models (exit 0 here; a signal on a crashing host)."""
+    from octo.engines.llamacpp import probe
+
+    verdict, detail = probe._probe()
+    assert verdict is not None, detail

@@ -72,6 +72,9 @@ class LlamaCppEngine(Engine):
         }
     )
     prefill_chunk: ClassVar[int] = 256
+    fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = (
+        ({"repack": "false"}, "the AMX/CPU weight repack crashed on this host"),
+    )
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         super().__init__(config)
@@ -123,6 +126,7 @@ class LlamaCppEngine(Engine):
         if "n_gpu_layers" in self.opts:  # else llama.cpp's default: everything on a GPU backend if there is one
             mp.n_gpu_layers = self.opts["n_gpu_layers"]
         mp.use_mmap = self.opts.get("use_mmap", True)
+        mp.use_extra_bufts = self.repack = self._repack(L.__version__)
         LogTap.recent.clear()
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
@@ -181,9 +185,22 @@ class LlamaCppEngine(Engine):
                 "pooling": POOLING_NAMES.get(pooling, "none") if self.is_embedding else None,
                 "chat_template": self.template_source,
                 "prefix_cache": "llama_state_seq snapshots",
+                "repack": self.repack,
+                "repack_source": self.repack_source,
             },
         )
         return self.info
+
+    def _repack(self, version: str) -> bool:
+        """Weight repacking (the fast path) unless the user said no, or this host's probe crashed with it."""
+        choice = self.opts.get("repack", "auto")
+        if choice != "auto":
+            self.repack_source = "option"
+            return choice == "true"
+        from .probe import repack_safe
+
+        self.repack_source = "probe"
+        return repack_safe(version)
 
     def _make_context(self, pooling: int) -> None:
         L = self._L

@@ -38,6 +38,13 @@ def _flash(v: str) -> str:
     return s
 
 
+def _auto_bool(v: str) -> str:
+    s = v.strip().lower()
+    if s == "auto":
+        return s
+    return "true" if _bool(s) else "false"
+
+
 def _positive(v: str) -> int:
     n = int(v)
     if n <= 0:
@@ -55,6 +62,8 @@ OPTIONS = {
     "flash_attn": (_flash, "auto | on | off (default auto)"),
     "kv_unified": (_bool, "one KV pool shared by all sequences (default true)"),
     "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
+    "repack": (_auto_bool, "repack quantized weights into llama.cpp's extra CPU buffer types (AMX, AVX): auto "
+               "(default: on unless a once-per-host probe crashes), true, false (llama-server's --no-repack)"),
     "use_mmap": (_bool, "memory-map the GGUF (default true)"),
     "n_gpu_layers": (int, "layers offloaded to a GPU backend if llama.cpp has one (default: llama.cpp's, all)"),
     "penalty_last_n": (int, "tokens the repetition/presence/frequency penalties look back on (default 64)"),
