@@ -33,13 +33,17 @@ def main() -> None:
     ap.add_argument("--mlx-weights", choices=["4bit", "float32"], default="4bit",
                     help="MLX artifact: 4-bit like the others (what `octo serve MODEL:4bit` offers it), or float32, "
                          "its fastest form on a CPU (4-bit MLX matmuls are slower there)")
+    ap.add_argument("--isolation", choices=["process", "thread"], default="process",
+                    help="candidates in worker processes (octo serve's default for these engines) or in-process")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection.json"))
     args = ap.parse_args()
 
+    import asyncio
     import os
 
     from octo.benchcmd import QUANTS
-    from octo.engine import EngineConfig
+    from octo.config import ServerConfig
+    from octo.loader import candidate
     from octo.plugins import engine_registry
     from octo.selection import host_fingerprint, select
     from octo.synth import build_for
@@ -51,29 +55,26 @@ def main() -> None:
         quants["mlx"] = None
     artifacts = {e: str(build_for(args.shape, e, quants[e])) for e in engines}
 
-    def load(cls, path):
-        eng = cls(EngineConfig(max_batch=8))
-        eng.load(path, args.shape)
-        return eng
+    config = ServerConfig(model=args.shape, max_batch=8, isolation=args.isolation)
+
+    def run(**kw):
+        async def go():
+            cands = {e: candidate(reg[e], artifacts[e], args.shape, config, print) for e in engines}
+            t0 = time.perf_counter()
+            winner, cand, results, reason = await select(cands, seconds=args.seconds, **kw)
+            seconds = time.perf_counter() - t0
+            await cand.discard()
+            return winner, results, reason, seconds
+        return asyncio.run(go())
 
     os.environ["OCTO_BENCH_DIR"] = tempfile.mkdtemp(prefix="octo-selection-")
-    cands = {e: (reg[e], artifacts[e]) for e in engines}
-    t0 = time.perf_counter()
-    winner, engine, results, reason = select(cands, load, seconds=args.seconds, rebench=True)
-    fresh_s = time.perf_counter() - t0
-    engine.unload()
-    t0 = time.perf_counter()
-    winner2, engine2, _, _ = select(cands, load, seconds=args.seconds)
-    cached_s = time.perf_counter() - t0
+    winner, results, reason, fresh_s = run(rebench=True)
+    winner2, _, _, cached_s = run()
     t_bench_only = sum(r["seconds"] for r in results.values())
     t_loads = fresh_s - t_bench_only  # loading (imports, reading the files) and set-up
-    engine2.unload()
     # 3. `--rebench` on a host where the files are in the page cache and the libraries imported (right after a
     # download or a build): the selection machinery itself, without cold disk reads
-    t0 = time.perf_counter()
-    winner3, engine3, results3, _ = select(cands, load, seconds=args.seconds, rebench=True)
-    warm_s = time.perf_counter() - t0
-    engine3.unload()
+    winner3, results3, _, warm_s = run(rebench=True)
 
     long = {}
     for e in engines:
@@ -84,7 +85,7 @@ def main() -> None:
         long[e] = json.loads(out.stdout.strip().splitlines()[-1]) if ok else {"error": out.stderr[-500:]}
     best = {e: max(r["decode_tok_s"] for r in v["rows"]) for e, v in long.items() if "rows" in v}
     bench_winner = max(best, key=best.get) if best else None
-    report = {"shape": args.shape, "weights": {e: quants[e] or "float32" for e in engines},
+    report = {"shape": args.shape, "isolation": args.isolation, "weights": {e: quants[e] or "float32" for e in engines},
               "host": host_fingerprint(), "engines": engines,
               "startup": {"winner": winner, "reason": reason, "seconds_fresh": round(fresh_s, 2),
                           "seconds_benchmarking": round(t_bench_only, 2),

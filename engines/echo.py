@@ -44,6 +44,7 @@ class EchoEngine(Engine):
     formats = frozenset({"any"})
     sampling_params = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     prefill_chunk = 4096
+    isolation = "thread"  # pure Python: nothing native to contain
 
     def __init__(self, config=None) -> None:
         super().__init__(config)

@@ -26,40 +26,24 @@ from octo.protocol import (
     EmbeddingRequest,
     parse,
 )
-from octo.scheduler import Result, Ticket
+from octo.scheduler import Result
 from octo.state import STATE
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_OFFLOAD_BYTES = 64 * 1024  # tokenize bigger bodies in a worker thread so the loop never stalls
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-def _served(request: web.Request, model: str | None):
+async def _served(request: web.Request, model: str | None):
+    """The handle serving ``model``, ready to take requests (a crashed worker restarts here)."""
     handle = request.app[STATE].handle
     if not handle.matches(model):
         raise ModelNotFound(f"The model '{model}' does not exist; this server serves '{handle.name}'.",
                             param="model")
+    await handle.ensure_ready()
     return handle
-
-
-async def _prepare(fn: Callable, handle: Any, req: Any, size: int) -> Any:
-    if size > _OFFLOAD_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(None, fn, handle, req)
-    return fn(handle, req)
-
-
-async def _admitted(handle: Any, tickets: list[Ticket]) -> None:
-    for t in tickets:
-        await handle.scheduler.wait_admitted(t)
-
-
-def _abandon(handle: Any, tickets: list[Ticket]) -> None:
-    for t in tickets:
-        if not t.result.done():
-            handle.scheduler.abandon(t)
 
 
 async def _sse(request: web.Request) -> web.StreamResponse:
@@ -112,15 +96,14 @@ def _error_event(exc: Any) -> bytes:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     req = parse(ChatCompletionRequest, body)
-    handle = _served(request, req.model)
-    gen = await _prepare(serving.chat_generation, handle, req, len(body))
-    tickets = handle.scheduler.submit(gen, req.n)
+    handle = await _served(request, req.model)
+    tickets, events = await handle.submit("chat", req, len(body))
     model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
     try:
         if not req.stream:  # a queue timeout arrives on the result future as well
             results = [await t.result for t in tickets]
             return json_response(serving.chat_response(rid, model, fp, results))
-        await _admitted(handle, tickets)
+        await handle.wait_admitted(tickets)
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = await _sse(request)
@@ -130,7 +113,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish), **extra})
 
         await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
-        results = await _write_events(resp, tickets[0].events, req.n, lambda i, text: chunk(i, {"content": text}),
+        results = await _write_events(resp, events, req.n, lambda i, text: chunk(i, {"content": text}),
                                       lambda i, finish: chunk(i, {}, finish))
         if include_usage and all(results):
             usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -139,33 +122,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: [DONE]\n\n")
         return resp
     finally:
-        _abandon(handle, tickets)
+        handle.abandon(tickets)
 
 
 # -- /v1/completions -----------------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     req = parse(CompletionRequest, body)
-    handle = _served(request, req.model)
-    gens = await _prepare(serving.completion_generations, handle, req, len(body))
     if req.echo and req.stream:
         raise UnsupportedParameter("echo", "echo is only supported without stream")
-    queue: asyncio.Queue = asyncio.Queue()
-    tickets: list[Ticket] = []
-    try:
-        for i, gen in enumerate(gens):
-            tickets += handle.scheduler.submit(gen, req.n, queue, first_index=i * req.n)
-    except Exception:
-        _abandon(handle, tickets)
-        raise
+    handle = await _served(request, req.model)
+    tickets, queue = await handle.submit("completion", req, len(body))
     model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
     try:
         if not req.stream:
             results = [await t.result for t in tickets]
-            texts = serving.prompt_texts(handle, req) if req.echo else [""] * len(gens)
+            texts = await handle.prompt_texts(req) if req.echo else [""] * (len(results) // req.n)
             prefixes = [texts[i // req.n] for i in range(len(results))]
             return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
-        await _admitted(handle, tickets)
+        await handle.wait_admitted(tickets)
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         resp = await _sse(request)
@@ -181,33 +156,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: [DONE]\n\n")
         return resp
     finally:
-        _abandon(handle, tickets)
+        handle.abandon(tickets)
 
 
 # -- /v1/embeddings ------------------------------------------------------------------------------------
 async def embeddings(request: web.Request) -> web.Response:
     body = await request.read()
     req = parse(EmbeddingRequest, body)
-    handle = _served(request, req.model)
+    handle = await _served(request, req.model)
     if Task.EMBEDDINGS not in handle.tasks:
         raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) does not support embeddings.",
                              param="model", code="unsupported_task")
-    inp = req.input
-    if isinstance(inp, str):
-        texts = [inp]
-    elif inp and all(isinstance(x, int) for x in inp):
-        texts = [serving._detok(handle, inp)]
-    elif inp and all(isinstance(x, list) for x in inp):
-        texts = [serving._detok(handle, x) for x in inp]
-    else:
-        texts = list(inp)
-    if not texts or any(t == "" for t in texts):
-        raise InvalidRequest("input must be a non-empty string or a non-empty list of non-empty strings.",
-                             param="input")
     dim = handle.info.embedding_dim
     if req.dimensions is not None and req.dimensions != dim:
         raise UnsupportedParameter("dimensions", f"this model's embeddings have {dim} dimensions")
-    result = await handle.scheduler.call(lambda engine: engine.embed(texts))
+    result = await handle.call("embed", req.input)
     data = []
     for i, vec in enumerate(result.vectors):
         emb: Any = vec
@@ -226,23 +189,22 @@ def _event(name: str, obj: dict) -> bytes:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     req = parse(AnthropicRequest, body)
-    handle = _served(request, req.model)
-    gen = await _prepare(serving.anthropic_generation, handle, req, len(body))
-    tickets = handle.scheduler.submit(gen, 1)
+    handle = await _served(request, req.model)
+    tickets, events = await handle.submit("messages", req, len(body))
     mid, model = serving.new_id("msg"), req.model or handle.name
     try:
-        await _admitted(handle, tickets)
+        await handle.wait_admitted(tickets)
         if not req.stream:
             return json_response(serving.anthropic_response(mid, model, await tickets[0].result))
         resp = await _sse(request)
         start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
                  "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": len(gen.prompt_tokens), "output_tokens": 0}}
+                 "usage": {"input_tokens": tickets[0].n_prompt, "output_tokens": 0}}
         await resp.write(_event("message_start", {"type": "message_start", "message": start})
                          + _event("content_block_start", {"type": "content_block_start", "index": 0,
                                                           "content_block": {"type": "text", "text": ""}})
                          + _event("ping", {"type": "ping"}))
-        async for batch in _events(tickets[0].events, 1):
+        async for batch in _events(events, 1):
             out = []
             for _, kind, value in batch:
                 if kind == "text":
@@ -260,7 +222,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             await resp.write(b"".join(out))
         return resp
     finally:
-        _abandon(handle, tickets)
+        handle.abandon(tickets)
 
 
 def anthropic_error_body(exc: Any) -> dict[str, Any]:

@@ -82,20 +82,13 @@ async def _handle(request: web.Request, task: str) -> web.Response:
     model = form.fields.get("model")
     if model is not None and not handle.matches(model):
         raise ModelNotFound(f"The model '{model}' does not exist; this server serves '{handle.name}'.", param="model")
-    fmt, granularities, req_kw = parse_options(form, task, handle.engine)
+    fmt, granularities, req_kw = parse_options(form, task, handle.engine_cls)
     audio = await decode_audio(form.data, max_seconds=config.max_audio_seconds)
     req = TranscriptionRequest(audio=audio, task=task, **req_kw)
-    result = await _run(handle, req)
+    await handle.ensure_ready()
+    # through the model's admission queue; batched with other queued requests when the engine can
+    result: Transcription = await handle.call("transcribe", req)
     return render(result, fmt, task, granularities)
-
-
-async def _run(handle: Any, req: TranscriptionRequest) -> Transcription:
-    """Through the shared admission queue; batched with other queued requests when the scheduler can."""
-    scheduler, engine = handle.scheduler, handle.engine
-    call_batch = getattr(scheduler, "call_batch", None)
-    if call_batch is not None and hasattr(engine, "transcribe_batch"):
-        return await call_batch("transcribe", req, lambda eng, reqs, done: eng.transcribe_batch(reqs, done))
-    return await scheduler.call(lambda eng: eng.transcribe(req))
 
 
 # -- form --------------------------------------------------------------------------------------------

@@ -82,11 +82,15 @@ def _env(name: str) -> dict:
               type=click.Choice(["auto", "uvloop", "asyncio"]),
               help="Event loop: uvloop (faster HTTP handling), asyncio, or auto (uvloop when installed).",
               **_env("LOOP"))
+@click.option("--isolation", default=None, type=click.Choice(["process", "thread"]),
+              help="Run each loaded model in its own worker process (a native crash costs only its requests) or in "
+                   "this process; default: each engine's own (process for native engines, thread for echo).",
+              **_env("ISOLATION"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
 def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batch, cache_size, no_cache,
           max_body_mb, max_audio_mb, max_audio_seconds, api_key, insecure_no_auth, plugins_dir, bench_seconds,
-          rebench, loop_name, log_level):
+          rebench, isolation, loop_name, log_level):
     """Serve MODEL (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API."""
     loop_factory = _loop_factory(loop_name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,21 +101,12 @@ def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batc
                           max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
-                          plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench)
-    from octo.loader import open_model
-    from octo.plugins import engine_registry, load_plugins
-    from octo.server import create_app
-
-    pm = load_plugins(plugins_dir)
-    try:
-        handle, rows = open_model(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
-    except OctoError as err:
-        raise click.ClickException(err.message) from None
-    app = create_app(config, handle, rows, pm)
+                          plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench,
+                          isolation=isolation)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(app, config, handle))
+        runner.run(_serve(config))
 
 
 def _loop_factory(name: str):
@@ -131,9 +126,19 @@ def _loop_label(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-async def _serve(app, config: ServerConfig, handle) -> None:
+async def _serve(config: ServerConfig) -> None:
     from aiohttp import web
 
+    from octo.loader import open_model
+    from octo.plugins import engine_registry, load_plugins
+    from octo.server import create_app
+
+    pm = load_plugins(config.plugins_dir)
+    try:  # engine workers are children of this event loop's thread: they die with it, never before
+        handle, rows = await open_model(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
+    except OctoError as err:
+        raise click.ClickException(err.message) from None
+    app = create_app(config, handle, rows, pm)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -144,7 +149,8 @@ async def _serve(app, config: ServerConfig, handle) -> None:
     gc.collect()
     gc.freeze()
     loop = asyncio.get_running_loop()
-    click.echo(f"octo: serving '{handle.name}' with {handle.engine_name} at http://{config.host}:{port}/v1 "
+    where = f"worker pid {handle.worker.pid}" if handle.isolation == "process" else "in-process"
+    click.echo(f"octo: serving '{handle.name}' with {handle.engine_name} ({where}) at http://{config.host}:{port}/v1 "
                f"(max batch {config.max_batch}, queue {config.max_queue}, {_loop_label(loop)} loop)", err=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -169,8 +175,10 @@ def _print_table(rows: list[dict], columns: list[str]) -> None:
 @click.option("--engine", default=None, help="With MODEL: only this engine.")
 @click.option("--bench-seconds", default=3.0, show_default=True, type=click.FloatRange(0.2))
 @click.option("--rebench", is_flag=True, help="Ignore cached benchmark results.")
+@click.option("--isolation", default=None, type=click.Choice(["process", "thread"]),
+              help="Measure each candidate in its own worker process, or in this process.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (what GET /v1/engines returns).")
-def engines(model, engine, bench_seconds, rebench, as_json):
+def engines(model, engine, bench_seconds, rebench, isolation, as_json):
     """List engines (available here or why not, tasks, formats); with MODEL, run the engine selection too.
 
     `octo engines MODEL` shows what `octo serve MODEL` would choose and why, without serving.
@@ -180,12 +188,18 @@ def engines(model, engine, bench_seconds, rebench, as_json):
 
     out: dict = {"object": "list"}
     if model:
-        config = ServerConfig(model=model, engine=engine, bench_seconds=bench_seconds, rebench=rebench)
+        config = ServerConfig(model=model, engine=engine, bench_seconds=bench_seconds, rebench=rebench,
+                              isolation=isolation)
+
+        async def run():
+            opened = await open_model(config, say=lambda m: click.echo(m, err=True))
+            await opened[0].close()
+            return opened
+
         try:
-            handle, rows = open_model(config, say=lambda m: click.echo(m, err=True))
+            handle, rows = asyncio.run(run())
         except OctoError as err:
             raise click.ClickException(err.message) from None
-        handle.stop()
         out.update(active=handle.engine_name, model=handle.name, selection=handle.selection)
     else:
         rows = engine_rows(engine_registry())

@@ -25,3 +25,4 @@ class ServerConfig:
     rebench: bool = False
     plugins_dir: str | None = None
     cors: bool = False
+    isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)

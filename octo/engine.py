@@ -191,6 +191,13 @@ class Engine:
     sampling_params: ClassVar[frozenset[str]] = frozenset({"temperature"})
     # Greatest prompt chunk the scheduler feeds in one step (prefill chunking).
     prefill_chunk: ClassVar[int] = 512
+    # Where a loaded model runs by default: "process" (its own worker process, so a native crash costs only its
+    # requests) or "thread" (inside the gateway). Engines with native code keep "process"; --isolation overrides.
+    isolation: ClassVar[str] = "process"
+    # Safer configurations for crashes the engine knows, tried in order when a worker dies of a signal during
+    # load, warm-up or its first steps: (options overlay, what crashed), e.g. ({"repack": "false"}, "the weight
+    # repack crashed on this host"). An overlay is skipped when the user set one of its options explicitly.
+    fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = ()
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()

@@ -85,6 +85,22 @@ class EngineError(OctoError):
     code = "engine_error"
 
 
+class EngineCrashed(OctoError):
+    """The worker process running the model died (a signal, the OOM killer, an exit): its requests end."""
+
+    status = 502
+    type = "server_error"
+    code = "engine_crashed"
+
+
+class ModelFailed(OctoError):
+    """The model crashed again right after a restart (or could not restart): refused at once, not retried."""
+
+    status = 503
+    type = "server_error"
+    code = "model_failed"
+
+
 class ConfigError(OctoError):
     """Bad start-up configuration: unknown engine option, unloadable artifact, bad catalog entry."""
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 from octo.config import ServerConfig
 from octo.engine import Engine
-from octo.errors import ConfigError, ModelNotFound
+from octo.errors import ConfigError, ModelNotFound, OctoError
 from octo.model import ModelHandle, load_engine
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
+from octo.selection import Candidate
 
 log = logging.getLogger("octo.loader")
 
@@ -68,16 +70,91 @@ def canonical_engine(name: str | None, registry: dict[str, type[Engine]]) -> str
     return cls.name
 
 
-def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = None,
-               say: Callable[[str], None] = print) -> tuple[ModelHandle, list[dict[str, Any]]]:
+class LocalCandidate(Candidate):
+    """An engine loaded in this process (``--isolation thread``)."""
+
+    def __init__(self, cls: type[Engine], artifact: str, name: str, config: ServerConfig) -> None:
+        self.cls, self.artifact, self.name, self.config = cls, artifact, name, config
+        self.engine: Engine | None = None
+
+    async def open(self, bench):
+        t = time.perf_counter()
+        self.engine = load_engine(self.cls, self.config, self.artifact, self.name)
+        load_s = time.perf_counter() - t
+        if bench is None:
+            return load_s, None
+        from octo.selection import micro_benchmark
+
+        self.wait_prepare()
+        return load_s, micro_benchmark(self.engine, bench[0], beat=bench[1])
+
+    async def set_threads(self, n: int) -> None:
+        if n in self.engine.thread_counts():
+            self.engine.set_threads(n)
+
+    async def discard(self) -> None:
+        try:
+            self.engine.unload()
+        except Exception:  # noqa: BLE001
+            log.exception("unload failed")
+
+    def handle(self, aliases: tuple[str, ...], **kw: Any) -> ModelHandle:
+        return ModelHandle(self.name, aliases, self.cls.name, self.engine, self.artifact, **kw)
+
+
+class WorkerCandidate(Candidate):
+    """An engine loaded in its own worker process (``--isolation process``): a crash loses only the candidate."""
+
+    in_process = False
+
+    def __init__(self, cls: type[Engine], artifact: str, name: str, config: ServerConfig,
+                 say: Callable[[str], None]) -> None:
+        self.cls, self.artifact, self.name, self.config, self.say = cls, artifact, name, config, say
+        self.worker = self.loaded = None
+
+    async def open(self, bench):
+        from octo.remote import remembered, start_worker
+
+        first = remembered(self.cls, self.artifact, self.config.options)
+        self.worker, self.loaded = await start_worker(self.cls, self.artifact, self.name, self.config, first=first,
+                                                      bench=bench, say=self.say)
+        return self.loaded["load_seconds"], self.loaded.get("benchmark")
+
+    async def set_threads(self, n: int) -> None:
+        await self.worker.request("set_threads", n)
+
+    async def discard(self) -> None:
+        await self.worker.stop()
+
+    def handle(self, aliases: tuple[str, ...], **kw: Any):
+        from octo.remote import RemoteHandle
+
+        return RemoteHandle(self.name, aliases, self.cls, self.artifact, self.config, self.worker, self.loaded, **kw)
+
+
+def isolation_of(cls: type[Engine], config: ServerConfig) -> str:
+    return config.isolation or cls.isolation
+
+
+def candidate(cls: type[Engine], artifact: str, name: str, config: ServerConfig,
+              say: Callable[[str], None]) -> Candidate:
+    if isolation_of(cls, config) == "process":
+        return WorkerCandidate(cls, artifact, name, config, say)
+    return LocalCandidate(cls, artifact, name, config)
+
+
+async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = None,
+                     say: Callable[[str], None] = print) -> tuple[Any, list[dict[str, Any]]]:
+    """Resolve ``config.model``, choose its engine (the start-up benchmark when several can serve it) and load it,
+    in this process or in a worker; returns the handle (not yet activated) and the /v1/engines rows."""
     registry = registry or engine_registry()
     engine_name = canonical_engine(config.engine, registry)
     if engine_name is not None and "any" in registry[engine_name].formats:
         # engines such as echo serve any name and need no artifact
-        engine = load_engine(registry[engine_name], config, config.model, config.model)
-        handle = ModelHandle(config.model, (), engine_name, engine, config.model,
-                             selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
-        return handle, engine_rows(registry, engine_name, engine=engine)
+        cand = candidate(registry[engine_name], config.model, config.model, config, say)
+        await cand.open(None)
+        handle = cand.handle((), selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
+        return handle, engine_rows(registry, engine_name, engine=_engine_view(handle))
     from octo.catalog import load_catalog
     from octo.download import fetch
 
@@ -91,11 +168,11 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
                                 f"engines with one: {have}.", param="engine")
         artifact = resolved.artifacts[engine_name]
         say(f"octo: {resolved.name}: loading with {engine_name} ({artifact.uri})")
-        path = fetch(artifact)
-        engine = load_engine(registry[engine_name], config, str(path), resolved.name)
-        handle = ModelHandle(resolved.name, tuple(resolved.aliases), engine_name, engine, str(path),
+        cand = candidate(registry[engine_name], str(fetch(artifact)), resolved.name, config, say)
+        await _open_or_fail(cand)
+        handle = cand.handle(tuple(resolved.aliases),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
-        return handle, engine_rows(registry, engine_name, engine=engine)
+        return handle, engine_rows(registry, engine_name, engine=_engine_view(handle))
     real = {e: a for e, a in usable.items() if "any" not in registry[e].formats}
     candidates = real or usable  # echo-like engines only when no real engine can serve the model
     if not candidates:
@@ -110,25 +187,45 @@ def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = 
         except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others
             failed[name] = f"artifact unavailable: {getattr(exc, 'message', None) or exc}"
             say(f"octo: {name}: {failed[name]}")
-    candidates = {n: a for n, a in candidates.items() if n in paths}
-    if not candidates:
+    if not paths:
         raise ConfigError(f"No engine could get an artifact for '{resolved.name}': "
                           + "; ".join(f"{n}: {e}" for n, e in failed.items()))
-    if len(candidates) == 1:
-        (chosen,) = candidates
-        engine = load_engine(registry[chosen], config, paths[chosen], resolved.name)
+    cands = {n: candidate(registry[n], paths[n], resolved.name, config, say) for n in paths}
+    if len(cands) == 1:
+        (chosen, cand), = cands.items()
+        await _open_or_fail(cand)
         reason, results = "only candidate engine", {}
     else:
         from octo.selection import select
 
-        chosen, engine, results, reason = select(
-            {n: (registry[n], paths[n]) for n in candidates},
-            lambda cls, path: load_engine(cls, config, path, resolved.name),
-            seconds=config.bench_seconds, rebench=config.rebench, say=say)
+        try:
+            chosen, cand, results, reason = await select(cands, seconds=config.bench_seconds, rebench=config.rebench,
+                                                         say=say)
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from None
     for name, err in failed.items():
         results[name] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
                          "score": 0.0, "cached": False, "seconds": None, "error": err}
-    handle = ModelHandle(resolved.name, tuple(resolved.aliases), chosen, engine, paths[chosen],
-                         selection={"reason": reason, "candidates": sorted([*candidates, *failed])},
+    handle = cand.handle(tuple(resolved.aliases), selection={"reason": reason,
+                                                             "candidates": sorted([*paths, *failed])},
                          benchmarks=results)
-    return handle, engine_rows(registry, chosen, results, engine=engine)
+    return handle, engine_rows(registry, chosen, results, engine=_engine_view(handle))
+
+
+async def _open_or_fail(cand: Candidate) -> None:
+    try:
+        await cand.open(None)
+    except OctoError as err:
+        raise ConfigError(err.message) from None
+
+
+class _EngineView:
+    """What ``engine_rows`` shows of the active engine, for a model in this process or in a worker."""
+
+    def __init__(self, batching: str, info: Any) -> None:
+        self.batching, self.info = batching, info
+
+
+def _engine_view(handle: Any) -> Any:
+    engine = getattr(handle, "engine", None)
+    return engine if engine is not None else _EngineView(handle.batching, handle.info)

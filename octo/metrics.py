@@ -31,7 +31,10 @@ class Metrics:
         entry[1] += seconds
         entry[2][bisect.bisect_left(BUCKETS, seconds)] += 1
 
-    def render(self) -> bytes:
+    def render(self, snapshot: dict[str, Any] | None = None) -> bytes:
+        """The text exposition; ``snapshot`` is the model's ``stats()`` read just before (a worker's numbers
+        come over IPC, so they are fetched by the handler, not inside the collector)."""
+        self.snapshot = snapshot or {}
         return generate_latest(self.registry)
 
 
@@ -61,19 +64,26 @@ class _Collector:
         yield requests
         yield latency
         handle = self.state.handle
-        sched = handle.scheduler
-        if sched is None:
+        crashes = CounterMetricFamily("octo_worker_crashes", "Engine worker processes that died",
+                                      labels=["model", "engine"])
+        crashes.add_metric([handle.name, handle.engine_name], getattr(handle, "crashes", 0))
+        yield crashes
+        up = GaugeMetricFamily("octo_model_ready", "1 when the model can serve now", labels=["model", "state"])
+        up.add_metric([handle.name, handle.state], 1 if handle.state == "ready" else 0)
+        yield up
+        snap = getattr(self.metrics, "snapshot", None) or {}
+        q = snap.get("queue")
+        if q is None:
             return
-        q = sched.stats()
-        yield CounterMetricFamily("octo_generated_tokens", "Tokens generated", value=sched.generated_tokens)
+        yield CounterMetricFamily("octo_generated_tokens", "Tokens generated", value=q["generated_tokens"])
         yield GaugeMetricFamily("octo_queue_depth", "Requests waiting for admission", value=q["pending"])
         yield GaugeMetricFamily("octo_active_sequences", "Sequences in the running batch", value=q["active"])
         yield CounterMetricFamily("octo_queue_rejected", "Requests refused with 503", value=q["total_rejected"])
         yield CounterMetricFamily("octo_queue_timeouts", "Requests that timed out in the queue (504)",
                                   value=q["total_timeouts"])
         yield CounterMetricFamily("octo_processed", "Requests processed by the engine", value=q["total_processed"])
-        if handle.cache is not None:
-            c = handle.cache.stats()
+        c = snap.get("cache")
+        if c is not None:
             yield CounterMetricFamily("octo_cache_hits", "Prefix-cache hits", value=c["hits"])
             yield CounterMetricFamily("octo_cache_misses", "Prefix-cache misses", value=c["misses"])
             yield CounterMetricFamily("octo_cache_tokens_reused", "Prompt tokens restored from the prefix cache",

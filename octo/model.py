@@ -1,40 +1,43 @@
-"""One served model: resolution, engine choice, loading, and its scheduler (``ModelHandle``)."""
+"""One loaded model as the HTTP layer sees it: :class:`ModelHandle` runs it in this process (``--isolation
+thread``, and inside every worker process); ``octo.remote.RemoteHandle`` runs it in a worker process. Both offer
+the same async surface, so the route handlers never know where a model lives:
+
+    ensure_ready()                      restart a crashed worker on demand (in-process: nothing to do)
+    submit(kind, req, size)             -> (tickets, events): queue the sequences of a chat/completion/messages request
+    wait_admitted(tickets), abandon(tickets)
+    call(op, payload)                   "embed" or "transcribe", through the model's admission queue
+    prompt_texts(req), stats()
+"""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from octo import serving
 from octo.config import ServerConfig
 from octo.engine import Engine, EngineConfig, Task
-from octo.errors import ConfigError
+from octo.errors import ConfigError, InvalidRequest
 from octo.prefix_cache import PrefixCache
-from octo.scheduler import Scheduler
+from octo.scheduler import Scheduler, Ticket
 
 log = logging.getLogger("octo.model")
+_OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls
 
 
-@dataclass
-class ModelHandle:
+class HandleInfo:
+    """What every handle derives from its name, aliases, engine and ModelInfo (shared by both kinds)."""
+
     name: str
     aliases: tuple[str, ...]
     engine_name: str
-    engine: Engine
-    artifact: str
-    scheduler: Scheduler | None = None
-    cache: PrefixCache | None = None
-    selection: dict[str, Any] = field(default_factory=dict)  # how the engine was chosen (/v1/engines)
-    benchmarks: dict[str, Any] = field(default_factory=dict)  # engine name -> benchmark result
-
-    @property
-    def info(self):
-        return self.engine.info
 
     @property
     def tasks(self) -> frozenset[Task]:
-        return self.engine.info.tasks or self.engine.tasks
+        return self.info.tasks or self.engine_cls.tasks
 
     @property
     def task(self) -> str:
@@ -46,7 +49,7 @@ class ModelHandle:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        return f"octo-{self.engine_name}-{self.engine.version()}"
+        return f"octo-{self.engine_name}-{self.engine_cls.version()}"
 
     def matches(self, model: str | None) -> bool:
         """Whether a request's ``model`` field names this model (absent means the served one)."""
@@ -55,14 +58,43 @@ class ModelHandle:
         # OpenAI clients name their hosted models; accept those names for the matching task
         return model == "whisper-1" and self.task == "transcription"
 
-    def start(self, config: ServerConfig) -> None:
+
+@dataclass
+class ModelHandle(HandleInfo):
+    name: str
+    aliases: tuple[str, ...]
+    engine_name: str
+    engine: Engine
+    artifact: str
+    scheduler: Scheduler | None = None
+    cache: PrefixCache | None = None
+    selection: dict[str, Any] = field(default_factory=dict)  # how the engine was chosen (/v1/engines)
+    benchmarks: dict[str, Any] = field(default_factory=dict)  # engine name -> benchmark result
+    isolation = "thread"
+    state = "ready"
+    reason = None
+
+    @property
+    def info(self):
+        return self.engine.info
+
+    @property
+    def engine_cls(self) -> type[Engine]:
+        return type(self.engine)
+
+    # -- life cycle --------------------------------------------------------------------------------------
+    def start(self, config: ServerConfig, scheduler_cls: type[Scheduler] = Scheduler, **kw: Any) -> None:
         cache = None
         if not config.no_cache and config.cache_size_mb > 0 and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
             cache = PrefixCache(int(config.cache_size_mb * 2**20), self.engine.kv_free)
         self.cache = cache
-        self.scheduler = Scheduler(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
-                                   queue_timeout=config.queue_timeout, cache=cache)
+        self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
+                                       queue_timeout=config.queue_timeout, cache=cache, **kw)
         self.scheduler.start()
+
+    async def activate(self, config: ServerConfig) -> None:
+        if self.scheduler is None:
+            self.start(config)
 
     def stop(self) -> None:
         if self.scheduler is not None:
@@ -71,6 +103,76 @@ class ModelHandle:
             self.engine.unload()
         except Exception:  # noqa: BLE001
             log.exception("engine unload failed")
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    async def ensure_ready(self) -> None:
+        return None
+
+    async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[Ticket], asyncio.Queue | None]:
+        if size > _OFFLOAD_BYTES:
+            gens, n = await asyncio.get_running_loop().run_in_executor(None, serving.prepare, self, kind, req)
+        else:
+            gens, n = serving.prepare(self, kind, req)
+        events = asyncio.Queue() if req.stream else None
+        return self.scheduler.submit_all(gens, n, events), events
+
+    async def wait_admitted(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            await self.scheduler.wait_admitted(t)
+
+    def abandon(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            if t.state in ("pending", "active"):
+                self.scheduler.abandon(t)
+
+    async def call(self, op: str, payload: Any) -> Any:
+        return await run_call(self, op, payload)
+
+    async def prompt_texts(self, req: Any) -> list[str]:
+        return serving.prompt_texts(self, req)
+
+    async def stats(self) -> dict[str, Any]:
+        return local_stats(self)
+
+
+# -- the model-side work both kinds of handle share (a worker runs these on its own ModelHandle) ------------
+async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
+    if op == "embed":
+        texts = embed_texts(handle, payload)
+        return await handle.scheduler.call(lambda engine: engine.embed(texts))
+    if op == "transcribe":
+        scheduler, engine = handle.scheduler, handle.engine
+        if hasattr(engine, "transcribe_batch"):  # batched with other queued requests
+            return await scheduler.call_batch("transcribe", payload,
+                                              lambda eng, reqs, done: eng.transcribe_batch(reqs, done))
+        return await scheduler.call(lambda eng: eng.transcribe(payload))
+    raise ValueError(f"unknown call {op!r}")
+
+
+def embed_texts(handle: ModelHandle, inp: Any) -> list[str]:
+    """The texts of an embeddings ``input``: a string, strings, token ids or lists of token ids."""
+    if isinstance(inp, str):
+        texts = [inp]
+    elif inp and all(isinstance(x, int) for x in inp):
+        texts = [serving._detok(handle, inp)]
+    elif inp and all(isinstance(x, list) for x in inp):
+        texts = [serving._detok(handle, x) for x in inp]
+    else:
+        texts = list(inp)
+    if not texts or any(t == "" for t in texts):
+        raise InvalidRequest("input must be a non-empty string or a non-empty list of non-empty strings.",
+                             param="input")
+    return texts
+
+
+def local_stats(handle: ModelHandle) -> dict[str, Any]:
+    """Queue and prefix-cache numbers of an in-process model (``cache`` None when it has none)."""
+    sched = handle.scheduler
+    return {"queue": sched.stats() if sched is not None else None,
+            "cache": handle.cache.stats() if handle.cache is not None else None}
 
 
 def make_engine(cls: type[Engine], config: ServerConfig) -> Engine:

@@ -189,9 +189,25 @@ class Scheduler:
             sampling = req.sampling
             if n > 1 and sampling.seed is not None:
                 sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + i})
-            tickets.append(Ticket(self._loop, req, sampling, events, first_index + i))
+            tickets.append(self._ticket(req, sampling, events, first_index + i))
         self._enqueue(tickets)
         return tickets
+
+    def submit_all(self, gens: list[GenerationRequest], n: int, events: Any = None) -> list[Ticket]:
+        """``n`` sequences for each of ``gens`` (a prompt list), choice indices prompt-major, one event queue;
+        all or nothing: when one is refused, those already queued are abandoned and the error raised."""
+        tickets: list[Ticket] = []
+        try:
+            for i, gen in enumerate(gens):
+                tickets += self.submit(gen, n, events, first_index=i * n)
+        except BaseException:
+            for t in tickets:
+                self.abandon(t)
+            raise
+        return tickets
+
+    def _ticket(self, req: GenerationRequest, sampling: SamplingParams, events: Any, index: int) -> Ticket:
+        return Ticket(self._loop, req, sampling, events, index)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread, through the admission queue (embeddings, audio)."""

@@ -303,44 +303,62 @@ def free_sequences(engine: Engine, seqs: list[Sequence]) -> None:
 
 
 # -- selection ---------------------------------------------------------------------------------------
-def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type[Engine], str], Engine],
-           seconds: float = 3.0, rebench: bool = False,
-           say: Callable[[str], None] = print) -> tuple[str, Engine, dict[str, dict[str, Any]], str]:
-    """Benchmark ``candidates`` (name -> (engine class, local artifact)); return the loaded winner.
+class Candidate:
+    """One engine that could serve the model. ``octo.loader`` has two: in this process, and in a worker process
+    (where a crash, a hang or running out of memory costs only that candidate)."""
 
-    Returns (winner name, loaded winner engine, results per engine, reason). Raises the last load
-    error when no candidate could be loaded and benchmarked.
+    cls: type[Engine]
+    artifact: str
+    in_process = True
+    wait_prepare: Callable[[], None] = staticmethod(lambda: None)  # set by select: no measurement before it
+
+    async def open(self, bench: tuple[float, float | None] | None) -> tuple[float, dict[str, Any] | None]:
+        """Load (and with ``bench`` = (seconds, leader's score) measure); returns (load seconds, result)."""
+        raise NotImplementedError
+
+    async def set_threads(self, n: int) -> None:
+        raise NotImplementedError
+
+    async def discard(self) -> None:
+        raise NotImplementedError
+
+
+async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench: bool = False,
+                 say: Callable[[str], None] = print) -> tuple[str, Candidate, dict[str, dict[str, Any]], str]:
+    """Benchmark ``candidates``; return the winner, still loaded (no second load).
+
+    Returns (winner name, its candidate, results per engine, reason). Raises RuntimeError when no candidate
+    could be loaded and benchmarked.
     """
     results: dict[str, dict[str, Any]] = {}
-    best: tuple[str, Engine | None, float] | None = None  # name, loaded engine (None: cached result), score
+    best: tuple[str, Candidate, bool, float] | None = None  # name, candidate, loaded?, score
     t0 = time.perf_counter()
     ordered = _ordered(candidates)
-    keys = {name: cache_key(cls, artifact) for name, (cls, artifact) in ordered.items()}
+    keys = {name: cache_key(c.cls, c.artifact) for name, c in ordered.items()}
     cached_results = {name: None if rebench else cached_result(key) for name, key in keys.items()}
-    # the candidates after the first prepare (slow imports) while the first one loads; no measurement overlaps it
-    prep = _prepare([cls for name, (cls, _) in ordered.items() if cached_results[name] is None][1:])
-    for name, (cls, artifact) in ordered.items():
+    # in-process candidates after the first prepare (slow imports) while the first one loads
+    prep = _prepare([c.cls for name, c in ordered.items() if c.in_process and cached_results[name] is None][1:])
+    for name, cand in ordered.items():
         key, cached = keys[name], cached_results[name]
+        loaded = False
         if cached is not None:
             res = {**cached, "cached": True}
             results[name] = res
             say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  (prefill {res['prefill_tok_s']} tok/s, "
                 f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
                 if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
-            engine = None
         else:
             say(f"octo: bench {name:9s} loading and measuring (at most {seconds:g} s after the load) ...")
-            engine, load_s, exc = _timed_load(load, cls, artifact)
-            if engine is None:
-                res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
-                       "score": 0.0, "cached": False, "seconds": round(load_s, 3),
-                       "error": f"load failed: {getattr(exc, 'message', None) or exc}"}
-            else:
-                # the budget covers warm-up and measurement; loading is reported apart (the winner's load is
-                # the one serving needs anyway)
-                prep.join()
-                res = micro_benchmark(engine, seconds, beat=best[2] if best is not None else None)
+            cand.wait_prepare = prep.join
+            t_load = time.perf_counter()
+            try:
+                load_s, res = await cand.open((seconds, best[3] if best is not None else None))
                 res["load_seconds"] = round(load_s, 3)
+                loaded = True
+            except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason
+                res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
+                       "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
+                       "error": _failure(exc)}
             results[name] = res
             store_result(key, {k: v for k, v in res.items() if k != "cached"})
             say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
@@ -349,29 +367,36 @@ def select(candidates: dict[str, tuple[type[Engine], str]], load: Callable[[type
                 + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "")
                 if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
         if res.get("error"):
-            _unload(engine)
+            if loaded:
+                await cand.discard()
             continue
-        if best is None or res["score"] > best[2]:
-            if best is not None:
-                _unload(best[1])
-            best = (name, engine, res["score"])
-        else:
-            _unload(engine)
+        if best is None or res["score"] > best[3]:
+            if best is not None and best[2]:
+                await best[1].discard()
+            best = (name, cand, loaded, res["score"])
+        elif loaded:
+            await cand.discard()
     if best is None:
         errors = "; ".join(f"{n}: {r['error']}" for n, r in results.items())
         raise RuntimeError(f"no candidate engine could be benchmarked ({errors})")
-    name, engine, _ = best
-    if engine is None:  # the winner's result came from the cache: load it now (its only load)
-        cls, artifact = candidates[name]
-        engine = load(cls, artifact)
+    name, cand, loaded, _ = best
+    if not loaded:  # the winner's result came from the cache: load it now (its only load)
+        await cand.open(None)
         thr = results[name].get("threads")
-        if thr is not None and thr in engine.thread_counts():
-            engine.set_threads(thr)
+        if thr is not None:
+            await cand.set_threads(thr)
     ranked = sorted(results, key=lambda n: -results[n]["score"])
     _table(results, ranked, name, say)
     reason = (f"highest benchmark score among {len(results)} candidates ({', '.join(ranked)}); "
               f"selection took {time.perf_counter() - t0:.2f} s")
-    return name, engine, results, reason
+    return name, cand, results, reason
+
+
+def _failure(exc: BaseException) -> str:
+    msg = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    if getattr(exc, "code", None) == "engine_crashed":
+        return f"crashed: {msg}"
+    return f"load failed: {msg}"
 
 
 def _prepare(classes: list[type[Engine]]) -> threading.Thread:
@@ -389,16 +414,7 @@ def _prepare(classes: list[type[Engine]]) -> threading.Thread:
     return thread
 
 
-def _timed_load(load: Callable[[type[Engine], str], Engine], cls: type[Engine],
-                artifact: str) -> tuple[Engine | None, float, BaseException | None]:
-    t = time.perf_counter()
-    try:
-        return load(cls, artifact), time.perf_counter() - t, None
-    except Exception as exc:  # noqa: BLE001 - recorded as the candidate's load failure
-        return None, time.perf_counter() - t, exc
-
-
-def _ordered(candidates: dict[str, tuple[type[Engine], str]]) -> dict[str, tuple[type[Engine], str]]:
+def _ordered(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
     """Candidates with the best earlier results on this host first (any artifact), then in the given order; the
     order only decides how soon a leader lets the others stop early, never who wins."""
     host = host_fingerprint()
@@ -414,14 +430,6 @@ def _ordered(candidates: dict[str, tuple[type[Engine], str]]) -> dict[str, tuple
             continue
     names = sorted(candidates, key=lambda n: -past.get(n, -1.0))  # stable: no history keeps the given order
     return {n: candidates[n] for n in names}
-
-
-def _unload(engine: Engine | None) -> None:
-    if engine is not None:
-        try:
-            engine.unload()
-        except Exception:  # noqa: BLE001
-            log.exception("unload failed")
 
 
 def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callable[[str], None]) -> None:

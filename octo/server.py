@@ -89,10 +89,21 @@ def _check_key(request: web.Request, key: str) -> None:
 
 
 # -- info routes -------------------------------------------------------------------------------------
+def _model_state(h: Any) -> dict[str, Any]:
+    out = {"state": h.state, "isolation": h.isolation}
+    if h.reason:
+        out["reason"] = h.reason
+    worker = getattr(h, "worker_info", None)
+    if worker is not None:
+        out["worker"] = worker()
+    return out
+
+
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     h = state.handle
-    return api.json_response({"status": "ok", "model": h.name, "engine": h.engine_name,
+    return api.json_response({"status": "ok" if h.state == "ready" else "degraded", "model": h.name,
+                              "engine": h.engine_name, **_model_state(h),
                               "uptime_s": round(time.time() - state.started, 3)})
 
 
@@ -100,7 +111,8 @@ async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     h = state.handle
     data = [{"id": h.name, "object": "model", "created": int(state.started), "owned_by": "octo",
-             "engine": h.engine_name, "task": h.task, "context_length": h.info.n_ctx, "aliases": list(h.aliases)}]
+             "engine": h.engine_name, "task": h.task, "context_length": h.info.n_ctx, "aliases": list(h.aliases),
+             **_model_state(h)}]
     return api.json_response({"object": "list", "data": data})
 
 
@@ -118,28 +130,31 @@ async def engines(request: web.Request) -> web.Response:
     state = request.app[STATE]
     h = state.handle
     return api.json_response({"object": "list", "active": h.engine_name, "model": h.name,
-                              "selection": h.selection, "data": state.engines})
+                              "isolation": h.isolation, "selection": h.selection, "data": state.engines})
 
 
 async def queue_stats(request: web.Request) -> web.Response:
-    return api.json_response(request.app[STATE].handle.scheduler.stats())
+    stats = await request.app[STATE].handle.stats()
+    return api.json_response(stats["queue"])
 
 
 async def cache_stats(request: web.Request) -> web.Response:
-    h = request.app[STATE].handle
-    if h.cache is None:
+    stats = await request.app[STATE].handle.stats()
+    if stats["cache"] is None:
         cfg = request.app[STATE].config
         why = "disabled by --no-cache" if cfg.no_cache else "the served model has no text generation"
         return api.json_response({"enabled": False, "reason": why, "entries": 0, "bytes": 0, "hits": 0,
                                   "misses": 0, "hit_rate": 0.0})
-    return api.json_response(h.cache.stats())
+    return api.json_response(stats["cache"])
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[STATE].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    state = request.app[STATE]
+    snapshot = await state.handle.stats()
+    return web.Response(body=state.metrics.render(snapshot), headers={"Content-Type": CONTENT_TYPE})
 
 
-async def _no_transcription(request: web.Request) -> web.Response:
+async def _no_transcription(request: web.Request) -> web.Response:  # audio extras not installed
     h = request.app[STATE].handle
     raise InvalidRequest(f"Model '{h.name}' ({h.engine_name}) does not support audio transcription; serve a "
                          "Whisper model (e.g. `octo serve whisper-base`).", param="model", code="unsupported_task")
@@ -179,11 +194,10 @@ def create_app(config: ServerConfig, handle: Any, engine_rows: list[dict[str, An
         plugin_manager.hook.register_routes(app=app)
 
     async def on_startup(app: web.Application) -> None:
-        if handle.scheduler is None:
-            handle.start(config)
+        await handle.activate(config)
 
     async def on_cleanup(app: web.Application) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, handle.stop)
+        await handle.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

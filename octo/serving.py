@@ -230,6 +230,28 @@ def completion_chunk(rid: str, model: str, fingerprint: str, created: int, index
             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
+# -- any generation kind ---------------------------------------------------------------------------------
+def prepare(handle: Any, kind: str, req: Any) -> tuple[list[GenerationRequest], int]:
+    """The generation requests of an API request of ``kind`` ("chat", "completion", "messages") and the
+    number of sequences (choices) per prompt."""
+    if kind == "chat":
+        return [chat_generation(handle, req)], req.n
+    if kind == "completion":
+        return completion_generations(handle, req), req.n
+    if kind == "messages":
+        return [anthropic_generation(handle, req)], 1
+    raise ValueError(f"unknown generation kind {kind!r}")
+
+
+def sequence_count(kind: str, req: Any) -> int:
+    """How many sequences ``prepare`` makes for ``req`` (at least 1, so an error always has a receiver)."""
+    if kind != "completion":
+        return req.n if kind == "chat" else 1
+    p = req.prompt
+    prompts = len(p) if isinstance(p, list) and p and not all(isinstance(x, int) for x in p) else 1
+    return max(1, prompts) * req.n
+
+
 # -- Anthropic messages ------------------------------------------------------------------------------
 _ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 

@@ -10,10 +10,11 @@ os.environ.setdefault("OCTO_HOME", str(REPO / ".cache" / "octo-test"))
 from serverproc import run_octo  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def echo_server():
-    """A real `octo serve test-model --engine echo` process shared by a test module."""
-    with run_octo("test-model", "--engine", "echo") as server:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def echo_server(request):
+    """A real `octo serve test-model --engine echo` process shared by a test module; every test that uses it runs
+    with the model in the gateway (echo's default) and in an engine worker process (what native engines get)."""
+    with run_octo("test-model", "--engine", "echo", "--isolation", request.param) as server:
         yield server
 
 

@@ -1,11 +1,14 @@
 """Start-up engine selection with fake engines of known speed (registered like any plugin engine)."""
 
+import asyncio
 import threading
 import time
 
 import pytest
 
+from octo.config import ServerConfig
 from octo.engine import Engine, Feed, ModelInfo, Task
+from octo.loader import LocalCandidate
 from octo.selection import artifact_digest, host_fingerprint, micro_benchmark, score, select, upper_bound
 
 LOADS: list[str] = []
@@ -75,6 +78,26 @@ def _load(cls, artifact):
     return e
 
 
+class _Cand(LocalCandidate):
+    """An in-process candidate that loads through ``_load`` (which records loads)."""
+
+    def __init__(self, cls, artifact):
+        super().__init__(cls, artifact, "m", ServerConfig())
+
+    async def open(self, bench):
+        self.engine = _load(self.cls, self.artifact)
+        if bench is None:
+            return 0.0, None
+        self.wait_prepare()
+        return 0.0, micro_benchmark(self.engine, bench[0], beat=bench[1])
+
+
+def run_select(cands, **kw):
+    """select() over in-process candidates; returns the winner's engine in place of its candidate."""
+    name, cand, results, reason = asyncio.run(select({n: _Cand(c, a) for n, (c, a) in cands.items()}, **kw))
+    return name, cand.engine, results, reason
+
+
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("OCTO_HOME", str(tmp_path))
@@ -95,7 +118,7 @@ def test_micro_benchmark_measures_everything(home):
 def test_picks_fastest_never_a_failed_one_and_unloads_losers(home):
     cands = {n: (c, str(home)) for n, c in
              [("slow", Slow), ("broken", Broken), ("fast", Fast), ("unloadable", Unloadable)]}
-    name, engine, results, reason = select(cands, _load, seconds=0.5, say=lambda m: None)
+    name, engine, results, reason = run_select(cands, seconds=0.5, say=lambda m: None)
     assert name == "fast" and engine.info is not None and isinstance(engine, Fast)
     assert results["broken"]["error"].startswith("RuntimeError: kaboom") and results["broken"]["score"] == 0
     assert results["unloadable"]["error"].startswith("load failed") and results["unloadable"]["score"] == 0
@@ -107,14 +130,14 @@ def test_picks_fastest_never_a_failed_one_and_unloads_losers(home):
 
 def test_second_start_uses_cache_and_rebench_forces_a_run(home):
     cands = {"slow": (Slow, str(home)), "fast": (Fast, str(home))}
-    select(cands, _load, seconds=0.4, say=lambda m: None)
+    run_select(cands, seconds=0.4, say=lambda m: None)
     LOADS.clear()
     t0 = time.monotonic()
-    name, engine, results, _ = select(cands, _load, seconds=0.4, say=lambda m: None)
+    name, engine, results, _ = run_select(cands, seconds=0.4, say=lambda m: None)
     assert name == "fast" and all(r["cached"] for r in results.values())
     assert LOADS == ["fast"] and time.monotonic() - t0 < 0.3  # nothing benchmarked, winner loaded once
     LOADS.clear()
-    _, _, results, _ = select(cands, _load, seconds=0.4, rebench=True, say=lambda m: None)
+    _, _, results, _ = run_select(cands, seconds=0.4, rebench=True, say=lambda m: None)
     assert not any(r["cached"] for r in results.values()) and sorted(LOADS) == ["fast", "slow"]
 
 
@@ -128,16 +151,16 @@ def test_cache_key_changes_with_the_artifact(home):
 
 def test_all_failing_raises(home):
     with pytest.raises(RuntimeError, match="no candidate engine"):
-        select({"broken": (Broken, str(home))}, _load, seconds=0.2, say=lambda m: None)
+        run_select({"broken": (Broken, str(home))}, seconds=0.2, say=lambda m: None)
 
 
 def test_a_candidate_that_cannot_win_stops_early_and_the_best_known_goes_first(home):
     cands = {"slow": (Slow, str(home)), "fast": (Fast, str(home))}
-    _, _, first, _ = select(cands, _load, seconds=1.0, say=lambda m: None)
+    _, _, first, _ = run_select(cands, seconds=1.0, say=lambda m: None)
     assert first["slow"]["stopped"] is None and first["slow"]["batch_decode_tok_s"] > 0  # measured before any leader
     LOADS.clear()
     lines: list[str] = []
-    name, _, results, _ = select(cands, _load, seconds=1.0, rebench=True, say=lines.append)
+    name, _, results, _ = run_select(cands, seconds=1.0, rebench=True, say=lines.append)
     assert LOADS[:2] == ["fast", "slow"]  # the best earlier result on this host runs first
     slow = results["slow"]
     assert name == "fast" and slow["stopped"].startswith("cannot win") and slow["batch_decode_tok_s"] is None
@@ -181,7 +204,7 @@ class FirstMeasured(Fast):
 def test_prepare_runs_in_the_background_and_ends_before_any_measurement(home):
     PREPARED.clear()
     FIRST_STEP.clear()
-    select({"first": (FirstMeasured, str(home)), "preparing": (Preparing, str(home))}, _load, seconds=0.4,
+    run_select({"first": (FirstMeasured, str(home)), "preparing": (Preparing, str(home))}, seconds=0.4,
            say=lambda m: None)
     assert [p[0] for p in PREPARED] == ["octo-prepare"]  # only the candidates after the first, in the background
     assert PREPARED[0][1] <= FIRST_STEP[0]  # no measurement shares the machine with it

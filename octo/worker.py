@@ -1,0 +1,331 @@
+"""An engine worker process: one loaded model (engine, scheduler, prefix cache, KV) behind two socket pairs.
+
+Started by the gateway (``octo.remote``) as ``python -m octo.worker DOWN_FD UP_FD PARENT_PID``. Its event loop
+reads the gateway's messages; its engine thread runs the ordinary :class:`octo.scheduler.Scheduler` and sends one
+message per engine step with every sequence's new text (``WorkerScheduler._post``), straight from that thread.
+The engine sees one model in one process, exactly as in-process.
+
+The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies with its parent
+(``PR_SET_PDEATHSIG`` on Linux, and EOF on its socket everywhere), and never outlives the gateway.
+
+Messages down (gateway -> worker): ``("gen", rid, kind, req)``, ``("cancel", rid)``, and requests
+``(op, cid, *args)`` answered by ``("r", cid, ok, value)``: load, bench, serve, call, prompt_texts, stats, stop.
+Up: ``("ev", [(rid, index, kind, value), ...])`` with kind "a" (admitted: prompt tokens), "t" (text),
+"r" (Result), "e" (error; index -1: every sequence of the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from octo import ipc, serving
+from octo.config import ServerConfig
+from octo.engine import Engine, Task
+from octo.errors import OctoError
+from octo.model import ModelHandle, load_engine, local_stats, run_call
+from octo.scheduler import Scheduler, Ticket, _as_octo_error
+
+log = logging.getLogger("octo.worker")
+
+
+class Outbox:
+    """Events waiting to go up. The engine thread flushes after each step; events added on the event loop (queue
+    time-outs, shutdown) are flushed at the end of that loop iteration."""
+
+    def __init__(self, sender: ipc.BlockingSender, loop: asyncio.AbstractEventLoop) -> None:
+        self._sender = sender
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._items: list[tuple] = []
+        self._scheduled = False
+        self.requests: dict[int, list] = {}  # rid -> [tickets, results still to send]; guarded by _lock
+
+    def add(self, rid: int, index: int, kind: str, value: Any) -> None:
+        with self._lock:
+            self._items.append((rid, index, kind, value))
+            if kind in ("r", "e") and index >= 0:
+                entry = self.requests.get(rid)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del self.requests[rid]
+            schedule = threading.get_ident() == self._loop_thread and not self._scheduled
+            if schedule:
+                self._scheduled = True
+        if schedule:
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        with self._sender.lock:  # one sender at a time, so the order of events is kept across threads
+            with self._lock:
+                items, self._items = self._items, []
+                self._scheduled = False
+            if items:
+                self._sender.send_locked(("ev", items))
+
+
+class WireFuture:
+    """Stands in for a ticket's asyncio future: setting it sends an event to the gateway."""
+
+    __slots__ = ("_outbox", "_rid", "_index", "_kind", "_ticket", "_done")
+
+    def __init__(self, outbox: Outbox, rid: int, index: int, kind: str, ticket: Ticket) -> None:
+        self._outbox, self._rid, self._index, self._kind, self._ticket = outbox, rid, index, kind, ticket
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, value: Any) -> None:
+        self._done = True
+        self._outbox.add(self._rid, self._index, self._kind, self._ticket.n_prompt if self._kind == "a" else value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        if self._kind == "r":  # an admission that fails always fails the result too: one event says it
+            self._outbox.add(self._rid, self._index, "e", exc)
+
+    def add_done_callback(self, fn: Any) -> None:
+        pass
+
+
+class WireQueue:
+    """Stands in for a request's event queue: text pieces go up; "done" items are carried by the result."""
+
+    __slots__ = ("_outbox", "rid")
+
+    def __init__(self, outbox: Outbox, rid: int) -> None:
+        self._outbox, self.rid = outbox, rid
+
+    def put_nowait(self, item: tuple[int, str, Any]) -> None:
+        index, kind, value = item
+        if kind == "text":
+            self._outbox.add(self.rid, index, "t", value)
+
+
+_WIRE = (WireFuture, WireQueue)
+
+
+class WorkerScheduler(Scheduler):
+    """The shared scheduler, delivering to the gateway instead of to asyncio futures of this process."""
+
+    def __init__(self, engine: Engine, *, outbox: Outbox, **kw: Any) -> None:
+        super().__init__(engine, **kw)
+        self.outbox = outbox
+
+    def _ticket(self, req, sampling, events, index) -> Ticket:
+        t = super()._ticket(req, sampling, events, index)
+        t.result = WireFuture(self.outbox, events.rid, index, "r", t)
+        if req.stream:
+            t.admitted = WireFuture(self.outbox, events.rid, index, "a", t)
+        return t
+
+    def _post(self, posts: list) -> None:
+        rest = []
+        for post in posts:
+            if isinstance(post[1], _WIRE):
+                post[0](post[1], post[2])
+            else:
+                rest.append(post)  # calls' futures live on this process's loop
+        self.outbox.flush()
+        if rest:
+            super()._post(rest)
+
+
+class Worker:
+    def __init__(self, sender: ipc.BlockingSender, loop: asyncio.AbstractEventLoop) -> None:
+        self.sender = sender
+        self.loop = loop
+        self.outbox = Outbox(sender, loop)
+        self.engine: Engine | None = None
+        self.handle: ModelHandle | None = None
+        self.spec: dict[str, Any] = {}
+        self.closed = asyncio.Event()
+
+    # -- dispatch ----------------------------------------------------------------------------------------
+    def on_message(self, msg: tuple) -> None:
+        op = msg[0]
+        if op == "gen":
+            self._gen(*msg[1:])
+        elif op == "cancel":
+            self._cancel(msg[1])
+        else:
+            handler = getattr(self, f"op_{op}", None)
+            cid, args = msg[1], msg[2:]
+            if handler is None:
+                self._reply(cid, False, OctoError(f"worker: unknown operation {op!r}"))
+            elif asyncio.iscoroutinefunction(handler):
+                self.loop.create_task(self._run(cid, handler, args))
+            else:
+                self._call(cid, handler, args)
+
+    def _call(self, cid: int, handler: Any, args: tuple) -> None:
+        try:
+            value = handler(*args)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the gateway
+            self._reply(cid, False, _wire_error(exc))
+        else:
+            self._reply(cid, True, value)
+
+    async def _run(self, cid: int, handler: Any, args: tuple) -> None:
+        try:
+            value = await handler(*args)
+        except BaseException as exc:  # noqa: BLE001
+            self._reply(cid, False, _wire_error(exc))
+        else:
+            self._reply(cid, True, value)
+
+    def _reply(self, cid: int, ok: bool, value: Any) -> None:
+        self.sender.send(("r", cid, ok, value))
+
+    # -- generation --------------------------------------------------------------------------------------
+    def _gen(self, rid: int, kind: str, req: Any) -> None:
+        sched = self.handle.scheduler
+        try:
+            gens, n = serving.prepare(self.handle, kind, req)
+            expected = serving.sequence_count(kind, req)
+            if len(gens) * n != expected:
+                raise OctoError(f"worker: {len(gens) * n} sequences for a request the gateway counted {expected}")
+            with self.outbox._lock:
+                self.outbox.requests[rid] = [None, expected]
+            tickets = sched.submit_all(gens, n, WireQueue(self.outbox, rid))
+            with self.outbox._lock:
+                entry = self.outbox.requests.get(rid)
+                if entry is not None:
+                    entry[0] = tickets
+        except BaseException as exc:  # noqa: BLE001 - a refused request: every sequence gets the error
+            with self.outbox._lock:
+                self.outbox.requests.pop(rid, None)
+            self.outbox.add(rid, -1, "e", _wire_error(exc))
+
+    def _cancel(self, rid: int) -> None:
+        with self.outbox._lock:
+            entry = self.outbox.requests.pop(rid, None)
+        for t in (entry[0] or []) if entry else []:
+            if t.state in ("pending", "active"):
+                self.handle.scheduler.abandon(t)
+
+    # -- operations ----------------------------------------------------------------------------------------
+    def op_load(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
+        from octo.plugins import engine_registry, load_plugins
+
+        self.spec = spec
+        registry = engine_registry(load_plugins(spec.get("plugins_dir")))
+        cls = registry[spec["engine"]]
+        t0 = time.perf_counter()
+        self.engine = load_engine(cls, spec["config"], spec["artifact"], spec["name"])
+        load_s = time.perf_counter() - t0
+        if spec.get("warmup"):
+            warm_up(self.engine)
+        return {"info": self.engine.info, "batching": self.engine.batching, "load_seconds": round(load_s, 3),
+                "pid": os.getpid()}
+
+    def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
+        from octo.selection import micro_benchmark
+
+        return micro_benchmark(self.engine, seconds, beat=beat)
+
+    def op_set_threads(self, n: int) -> None:
+        self.engine.set_threads(n)
+
+    def op_serve(self, config: ServerConfig) -> None:
+        spec = self.spec
+        self.handle = ModelHandle(spec["name"], (), self.engine.name, self.engine, spec["artifact"])
+        self.handle.start(config, WorkerScheduler, outbox=self.outbox)
+
+    async def op_call(self, op: str, payload: Any) -> Any:
+        return await run_call(self.handle, op, payload)
+
+    def op_prompt_texts(self, req: Any) -> list[str]:
+        return serving.prompt_texts(self.handle, req)
+
+    def op_stats(self) -> dict[str, Any]:
+        return local_stats(self.handle) if self.handle is not None else {"queue": None, "cache": None}
+
+    async def op_stop(self) -> None:
+        if self.handle is not None:
+            await self.loop.run_in_executor(None, self.handle.stop)
+        elif self.engine is not None:
+            self.engine.unload()
+        self.loop.call_soon(self.closed.set)
+
+
+def warm_up(engine: Engine) -> None:
+    """Run the engine once right after its load, so a crash in its first computation happens now (where a
+    fallback configuration can take over), not on the first request."""
+    from octo.selection import bench_prompt, decode_steps, free_sequences, start_sequences
+
+    tasks = engine.info.tasks or engine.tasks
+    if tasks & {Task.CHAT, Task.COMPLETION}:
+        seqs = start_sequences(engine, [900_100], [bench_prompt(engine, 8, 3)])
+        try:
+            decode_steps(engine, seqs, time.perf_counter() + 5.0, 2)
+        finally:
+            free_sequences(engine, seqs)
+    elif Task.EMBEDDINGS in tasks:
+        engine.embed(["warm up"])
+
+
+def _wire_error(exc: BaseException) -> OctoError:
+    err = _as_octo_error(exc)
+    if not isinstance(err, OctoError):  # pragma: no cover - _as_octo_error always returns one
+        err = OctoError(str(exc))
+    return err
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the gateway died before prctl took effect
+        os._exit(1)
+
+
+async def _main(down_fd: int, up_fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    sender = ipc.BlockingSender(socket.socket(fileno=up_fd))
+    worker = Worker(sender, loop)
+    await ipc.open_reader(socket.socket(fileno=down_fd), worker.on_message, lambda: os._exit(0))
+    await worker.closed.wait()
+    sender.send(("bye",))
+
+
+def main() -> None:
+    down_fd, up_fd, parent = (int(a) for a in sys.argv[1:4])
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when we stop (drain first)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("OCTO_LOG_LEVEL", "INFO").upper(),
+                        format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(name)s: %(message)s")
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        runner.run(_main(down_fd, up_fd))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip native destructors at exit: the gateway is done with us
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Fault-injection engines for the test suite (loaded with ``--plugins-dir tests/plugins``).
+
+``faulty`` behaves like echo (it repeats the last user message) and dies on purpose:
+  -o crash_in=none|load|warmup|step   where it dies (default none; "step" only for prompts that contain CRASH)
+  -o how=segv|abort|kill|exit          how: SIGSEGV, SIGABRT (abort()), SIGKILL (as the OOM killer does), exit(3)
+  -o after=N                           in "step": after N generated tokens (default 2)
+  -o safe=true                         never crash: its fallback configuration (what a crash at load or warm-up
+                                       retries with, like llama.cpp's repack=false)
+  -o token_delay_ms=N                  as echo
+``crashy`` dies of SIGSEGV in its first decode step unless safe=true and declares no fallback (a selection
+candidate that crashes); ``steady`` never crashes. Both claim GGUF files, so a GGUF path makes them candidates.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from octo.engines.echo import EchoEngine
+
+from octo.engine import Task
+from octo.errors import ConfigError
+from octo.hookspecs import hookimpl
+
+_OWN = {"crash_in": ("none", "load", "warmup", "step"), "how": ("segv", "abort", "kill", "exit"), "after": None,
+        "safe": ("true", "false")}
+
+
+def die(how: str) -> None:
+    if how == "abort":
+        os.abort()
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSEGV)
+    time.sleep(5)  # the signal is delivered before this ends
+
+
+class FaultyEngine(EchoEngine):
+    name = "faulty"
+    isolation = "process"
+    fallbacks = (({"safe": "true"}, "the faulty engine's unsafe mode crashed"),)
+
+    def __init__(self, config=None) -> None:
+        options = dict((config.options if config else {}) or {})
+        own = {k: options.pop(k) for k in list(options) if k in _OWN}
+        for key, value in own.items():
+            if _OWN[key] is not None and value not in _OWN[key]:
+                raise ConfigError(f"faulty: {key} must be one of {', '.join(_OWN[key])}", param=key)
+        if config is not None:
+            config.options = options
+        super().__init__(config)
+        safe = own.get("safe") == "true"
+        self.crash_in = "none" if safe else own.get("crash_in", "none")
+        self.how = own.get("how", "segv")
+        self.after = int(own.get("after", "2"))
+        self.steps = 0
+
+    def load(self, artifact, name):
+        if self.crash_in == "load":
+            die(self.how)
+        return super().load(artifact, name)
+
+    def add_sequence(self, seq) -> None:
+        super().add_sequence(seq)
+        seq.slot["crash"] = any(self.token_bytes(t).strip() == b"CRASH" for t in seq.tokens)
+
+    def step(self, feeds):
+        self.steps += 1
+        if self.crash_in == "warmup":
+            die(self.how)
+        if self.crash_in == "step":
+            for f in feeds:
+                if f.seq.slot["crash"] and f.seq.slot["emitted"] >= self.after:
+                    die(self.how)
+        return super().step(feeds)
+
+
+class CrashyEngine(FaultyEngine):
+    name = "crashy"
+    formats = frozenset({"gguf"})
+    tasks = frozenset({Task.CHAT, Task.COMPLETION})
+    fallbacks = ()
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        self.crash_in = "warmup"
+
+
+class SteadyEngine(FaultyEngine):
+    name = "steady"
+    formats = frozenset({"gguf"})
+    tasks = frozenset({Task.CHAT, Task.COMPLETION})
+
+
+@hookimpl
+def register_engines(register):
+    register(FaultyEngine)
+    register(CrashyEngine)
+    register(SteadyEngine)
