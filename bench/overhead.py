@@ -5,7 +5,8 @@ default, uvloop when installed; `--loop asyncio` for both on asyncio's own loop)
 process) alternates A and B rounds at each concurrency so that machine noise hits both alike. Writes JSON
 with requests/s, p50 and p99 per server and concurrency, and the ratio octo / bare.
 
-    python bench/overhead.py [--requests 2000] [--rounds 3] [--loop auto] [--out bench/results/overhead.json]
+    python bench/overhead.py [--requests 2000] [--rounds 3] [--loop auto] [--isolation thread|process]
+                             [--out bench/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -108,13 +109,14 @@ async def main(args) -> dict:
     octo_port, bare_port = free_port(), free_port()
     loop = loop_name(args.loop)
     octo = start([sys.executable, "-m", "octo.cli", "serve", "bench", "--engine", "echo", "--max-batch", "64",
-                  "--max-queue", "4096", "--port", str(octo_port), "--log-level", "warning", "--loop", loop],
+                  "--max-queue", "4096", "--port", str(octo_port), "--log-level", "warning", "--loop", loop,
+                  "--isolation", args.isolation],
                  octo_port)
     bare = start([sys.executable, "-c", BARE_SERVER, str(bare_port), loop], bare_port)
     targets = {"octo": f"http://127.0.0.1:{octo_port}/v1/chat/completions",
                "bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
     results: dict = {"host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                              "python": platform.python_version()}, "loop": loop,
+                              "python": platform.python_version()}, "loop": loop, "isolation": args.isolation,
                      "requests_per_round": args.requests, "rounds": args.rounds, "concurrency": {}}
     try:
         for url in targets.values():  # warm-up
@@ -149,6 +151,8 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
                     help="event loop of both servers (auto: octo's default)")
+    ap.add_argument("--isolation", choices=["thread", "process"], default="thread",
+                    help="octo's echo model in the gateway (its default) or in an engine worker process")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
     a = ap.parse_args()

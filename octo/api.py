@@ -18,7 +18,7 @@ from aiohttp import web
 
 from octo import serving
 from octo.engine import Task
-from octo.errors import InvalidRequest, ModelNotFound, OctoError, UnsupportedParameter
+from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.protocol import (
     AnthropicRequest,
     ChatCompletionRequest,
@@ -36,14 +36,10 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-async def _served(request: web.Request, model: str | None):
-    """The handle serving ``model``, ready to take requests (a crashed worker restarts here)."""
-    handle = request.app[STATE].handle
-    if not handle.matches(model):
-        raise ModelNotFound(f"The model '{model}' does not exist; this server serves '{handle.name}'.",
-                            param="model")
-    await handle.ensure_ready()
-    return handle
+def _model(request: web.Request, req: Any):
+    """``async with``: the ready handle of the model ``req`` names, held for the request (loaded on demand, never
+    unloaded under it; a crashed worker restarts here)."""
+    return request.app[STATE].registry.use(req.model, req.keep_alive)
 
 
 async def _sse(request: web.Request) -> web.StreamResponse:
@@ -96,33 +92,33 @@ def _error_event(exc: Any) -> bytes:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     req = parse(ChatCompletionRequest, body)
-    handle = await _served(request, req.model)
-    tickets, events = await handle.submit("chat", req, len(body))
-    model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
-    try:
-        if not req.stream:  # a queue timeout arrives on the result future as well
-            results = [await t.result for t in tickets]
-            return json_response(serving.chat_response(rid, model, fp, results))
-        await handle.wait_admitted(tickets)
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        resp = await _sse(request)
-        extra = {"usage": None} if include_usage else {}
+    async with _model(request, req) as handle:
+        tickets, events = await handle.submit("chat", req, len(body))
+        model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
+        try:
+            if not req.stream:  # a queue timeout arrives on the result future as well
+                results = [await t.result for t in tickets]
+                return json_response(serving.chat_response(rid, model, fp, results))
+            await handle.wait_admitted(tickets)
+            created = int(time.time())
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            resp = await _sse(request)
+            extra = {"usage": None} if include_usage else {}
 
-        def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
-            return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish), **extra})
+            def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
+                return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish), **extra})
 
-        await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
-        results = await _write_events(resp, events, req.n, lambda i, text: chunk(i, {"content": text}),
-                                      lambda i, finish: chunk(i, {}, finish))
-        if include_usage and all(results):
-            usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
-            await resp.write(_data(usage))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-    finally:
-        handle.abandon(tickets)
+            await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
+            results = await _write_events(resp, events, req.n, lambda i, text: chunk(i, {"content": text}),
+                                          lambda i, finish: chunk(i, {}, finish))
+            if include_usage and all(results):
+                usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
+                await resp.write(_data(usage))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            handle.abandon(tickets)
 
 
 # -- /v1/completions -----------------------------------------------------------------------------------
@@ -131,54 +127,54 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse(CompletionRequest, body)
     if req.echo and req.stream:
         raise UnsupportedParameter("echo", "echo is only supported without stream")
-    handle = await _served(request, req.model)
-    tickets, queue = await handle.submit("completion", req, len(body))
-    model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
-    try:
-        if not req.stream:
-            results = [await t.result for t in tickets]
-            texts = await handle.prompt_texts(req) if req.echo else [""] * (len(results) // req.n)
-            prefixes = [texts[i // req.n] for i in range(len(results))]
-            return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
-        await handle.wait_admitted(tickets)
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        resp = await _sse(request)
+    async with _model(request, req) as handle:
+        tickets, queue = await handle.submit("completion", req, len(body))
+        model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
+        try:
+            if not req.stream:
+                results = [await t.result for t in tickets]
+                texts = await handle.prompt_texts(req) if req.echo else [""] * (len(results) // req.n)
+                prefixes = [texts[i // req.n] for i in range(len(results))]
+                return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
+            await handle.wait_admitted(tickets)
+            created = int(time.time())
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            resp = await _sse(request)
 
-        def chunk(index: int, text: str, finish: str | None = None) -> bytes:
-            return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish))
+            def chunk(index: int, text: str, finish: str | None = None) -> bytes:
+                return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish))
 
-        results = await _write_events(resp, queue, len(tickets), chunk, lambda i, finish: chunk(i, "", finish))
-        if include_usage and all(results):
-            u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
-            await resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                    "system_fingerprint": fp, "choices": [], "usage": u}))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-    finally:
-        handle.abandon(tickets)
+            results = await _write_events(resp, queue, len(tickets), chunk, lambda i, finish: chunk(i, "", finish))
+            if include_usage and all(results):
+                u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
+                await resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                        "system_fingerprint": fp, "choices": [], "usage": u}))
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            handle.abandon(tickets)
 
 
 # -- /v1/embeddings ------------------------------------------------------------------------------------
 async def embeddings(request: web.Request) -> web.Response:
     body = await request.read()
     req = parse(EmbeddingRequest, body)
-    handle = await _served(request, req.model)
-    if Task.EMBEDDINGS not in handle.tasks:
-        raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) does not support embeddings.",
-                             param="model", code="unsupported_task")
-    dim = handle.info.embedding_dim
-    if req.dimensions is not None and req.dimensions != dim:
-        raise UnsupportedParameter("dimensions", f"this model's embeddings have {dim} dimensions")
-    result = await handle.call("embed", req.input)
-    data = []
-    for i, vec in enumerate(result.vectors):
-        emb: Any = vec
-        if req.encoding_format == "base64":
-            emb = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
-        data.append({"object": "embedding", "index": i, "embedding": emb})
-    return json_response({"object": "list", "data": data, "model": req.model or handle.name,
-                          "usage": {"prompt_tokens": result.n_tokens, "total_tokens": result.n_tokens}})
+    async with _model(request, req) as handle:
+        if Task.EMBEDDINGS not in handle.tasks:
+            raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) does not support embeddings.",
+                                 param="model", code="unsupported_task")
+        dim = handle.info.embedding_dim
+        if req.dimensions is not None and req.dimensions != dim:
+            raise UnsupportedParameter("dimensions", f"this model's embeddings have {dim} dimensions")
+        result = await handle.call("embed", req.input)
+        data = []
+        for i, vec in enumerate(result.vectors):
+            emb: Any = vec
+            if req.encoding_format == "base64":
+                emb = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return json_response({"object": "list", "data": data, "model": req.model or handle.name,
+                              "usage": {"prompt_tokens": result.n_tokens, "total_tokens": result.n_tokens}})
 
 
 # -- /v1/messages (Anthropic) --------------------------------------------------------------------------
@@ -189,40 +185,40 @@ def _event(name: str, obj: dict) -> bytes:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     req = parse(AnthropicRequest, body)
-    handle = await _served(request, req.model)
-    tickets, events = await handle.submit("messages", req, len(body))
-    mid, model = serving.new_id("msg"), req.model or handle.name
-    try:
-        await handle.wait_admitted(tickets)
-        if not req.stream:
-            return json_response(serving.anthropic_response(mid, model, await tickets[0].result))
-        resp = await _sse(request)
-        start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                 "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": tickets[0].n_prompt, "output_tokens": 0}}
-        await resp.write(_event("message_start", {"type": "message_start", "message": start})
-                         + _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                          "content_block": {"type": "text", "text": ""}})
-                         + _event("ping", {"type": "ping"}))
-        async for batch in _events(events, 1):
-            out = []
-            for _, kind, value in batch:
-                if kind == "text":
-                    out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                              "delta": {"type": "text_delta", "text": value}}))
-                elif isinstance(value, Result):
-                    reason, seq = serving.anthropic_stop(value)
-                    out.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
-                    out.append(_event("message_delta", {"type": "message_delta",
-                                                        "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                        "usage": {"output_tokens": value.completion_tokens}}))
-                    out.append(_event("message_stop", {"type": "message_stop"}))
-                else:
-                    out.append(_event("error", anthropic_error_body(value)))
-            await resp.write(b"".join(out))
-        return resp
-    finally:
-        handle.abandon(tickets)
+    async with _model(request, req) as handle:
+        tickets, events = await handle.submit("messages", req, len(body))
+        mid, model = serving.new_id("msg"), req.model or handle.name
+        try:
+            await handle.wait_admitted(tickets)
+            if not req.stream:
+                return json_response(serving.anthropic_response(mid, model, await tickets[0].result))
+            resp = await _sse(request)
+            start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                     "stop_reason": None, "stop_sequence": None,
+                     "usage": {"input_tokens": tickets[0].n_prompt, "output_tokens": 0}}
+            await resp.write(_event("message_start", {"type": "message_start", "message": start})
+                             + _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                              "content_block": {"type": "text", "text": ""}})
+                             + _event("ping", {"type": "ping"}))
+            async for batch in _events(events, 1):
+                out = []
+                for _, kind, value in batch:
+                    if kind == "text":
+                        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                                  "delta": {"type": "text_delta", "text": value}}))
+                    elif isinstance(value, Result):
+                        reason, seq = serving.anthropic_stop(value)
+                        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
+                        out.append(_event("message_delta", {"type": "message_delta",
+                                                            "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                            "usage": {"output_tokens": value.completion_tokens}}))
+                        out.append(_event("message_stop", {"type": "message_stop"}))
+                    else:
+                        out.append(_event("error", anthropic_error_body(value)))
+                await resp.write(b"".join(out))
+            return resp
+        finally:
+            handle.abandon(tickets)
 
 
 def anthropic_error_body(exc: Any) -> dict[str, Any]:

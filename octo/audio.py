@@ -27,7 +27,6 @@ from octo.engine import Transcription, TranscriptionRequest
 from octo.errors import (
     EngineError,
     InvalidRequest,
-    ModelNotFound,
     PayloadTooLarge,
     UnsupportedParameter,
 )
@@ -37,7 +36,7 @@ SAMPLE_RATE = 16000
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("segment", "word")
 _FIELD_LIMIT = 256 * 1024  # bytes of any form field other than the file
-_COMMON = frozenset({"file", "model", "prompt", "temperature", "response_format", "stream", "language"})
+_COMMON = frozenset({"file", "model", "prompt", "temperature", "response_format", "stream", "language", "keep_alive"})
 FIELDS = {
     "transcribe": _COMMON | {"timestamp_granularities[]", "timestamp_granularities"},
     "translate": _COMMON,  # ``language`` here is the spoken language (a hint; detected when absent)
@@ -67,27 +66,24 @@ async def _handle(request: web.Request, task: str) -> web.Response:
     from octo.state import STATE
 
     state = request.app[STATE]
-    handle, config = state.handle, state.config
-    if handle.task != "transcription":
-        raise InvalidRequest(
-            f"Model '{handle.name}' is a {handle.task} model and does not support audio "
-            f"{'translation' if task == 'translate' else 'transcription'}; serve a Whisper model "
-            "(e.g. `octo serve whisper-base`).",
-            param="model",
-            code="unsupported_task",
-        )
+    config = state.config
     form = await read_form(
         request, FIELDS[task], max_file_bytes=int(config.max_audio_mb * MB), max_body_bytes=int(config.max_body_mb * MB)
     )
-    model = form.fields.get("model")
-    if model is not None and not handle.matches(model):
-        raise ModelNotFound(f"The model '{model}' does not exist; this server serves '{handle.name}'.", param="model")
-    fmt, granularities, req_kw = parse_options(form, task, handle.engine_cls)
-    audio = await decode_audio(form.data, max_seconds=config.max_audio_seconds)
-    req = TranscriptionRequest(audio=audio, task=task, **req_kw)
-    await handle.ensure_ready()
-    # through the model's admission queue; batched with other queued requests when the engine can
-    result: Transcription = await handle.call("transcribe", req)
+    async with state.registry.use(form.fields.get("model"), form.fields.get("keep_alive")) as handle:
+        if handle.task != "transcription":
+            raise InvalidRequest(
+                f"Model '{handle.name}' is a {handle.task} model and does not support audio "
+                f"{'translation' if task == 'translate' else 'transcription'}; serve a Whisper model "
+                "(e.g. `octo serve whisper-base`).",
+                param="model",
+                code="unsupported_task",
+            )
+        fmt, granularities, req_kw = parse_options(form, task, handle.engine_cls)
+        audio = await decode_audio(form.data, max_seconds=config.max_audio_seconds)
+        req = TranscriptionRequest(audio=audio, task=task, **req_kw)
+        # through the model's admission queue; batched with other queued requests when the engine can
+        result: Transcription = await handle.call("transcribe", req)
     return render(result, fmt, task, granularities)
 
 

@@ -46,9 +46,33 @@ def _env(name: str) -> dict:
     return {"envvar": f"OCTO_{name}", "show_envvar": True}
 
 
+def _keep_alive(ctx, param, value):
+    if value is None:
+        return None
+    from octo.registry import parse_keep_alive
+
+    try:
+        return parse_keep_alive(value, "--keep-alive")
+    except OctoError as err:
+        raise click.BadParameter(err.message) from None
+
+
 @cli.command()
-@click.argument("model", envvar="OCTO_MODEL")
-@click.option("--engine", default=None, help="Engine to use (skips the auto-benchmark).", **_env("ENGINE"))
+@click.argument("model", nargs=-1, envvar="OCTO_MODEL")
+@click.option("--models-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="YAML list of models to load at start (name or path; engine, options, max_batch, pinned, "
+                   "keep_alive).", **_env("MODELS_FILE"))
+@click.option("--max-loaded", default=0, show_default=True, type=click.IntRange(0),
+              help="Models loaded at once; the least recently used idle one unloads to make room (0: no limit).",
+              **_env("MAX_LOADED"))
+@click.option("--memory-budget", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="GB the loaded models may take (weights + prefix-cache share, estimated); 0: no limit.",
+              **_env("MEMORY_BUDGET"))
+@click.option("--keep-alive", default="5m", show_default=True, callback=_keep_alive,
+              help="How long a model loaded on demand stays loaded when idle (seconds or 10m, 1h; -1: forever).",
+              **_env("KEEP_ALIVE"))
+@click.option("--engine", default=None, help="Engine for the models named here (skips the auto-benchmark).",
+              **_env("ENGINE"))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.", **_env("HOST"))
 @click.option("--port", default=8080, show_default=True, type=int, help="Port (0 = any free port).",
               **_env("PORT"))
@@ -82,31 +106,48 @@ def _env(name: str) -> dict:
               type=click.Choice(["auto", "uvloop", "asyncio"]),
               help="Event loop: uvloop (faster HTTP handling), asyncio, or auto (uvloop when installed).",
               **_env("LOOP"))
+@click.option("--share-cores", default="auto", show_default=True, type=click.Choice(["auto", "off"]),
+              help="auto: while two or more models are loaded in workers they compute in turns, so their thread "
+                   "pools never oversubscribe the cores; off: they compute at the same time.", **_env("SHARE_CORES"))
 @click.option("--isolation", default=None, type=click.Choice(["process", "thread"]),
               help="Run each loaded model in its own worker process (a native crash costs only its requests) or in "
                    "this process; default: each engine's own (process for native engines, thread for echo).",
               **_env("ISOLATION"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
-def serve(model, engine, host, port, options, max_queue, queue_timeout, max_batch, cache_size, no_cache,
-          max_body_mb, max_audio_mb, max_audio_seconds, api_key, insecure_no_auth, plugins_dir, bench_seconds,
-          rebench, isolation, loop_name, log_level):
-    """Serve MODEL (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API."""
+def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, max_queue,
+          queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds, api_key,
+          insecure_no_auth, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name, log_level):
+    """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
+
+    Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
+    demand. With no model the server starts empty. --engine and -o apply to the models named here."""
     loop_factory = _loop_factory(loop_name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(host) and not api_key and not insecure_no_auth:
         raise click.UsageError(f"refusing to serve on {host} without --api-key (anyone on the network could use "
                                "it); pass --api-key KEY, or --insecure-no-auth to accept that")
-    config = ServerConfig(model=model, engine=engine, host=host, port=port, options=_options(options),
+    if isinstance(model, str):  # OCTO_MODEL may hold several, separated by spaces
+        model = tuple(model.split())
+    config = ServerConfig(model=model[0] if model else "", engine=engine, host=host, port=port,
+                          options=_options(options), keep_alive=keep_alive, max_loaded=max_loaded,
+                          memory_budget_gb=memory_budget,
                           max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
                           plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench,
-                          isolation=isolation)
+                          isolation=isolation, share_cores=share_cores)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
+    from octo.registry import ModelSpec, load_models_file
+
+    try:
+        specs = [ModelSpec(m, config.engine, dict(config.options)) for m in model]
+        specs += load_models_file(models_file) if models_file else []
+    except OctoError as err:
+        raise click.ClickException(err.message) from None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(_serve(config))
+        runner.run(_serve(config, specs))
 
 
 def _loop_factory(name: str):
@@ -126,19 +167,21 @@ def _loop_label(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-async def _serve(config: ServerConfig) -> None:
+async def _serve(config: ServerConfig, specs: list) -> None:
     from aiohttp import web
 
-    from octo.loader import open_model
     from octo.plugins import engine_registry, load_plugins
+    from octo.registry import Registry
     from octo.server import create_app
 
     pm = load_plugins(config.plugins_dir)
+    registry = Registry(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
     try:  # engine workers are children of this event loop's thread: they die with it, never before
-        handle, rows = await open_model(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
+        await registry.start(specs)
     except OctoError as err:
+        await registry.close()
         raise click.ClickException(err.message) from None
-    app = create_app(config, handle, rows, pm)
+    app = create_app(config, registry, plugin_manager=pm)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -149,8 +192,10 @@ async def _serve(config: ServerConfig) -> None:
     gc.collect()
     gc.freeze()
     loop = asyncio.get_running_loop()
-    where = f"worker pid {handle.worker.pid}" if handle.isolation == "process" else "in-process"
-    click.echo(f"octo: serving '{handle.name}' with {handle.engine_name} ({where}) at http://{config.host}:{port}/v1 "
+    served = ", ".join(f"'{s.name}' with {s.handle.engine_name} ("
+                       + (f"worker pid {s.handle.worker.pid})" if s.handle.isolation == "process" else "in-process)")
+                       for s in registry.loaded()) or "no model yet (loaded on demand)"
+    click.echo(f"octo: serving {served} at http://{config.host}:{port}/v1 "
                f"(max batch {config.max_batch}, queue {config.max_queue}, {_loop_label(loop)} loop)", err=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,6 +205,46 @@ async def _serve(config: ServerConfig) -> None:
     finally:
         click.echo("octo: shutting down", err=True)
         await runner.cleanup()
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, **_env("HOST"))
+@click.option("--port", default=8080, show_default=True, type=int, **_env("PORT"))
+@click.option("--api-key", default=None, **_env("API_KEY"))
+@click.option("--all", "show_all", is_flag=True, help="Also list servable models that are not loaded.")
+@click.option("--json", "as_json", is_flag=True)
+def ps(host, port, api_key, show_all, as_json):
+    """List the models a running `octo serve` has loaded (like `ollama ps`)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{host}:{port}/v1/models",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            data = json.loads(r.read())["data"]
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise click.ClickException(f"no octo server answered at http://{host}:{port}: {exc}") from None
+    rows = [m for m in data if show_all or m["state"] not in ("available", "failed")]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    import time as _time
+
+    table = []
+    for m in rows:
+        mem = (m.get("memory") or {}).get("measured_bytes") or (m.get("memory") or {}).get("estimated_bytes")
+        exp = m.get("expires_at")
+        table.append({"name": m["id"], "engine": m.get("engine"), "state": m["state"],
+                      "where": (f"pid {m['worker']['pid']}" if m.get("worker") else m.get("isolation")),
+                      "memory": f"{mem / 2**20:.0f} MB" if mem else None,
+                      "until": "forever" if exp is None and m["state"] == "ready" else
+                      (f"{max(0, exp - _time.time()):.0f} s" if exp else None),
+                      "in_flight": m.get("requests_in_flight")})
+    if not table:
+        click.echo("no model loaded")
+        return
+    _print_table(table, ["name", "engine", "state", "where", "memory", "until", "in_flight"])
 
 
 def _print_table(rows: list[dict], columns: list[str]) -> None:

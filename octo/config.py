@@ -25,4 +25,8 @@ class ServerConfig:
     rebench: bool = False
     plugins_dir: str | None = None
     cors: bool = False
+    keep_alive: float | None = 300.0  # idle seconds before a model loaded on demand unloads (None: never)
+    max_loaded: int = 0  # models loaded at once (0: no limit)
+    memory_budget_gb: float = 0.0  # estimated memory of the loaded models (0: no limit)
+    share_cores: str = "auto"  # "auto": models in workers compute in turns when two or more are loaded; "off"
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)

@@ -140,6 +140,8 @@ def gguf_metadata(path: Path, max_keys: int = 64) -> dict:
 
             def string() -> str:
                 (n,) = struct.unpack("<Q", f.read(8))
+                if n > 1 << 20:  # no header string is that long: a corrupt or hostile file
+                    raise ValueError(f"GGUF string of {n} bytes")
                 return f.read(n).decode("utf-8", "replace")
 
             def skip(kind: int) -> None:
@@ -167,7 +169,7 @@ def gguf_metadata(path: Path, max_keys: int = 64) -> dict:
                     meta[key] = struct.unpack(_GGUF_SCALARS[kind], f.read(size))[0]
                 else:
                     skip(kind)
-    except (OSError, struct.error, KeyError, UnicodeDecodeError):
+    except (OSError, struct.error, KeyError, UnicodeDecodeError, ValueError, OverflowError, MemoryError):
         pass
     return meta
 

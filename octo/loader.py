@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from octo.catalog import uri_kind
 from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import ConfigError, ModelNotFound, OctoError
 from octo.model import ModelHandle, load_engine
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
+from octo.scheduler import new_engine_thread
 from octo.selection import Candidate
 
 log = logging.getLogger("octo.loader")
@@ -76,30 +80,37 @@ class LocalCandidate(Candidate):
     def __init__(self, cls: type[Engine], artifact: str, name: str, config: ServerConfig) -> None:
         self.cls, self.artifact, self.name, self.config = cls, artifact, name, config
         self.engine: Engine | None = None
+        self.thread = new_engine_thread()  # load, benchmark and (the winner) serving all run on this one thread
+
+    async def _on_thread(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
     async def open(self, bench):
         t = time.perf_counter()
-        self.engine = load_engine(self.cls, self.config, self.artifact, self.name)
+        self.engine = await self._on_thread(load_engine, self.cls, self.config, self.artifact, self.name)
         load_s = time.perf_counter() - t
         if bench is None:
             return load_s, None
         from octo.selection import micro_benchmark
 
         self.wait_prepare()
-        return load_s, micro_benchmark(self.engine, bench[0], beat=bench[1])
+        return load_s, await self._on_thread(micro_benchmark, self.engine, bench[0], bench[1])
 
     async def set_threads(self, n: int) -> None:
         if n in self.engine.thread_counts():
-            self.engine.set_threads(n)
+            await self._on_thread(self.engine.set_threads, n)
 
     async def discard(self) -> None:
         try:
-            self.engine.unload()
+            await self._on_thread(self.engine.unload)
         except Exception:  # noqa: BLE001
             log.exception("unload failed")
+        self.thread.shutdown(wait=False)
 
     def handle(self, aliases: tuple[str, ...], **kw: Any) -> ModelHandle:
-        return ModelHandle(self.name, aliases, self.cls.name, self.engine, self.artifact, **kw)
+        handle = ModelHandle(self.name, aliases, self.cls.name, self.engine, self.artifact, **kw)
+        handle.engine_thread = self.thread
+        return handle
 
 
 class WorkerCandidate(Candidate):
@@ -132,6 +143,53 @@ class WorkerCandidate(Candidate):
         return RemoteHandle(self.name, aliases, self.cls, self.artifact, self.config, self.worker, self.loaded, **kw)
 
 
+def _candidates(resolved: Any, engine_name: str | None, registry: dict[str, type[Engine]]) -> dict[str, Any]:
+    """Engine -> artifact for the engines that can serve ``resolved`` here (``engine_name`` alone when given);
+    echo-like engines only when no real engine can."""
+    if engine_name is not None:
+        if engine_name not in resolved.artifacts:
+            have = ", ".join(sorted(resolved.artifacts)) or "none"
+            raise ModelNotFound(f"Model '{resolved.name}' has no artifact for engine '{engine_name}'; "
+                                f"engines with one: {have}.", param="engine")
+        return {engine_name: resolved.artifacts[engine_name]}
+    usable = {e: a for e, a in resolved.artifacts.items() if e in registry and registry[e].detect().available}
+    real = {e: a for e, a in usable.items() if "any" not in registry[e].formats}
+    candidates = real or usable
+    if not candidates:
+        have = ", ".join(sorted(resolved.artifacts)) or "none"
+        raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
+                          "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
+    return candidates
+
+
+def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engine]],
+                  need_local: bool = True) -> tuple[str, tuple[str, ...], str, int]:
+    """(name, aliases, task, artifact bytes) of a model this host can load, without downloading anything;
+    404 for an unknown model, and (``need_local``: a request's model) for one whose artifacts are not downloaded,
+    naming the `octo pull` command."""
+    from octo.catalog import load_catalog
+    from octo.download import ArtifactNotDownloaded, is_downloaded, pull_command
+
+    engine_name = canonical_engine(engine, registry)
+    if engine_name is not None and "any" in registry[engine_name].formats:
+        return model, (), "chat", 0
+    resolved = load_catalog().resolve(model, {c.name: c.formats for c in registry.values()})
+    candidates = _candidates(resolved, engine_name, registry)
+    local = {e: a for e, a in candidates.items() if is_downloaded(a)}
+    if not local and need_local:
+        first = next(iter(candidates.values()))
+        raise ArtifactNotDownloaded(f"Model '{resolved.name}' is not downloaded here, and requests never start "
+                                    f"a download. Download it first: {pull_command(first)}", param="model")
+    sizes = [_size(Path(a.uri).expanduser()) for a in local.values() if uri_kind(a.uri) == "path"]
+    return resolved.name, tuple(resolved.aliases), resolved.task, max(sizes, default=0)
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
 def isolation_of(cls: type[Engine], config: ServerConfig) -> str:
     return config.isolation or cls.isolation
 
@@ -144,9 +202,11 @@ def candidate(cls: type[Engine], artifact: str, name: str, config: ServerConfig,
 
 
 async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = None,
-                     say: Callable[[str], None] = print) -> tuple[Any, list[dict[str, Any]]]:
+                     say: Callable[[str], None] = print, download: bool = True) -> tuple[Any, list[dict[str, Any]]]:
     """Resolve ``config.model``, choose its engine (the start-up benchmark when several can serve it) and load it,
-    in this process or in a worker; returns the handle (not yet activated) and the /v1/engines rows."""
+    in this process or in a worker; returns the handle (not yet activated) and the /v1/engines rows. With
+    ``download`` false (a load a request asked for) artifacts that are not here are not downloaded."""
+    offline = None if download else True
     registry = registry or engine_registry()
     engine_name = canonical_engine(config.engine, registry)
     if engine_name is not None and "any" in registry[engine_name].formats:
@@ -159,31 +219,22 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     from octo.download import fetch
 
     formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
-    resolved = load_catalog().resolve(config.model, formats)
-    usable = {e: a for e, a in resolved.artifacts.items() if e in registry and registry[e].detect().available}
+    resolved = await asyncio.to_thread(load_catalog().resolve, config.model, formats)
+    candidates = _candidates(resolved, engine_name, registry)
     if engine_name is not None:
-        if engine_name not in resolved.artifacts:
-            have = ", ".join(sorted(resolved.artifacts)) or "none"
-            raise ModelNotFound(f"Model '{resolved.name}' has no artifact for engine '{engine_name}'; "
-                                f"engines with one: {have}.", param="engine")
-        artifact = resolved.artifacts[engine_name]
+        artifact = candidates[engine_name]
         say(f"octo: {resolved.name}: loading with {engine_name} ({artifact.uri})")
-        cand = candidate(registry[engine_name], str(fetch(artifact)), resolved.name, config, say)
+        path = await asyncio.to_thread(fetch, artifact, offline=offline)
+        cand = candidate(registry[engine_name], str(path), resolved.name, config, say)
         await _open_or_fail(cand)
         handle = cand.handle(tuple(resolved.aliases),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, engine_rows(registry, engine_name, engine=_engine_view(handle))
-    real = {e: a for e, a in usable.items() if "any" not in registry[e].formats}
-    candidates = real or usable  # echo-like engines only when no real engine can serve the model
-    if not candidates:
-        have = ", ".join(sorted(resolved.artifacts)) or "none"
-        raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
-                          "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
     paths, failed = {}, {}
     for name, artifact in candidates.items():
         say(f"octo: {resolved.name}: {name} artifact {artifact.uri}")
         try:
-            paths[name] = str(fetch(artifact))
+            paths[name] = str(await asyncio.to_thread(fetch, artifact, offline=offline))
         except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others
             failed[name] = f"artifact unavailable: {getattr(exc, 'message', None) or exc}"
             say(f"octo: {name}: {failed[name]}")

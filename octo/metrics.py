@@ -32,7 +32,7 @@ class Metrics:
         entry[2][bisect.bisect_left(BUCKETS, seconds)] += 1
 
     def render(self, snapshot: dict[str, Any] | None = None) -> bytes:
-        """The text exposition; ``snapshot`` is the model's ``stats()`` read just before (a worker's numbers
+        """The text exposition; ``snapshot`` is each loaded model's ``stats()`` read just before (a worker's numbers
         come over IPC, so they are fetched by the handler, not inside the collector)."""
         self.snapshot = snapshot or {}
         return generate_latest(self.registry)
@@ -63,30 +63,45 @@ class _Collector:
             latency.add_metric(labels, cumulative, total)
         yield requests
         yield latency
-        handle = self.state.handle
+        registry = self.state.registry
         crashes = CounterMetricFamily("octo_worker_crashes", "Engine worker processes that died",
                                       labels=["model", "engine"])
-        crashes.add_metric([handle.name, handle.engine_name], getattr(handle, "crashes", 0))
+        ready = GaugeMetricFamily("octo_model_ready", "1 when the model can serve now", labels=["model", "state"])
+        for slot in registry.loaded():
+            crashes.add_metric([slot.name, slot.handle.engine_name], getattr(slot.handle, "crashes", 0))
+            ready.add_metric([slot.name, slot.state], 1 if slot.state == "ready" else 0)
         yield crashes
-        up = GaugeMetricFamily("octo_model_ready", "1 when the model can serve now", labels=["model", "state"])
-        up.add_metric([handle.name, handle.state], 1 if handle.state == "ready" else 0)
-        yield up
+        yield ready
+        yield GaugeMetricFamily("octo_models_loaded", "Models loaded now", value=len(registry.loaded()))
+        yield CounterMetricFamily("octo_model_loads", "Model loads (start-up and on demand)", value=registry.loads)
+        yield CounterMetricFamily("octo_model_unloads", "Model unloads (keep_alive, LRU, admin)",
+                                  value=registry.unloads)
         snap = getattr(self.metrics, "snapshot", None) or {}
-        q = snap.get("queue")
-        if q is None:
-            return
-        yield CounterMetricFamily("octo_generated_tokens", "Tokens generated", value=q["generated_tokens"])
-        yield GaugeMetricFamily("octo_queue_depth", "Requests waiting for admission", value=q["pending"])
-        yield GaugeMetricFamily("octo_active_sequences", "Sequences in the running batch", value=q["active"])
-        yield CounterMetricFamily("octo_queue_rejected", "Requests refused with 503", value=q["total_rejected"])
-        yield CounterMetricFamily("octo_queue_timeouts", "Requests that timed out in the queue (504)",
-                                  value=q["total_timeouts"])
-        yield CounterMetricFamily("octo_processed", "Requests processed by the engine", value=q["total_processed"])
-        c = snap.get("cache")
-        if c is not None:
-            yield CounterMetricFamily("octo_cache_hits", "Prefix-cache hits", value=c["hits"])
-            yield CounterMetricFamily("octo_cache_misses", "Prefix-cache misses", value=c["misses"])
-            yield CounterMetricFamily("octo_cache_tokens_reused", "Prompt tokens restored from the prefix cache",
-                                      value=c["tokens_reused"])
-            yield GaugeMetricFamily("octo_cache_bytes", "Bytes held by the prefix cache", value=c["bytes"])
-            yield GaugeMetricFamily("octo_cache_entries", "Entries in the prefix cache", value=c["entries"])
+        families = {
+            "generated_tokens": CounterMetricFamily("octo_generated_tokens", "Tokens generated", labels=["model"]),
+            "pending": GaugeMetricFamily("octo_queue_depth", "Requests waiting for admission", labels=["model"]),
+            "active": GaugeMetricFamily("octo_active_sequences", "Sequences in the running batch", labels=["model"]),
+            "total_rejected": CounterMetricFamily("octo_queue_rejected", "Requests refused with 503",
+                                                  labels=["model"]),
+            "total_timeouts": CounterMetricFamily("octo_queue_timeouts", "Requests that timed out in the queue (504)",
+                                                  labels=["model"]),
+            "total_processed": CounterMetricFamily("octo_processed", "Requests processed by the engine",
+                                                   labels=["model"]),
+        }
+        cache = {
+            "hits": CounterMetricFamily("octo_cache_hits", "Prefix-cache hits", labels=["model"]),
+            "misses": CounterMetricFamily("octo_cache_misses", "Prefix-cache misses", labels=["model"]),
+            "tokens_reused": CounterMetricFamily("octo_cache_tokens_reused",
+                                                 "Prompt tokens restored from the prefix cache", labels=["model"]),
+            "bytes": GaugeMetricFamily("octo_cache_bytes", "Bytes held by the prefix cache", labels=["model"]),
+            "entries": GaugeMetricFamily("octo_cache_entries", "Entries in the prefix cache", labels=["model"]),
+        }
+        for name, stats in snap.items():
+            for key, fam in families.items():
+                if stats.get("queue"):
+                    fam.add_metric([name], stats["queue"].get(key) or 0)
+            for key, fam in cache.items():
+                if stats.get("cache"):
+                    fam.add_metric([name], stats["cache"].get(key) or 0)
+        yield from families.values()
+        yield from cache.values()

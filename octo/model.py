@@ -70,6 +70,7 @@ class ModelHandle(HandleInfo):
     cache: PrefixCache | None = None
     selection: dict[str, Any] = field(default_factory=dict)  # how the engine was chosen (/v1/engines)
     benchmarks: dict[str, Any] = field(default_factory=dict)  # engine name -> benchmark result
+    engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
     isolation = "thread"
     state = "ready"
     reason = None
@@ -90,7 +91,7 @@ class ModelHandle(HandleInfo):
         self.cache = cache
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                        queue_timeout=config.queue_timeout, cache=cache, **kw)
-        self.scheduler.start()
+        self.scheduler.start(engine_thread=self.engine_thread)
 
     async def activate(self, config: ServerConfig) -> None:
         if self.scheduler is None:

@@ -56,8 +56,9 @@ class _Sampling(_Model):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
-    # extensions common to local servers (llama.cpp, vLLM)
+    # extensions common to local servers (llama.cpp, vLLM; keep_alive: Ollama's, seconds or a duration)
     top_k: int | None = Field(None, ge=0)
+    keep_alive: float | str | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, alias="repeat_penalty")
 
@@ -121,6 +122,7 @@ class EmbeddingRequest(_Model):
     dimensions: int | None = Field(None, ge=1)
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+    keep_alive: float | str | None = None
 
 
 class AnthropicMessage(_Model):
@@ -145,6 +147,7 @@ class AnthropicRequest(_Model):
     tools: list[Any] | None = None
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    keep_alive: float | str | None = None
 
 
 def parse(model: type[_Model], body: bytes) -> Any:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from octo import ipc, serving
+from octo.arbiter import ARBITER
 from octo.config import ServerConfig
 from octo.engine import Engine, ModelInfo
 from octo.errors import EngineCrashed, ModelFailed, OctoError, QueueTimeout
@@ -72,18 +73,21 @@ class WorkerProcess:
         self.exited = loop.create_future()
         down_g, down_w = socket.socketpair()
         up_g, up_w = socket.socketpair()
+        arb_g, arb_w = socket.socketpair()
         try:
-            fds = (down_w.fileno(), up_w.fileno())
+            fds = (down_w.fileno(), up_w.fileno(), arb_w.fileno())
             env = {**os.environ, "OCTO_LOG_LEVEL": logging.getLevelName(logging.getLogger().level)}
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "octo.worker", str(fds[0]), str(fds[1]), str(os.getpid()),
+                sys.executable, "-m", "octo.worker", *map(str, fds), str(os.getpid()),
                 pass_fds=fds, stdin=asyncio.subprocess.DEVNULL, env=env)
         finally:
             down_w.close()
             up_w.close()
+            arb_w.close()
         self.pid = self.proc.pid
         self._down = await ipc.open_reader(down_g, lambda msg: None, self._lost)
         await ipc.open_reader(up_g, self._on_message, self._lost)
+        self.member = await ARBITER.attach(arb_g, label)
         return self
 
     @property
@@ -285,6 +289,7 @@ class RemoteHandle(HandleInfo):
         self.state, self.reason = "loading", None
         self.crashes = 0
         self.restarts = 0
+        self.shares_cores = False
         self._requests: dict[int, _Request] = {}
         self._lock = asyncio.Lock()
         self._adopt(worker, loaded)
@@ -301,14 +306,26 @@ class RemoteHandle(HandleInfo):
         worker.on_exit = self._on_exit
 
     def worker_info(self) -> dict[str, Any]:
+        member = getattr(self.worker, "member", None)
         return {"pid": self.worker.pid, "alive": self.worker.alive, "crashes": self.crashes,
                 "restarts": self.restarts, "fallback": self.fallback or None,
-                "fallback_reason": self.fallback_reason}
+                "fallback_reason": self.fallback_reason, "shares_cores": self.shares_cores,
+                "compute_turns": member.turns if member else 0,
+                "compute_wait_s": round(member.waited, 3) if member else 0.0}
+
+    async def share_cores(self, on: bool) -> None:
+        """Compute in turns with the other loaded models (octo.arbiter), or freely when alone."""
+        self.shares_cores = on
+        if self.worker.alive and self.state == "ready":
+            await self.worker.request("share_cores", on)
 
     # -- life cycle --------------------------------------------------------------------------------------
     async def activate(self, config: ServerConfig) -> None:
-        await self.worker.request("serve", config)
-        self.state = "ready"
+        if self.state == "loading":  # once per worker
+            await self.worker.request("serve", config)
+            self.state = "ready"
+            if self.shares_cores:  # a restarted worker takes its turns like the one before it
+                await self.worker.request("share_cores", True)
 
     async def close(self) -> None:
         self.state = "stopped"

@@ -16,6 +16,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,7 @@ class _Call(_Job):
 
 
 class Scheduler:
+    gate: Any = None  # octo.arbiter.ComputeGate of a worker sharing the cores with other models
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
                  cache: PrefixCache | None = None) -> None:
         self.engine = engine
@@ -127,7 +129,7 @@ class Scheduler:
         self._active: list[Ticket] = []
         self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
         self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
-        self._thread: threading.Thread | None = None
+        self._thread: Executor | None = None
         self._stopping = False
         self._sleeping = False
         self._kick_scheduled = False
@@ -144,12 +146,16 @@ class Scheduler:
         self.steps = 0
 
     # -- life cycle --------------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None, engine_thread: Executor | None = None) -> None:
+        """Run the step loop on ``engine_thread`` (the single-thread executor that loaded and measured the engine,
+        so that every computation of a model happens on one thread: OpenMP builds such as llama.cpp's keep one
+        thread pool per calling thread, and two pools on a small host throttle each other's spinning)."""
         self._loop = loop or asyncio.get_running_loop()
         self._sweep_every = min(0.05, self.queue_timeout / 4)
         self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
-        self._thread = threading.Thread(target=self._run, name="octo-engine", daemon=True)
-        self._thread.start()
+        self._thread = engine_thread or new_engine_thread()
+        self._done = self._thread.submit(self._run)
+        self._done.add_done_callback(_report_exit)
 
     def stop(self) -> None:
         if getattr(self, "_sweeper", None) is not None:
@@ -158,7 +164,10 @@ class Scheduler:
             self._stopping = True
         self._wake.put(None)
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            try:
+                self._done.result(timeout=30)
+            except Exception:  # noqa: BLE001 - a step loop that died was reported when it did
+                log.exception("the engine thread ended with an error")
             self._thread = None
 
     # -- submission (event loop) -------------------------------------------------------------------
@@ -337,6 +346,8 @@ class Scheduler:
                         break
                     calls, admitted = self._admit_locked()
             if idle:
+                if self.gate is not None:
+                    self.gate.idle()
                 self._wake.get()  # a kick (or stop) wakes us; spurious wake-ups just look again
                 continue
             for job in admitted + calls:
@@ -478,8 +489,15 @@ class Scheduler:
             owners.append(t)
         if not feeds:
             return
+        gate = self.gate
         try:
-            out = eng.step(feeds)
+            if gate is not None:  # several models share the cores: compute in turns (octo.arbiter)
+                gate.enter()
+            try:
+                out = eng.step(feeds)
+            finally:
+                if gate is not None:
+                    gate.exit()
             if len(out) != len(feeds):
                 raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
         except BaseException as exc:  # noqa: BLE001 - fail this step's sequences, keep serving
@@ -572,6 +590,17 @@ class Scheduler:
             self._loop.call_soon_threadsafe(_deliver, posts)
             for job in pending:
                 self._loop.call_soon_threadsafe(_fail_job, job, err)
+
+
+def _report_exit(done: Any) -> None:
+    exc = done.exception()
+    if exc is not None:
+        log.error("the engine thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+
+
+def new_engine_thread() -> ThreadPoolExecutor:
+    """A model's engine thread: one thread that runs its load, warm-up, benchmark and every step, in order."""
+    return ThreadPoolExecutor(1, thread_name_prefix="octo-engine")
 
 
 def _as_octo_error(exc: BaseException) -> OctoError:

@@ -89,75 +89,162 @@ def _check_key(request: web.Request, key: str) -> None:
 
 
 # -- info routes -------------------------------------------------------------------------------------
-def _model_state(h: Any) -> dict[str, Any]:
-    out = {"state": h.state, "isolation": h.isolation}
-    if h.reason:
-        out["reason"] = h.reason
-    worker = getattr(h, "worker_info", None)
-    if worker is not None:
-        out["worker"] = worker()
-    return out
+def _model_entry(state: AppState, slot: Any) -> dict[str, Any]:
+    """One servable model for /v1/models, /health and the admin routes."""
+    h = slot.handle
+    entry = {"id": slot.name, "object": "model", "created": int(slot.loaded_at or state.started), "owned_by": "octo",
+             "state": slot.state, "task": h.task if h is not None else slot.task,
+             "aliases": sorted(a for a in slot.aliases if a != slot.name), "pinned": slot.spec.pinned,
+             "keep_alive": slot.keep_alive, "expires_at": slot.expires_at(), "requests_in_flight": slot.inflight,
+             "memory": {"estimated_bytes": slot.estimated_bytes or None,
+                        "measured_bytes": _rss(h) if h is not None else None}}
+    if h is not None:
+        entry.update(engine=h.engine_name, context_length=h.info.n_ctx, isolation=h.isolation,
+                     load_seconds=slot.load_seconds)
+        worker = getattr(h, "worker_info", None)
+        if worker is not None:
+            entry["worker"] = worker()
+    reason = (h.reason if h is not None else None) or (slot.error.message if slot.error is not None else None)
+    if reason:
+        entry["reason"] = reason
+    return entry
+
+
+def _rss(handle: Any) -> int | None:
+    """Resident memory of a model in a worker process (an in-process model shares the gateway's)."""
+    worker = getattr(handle, "worker", None)
+    if worker is None or not worker.alive:
+        return None
+    try:
+        for line in open(f"/proc/{worker.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    h = state.handle
-    return api.json_response({"status": "ok" if h.state == "ready" else "degraded", "model": h.name,
-                              "engine": h.engine_name, **_model_state(h),
-                              "uptime_s": round(time.time() - state.started, 3)})
+    slots = state.registry.loaded()
+    bad = [s for s in slots if s.state != "ready"]
+    body: dict[str, Any] = {"status": "degraded" if bad else "ok",
+                            "models": [{"id": s.name, "engine": s.handle.engine_name, "state": s.state,
+                                        **({"reason": s.handle.reason} if s.handle.reason else {})} for s in slots],
+                            "uptime_s": round(time.time() - state.started, 3)}
+    if len(slots) == 1:  # a one-model server: its model's details at the top
+        body.update({"model": slots[0].name, **_model_entry(state, slots[0])})
+        body.pop("id"), body.pop("object"), body.pop("owned_by")
+    return api.json_response(body)
 
 
-async def models(request: web.Request) -> web.Response:
+async def models_route(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    h = state.handle
-    data = [{"id": h.name, "object": "model", "created": int(state.started), "owned_by": "octo",
-             "engine": h.engine_name, "task": h.task, "context_length": h.info.n_ctx, "aliases": list(h.aliases),
-             **_model_state(h)}]
+    data = [_model_entry(state, s) for s in state.registry.slots]
     return api.json_response({"object": "list", "data": data})
 
 
-async def model_get(request: web.Request) -> web.Response:
+def _slot(request: web.Request) -> Any:
     state = request.app[STATE]
-    h = state.handle
     name = request.match_info["name"]
-    if not h.matches(name):
-        raise NotFound(f"The model '{name}' does not exist; this server serves '{h.name}'.", param="model",
+    slot = state.registry.find(name)
+    if slot is None:
+        names = ", ".join(s.name for s in state.registry.slots) or "none"
+        raise NotFound(f"The model '{name}' does not exist; servable here: {names}.", param="model",
                        code="model_not_found")
-    return api.json_response({"id": name, "object": "model", "created": int(state.started), "owned_by": "octo"})
+    return slot
+
+
+async def model_get(request: web.Request) -> web.Response:
+    return api.json_response(_model_entry(request.app[STATE], _slot(request)))
+
+
+async def model_load(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    slot = await state.registry.load(request.match_info["name"])
+    return api.json_response(_model_entry(state, slot))
+
+
+async def model_unload(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    slot = await state.registry.unload(request.match_info["name"])
+    return api.json_response(_model_entry(state, slot))
+
+
+def _engines_of(slot: Any) -> dict[str, Any]:
+    h = slot.handle
+    return {"model": slot.name, "active": h.engine_name, "state": slot.state, "isolation": h.isolation,
+            **({"worker": h.worker_info()} if hasattr(h, "worker_info") else {}),
+            "selection": h.selection, "data": slot.rows}
 
 
 async def engines(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    h = state.handle
-    return api.json_response({"object": "list", "active": h.engine_name, "model": h.name,
-                              "isolation": h.isolation, "selection": h.selection, "data": state.engines})
+    want = request.query.get("model")
+    slots = state.registry.loaded()
+    if want is not None:
+        slot = state.registry.find(want)
+        if slot is None or slot.handle is None:
+            raise NotFound(f"The model '{want}' is not loaded.", param="model", code="model_not_found")
+        slots = [slot]
+    per_model = [_engines_of(s) for s in slots]
+    body: dict[str, Any] = {"object": "list", "models": per_model}
+    if len(per_model) == 1:
+        body.update(per_model[0])
+    else:
+        from octo.loader import engine_rows
+        from octo.plugins import engine_registry
+
+        body["data"] = engine_rows(engine_registry())
+    return api.json_response(body)
+
+
+_SUMMED = ("pending", "active", "max_batch", "max_queue", "max_depth", "total_processed", "total_rejected",
+           "total_timeouts", "total_cancelled", "steps", "generated_tokens", "entries", "bytes", "hits", "misses",
+           "tokens_reused", "evictions")
+
+
+async def _stats(request: web.Request) -> dict[str, dict[str, Any]]:
+    slots = request.app[STATE].registry.loaded()
+    got = await asyncio.gather(*(s.handle.stats() for s in slots), return_exceptions=True)
+    return {s.name: g for s, g in zip(slots, got, strict=True) if isinstance(g, dict)}
+
+
+def _totals(per_model: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    rows = [r for r in per_model.values() if r]
+    if len(rows) == 1:
+        return dict(rows[0])
+    out: dict[str, Any] = {k: sum(r.get(k) or 0 for r in rows) for k in _SUMMED if any(k in r for r in rows)}
+    if "hits" in out:
+        lookups = out["hits"] + out.get("misses", 0)
+        out["hit_rate"] = round(out["hits"] / lookups, 4) if lookups else 0.0
+    return out
 
 
 async def queue_stats(request: web.Request) -> web.Response:
-    stats = await request.app[STATE].handle.stats()
-    return api.json_response(stats["queue"])
+    per = {name: st["queue"] for name, st in (await _stats(request)).items()}
+    return api.json_response({**_totals(per), "models": per})
 
 
 async def cache_stats(request: web.Request) -> web.Response:
-    stats = await request.app[STATE].handle.stats()
-    if stats["cache"] is None:
+    per = {name: st["cache"] for name, st in (await _stats(request)).items() if st["cache"] is not None}
+    if not per:
         cfg = request.app[STATE].config
-        why = "disabled by --no-cache" if cfg.no_cache else "the served model has no text generation"
+        why = "disabled by --no-cache" if cfg.no_cache else "no loaded model has text generation"
         return api.json_response({"enabled": False, "reason": why, "entries": 0, "bytes": 0, "hits": 0,
-                                  "misses": 0, "hit_rate": 0.0})
-    return api.json_response(stats["cache"])
+                                  "misses": 0, "hit_rate": 0.0, "models": {}})
+    return api.json_response({**_totals(per), "enabled": True, "models": per})
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    snapshot = await state.handle.stats()
+    snapshot = await _stats(request)
     return web.Response(body=state.metrics.render(snapshot), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _no_transcription(request: web.Request) -> web.Response:  # audio extras not installed
-    h = request.app[STATE].handle
-    raise InvalidRequest(f"Model '{h.name}' ({h.engine_name}) does not support audio transcription; serve a "
-                         "Whisper model (e.g. `octo serve whisper-base`).", param="model", code="unsupported_task")
+    raise InvalidRequest("Audio transcription is not installed here (pip install 'octo[whisper]').", param="model",
+                         code="unsupported_task")
 
 
 def _audio_handlers() -> tuple[Any, Any]:
@@ -168,18 +255,28 @@ def _audio_handlers() -> tuple[Any, Any]:
     return audio.transcriptions, audio.translations
 
 
-def create_app(config: ServerConfig, handle: Any, engine_rows: list[dict[str, Any]] | None = None,
+def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, Any]] | None = None,
                plugin_manager: Any = None) -> web.Application:
-    """The application for one served model. ``handle.scheduler`` is started on app start-up."""
+    """The application. ``models`` is a started ``Registry``, or one loaded handle (with its /v1/engines rows),
+    which the app activates on start-up."""
+    from octo.registry import Registry
+
     app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20))
-    state = AppState(config=config, handle=handle, engines=engine_rows or [], started=time.time())
+    if isinstance(models, Registry):
+        registry = models
+    else:
+        registry = Registry(config, {})
+        registry.adopt(models, engine_rows)
+    state = AppState(config=config, registry=registry, started=time.time())
     state.metrics = Metrics(state)
     app[STATE] = state
     transcriptions, translations = _audio_handlers()
     r = app.router
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
-    r.add_get("/v1/models", models)
+    r.add_get("/v1/models", models_route)
+    r.add_post("/v1/models/{name:.+}/load", model_load)
+    r.add_post("/v1/models/{name:.+}/unload", model_unload)
     r.add_get("/v1/models/{name:.+}", model_get)
     r.add_get("/v1/engines", engines)
     r.add_get("/v1/queue/stats", queue_stats)
@@ -194,10 +291,10 @@ def create_app(config: ServerConfig, handle: Any, engine_rows: list[dict[str, An
         plugin_manager.hook.register_routes(app=app)
 
     async def on_startup(app: web.Application) -> None:
-        await handle.activate(config)
+        await registry.activate_all()
 
     async def on_cleanup(app: web.Application) -> None:
-        await handle.close()
+        await registry.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -13,10 +13,17 @@ from octo.config import ServerConfig
 @dataclass
 class AppState:
     config: ServerConfig
-    handle: Any  # octo.model.ModelHandle
-    engines: list[dict[str, Any]] = field(default_factory=list)  # /v1/engines rows, filled at start-up
+    registry: Any  # octo.registry.Registry: every servable model and the loaded ones' handles
     metrics: Any = None
     started: float = 0.0
+
+    @property
+    def handle(self) -> Any:
+        """The loaded model's handle, when exactly one is loaded (plugins and tests of a one-model server)."""
+        loaded = self.registry.loaded()
+        if len(loaded) != 1:
+            raise LookupError(f"{len(loaded)} models are loaded; use state.registry")
+        return loaded[0].handle
 
 
 STATE = web.AppKey("octo_state", AppState)

@@ -1,8 +1,9 @@
-"""An engine worker process: one loaded model (engine, scheduler, prefix cache, KV) behind two socket pairs.
+"""An engine worker process: one loaded model (engine, scheduler, prefix cache, KV) behind socket pairs.
 
-Started by the gateway (``octo.remote``) as ``python -m octo.worker DOWN_FD UP_FD PARENT_PID``. Its event loop
-reads the gateway's messages; its engine thread runs the ordinary :class:`octo.scheduler.Scheduler` and sends one
-message per engine step with every sequence's new text (``WorkerScheduler._post``), straight from that thread.
+Started by the gateway (``octo.remote``) as ``python -m octo.worker DOWN_FD UP_FD ARBITER_FD PARENT_PID`` (the
+arbiter socket: see ``octo.arbiter``). Its event loop reads the gateway's messages; its engine thread runs the
+ordinary :class:`octo.scheduler.Scheduler` and sends one message per engine step with every sequence's new text
+(``WorkerScheduler._post``), straight from that thread.
 The engine sees one model in one process, exactly as in-process.
 
 The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies with its parent
@@ -17,6 +18,7 @@ Up: ``("ev", [(rid, index, kind, value), ...])`` with kind "a" (admitted: prompt
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -31,7 +33,7 @@ from octo.config import ServerConfig
 from octo.engine import Engine, Task
 from octo.errors import OctoError
 from octo.model import ModelHandle, load_engine, local_stats, run_call
-from octo.scheduler import Scheduler, Ticket, _as_octo_error
+from octo.scheduler import Scheduler, Ticket, _as_octo_error, new_engine_thread
 
 log = logging.getLogger("octo.worker")
 
@@ -121,9 +123,10 @@ _WIRE = (WireFuture, WireQueue)
 class WorkerScheduler(Scheduler):
     """The shared scheduler, delivering to the gateway instead of to asyncio futures of this process."""
 
-    def __init__(self, engine: Engine, *, outbox: Outbox, **kw: Any) -> None:
+    def __init__(self, engine: Engine, *, outbox: Outbox, gate: Any = None, **kw: Any) -> None:
         super().__init__(engine, **kw)
         self.outbox = outbox
+        self.gate = gate
 
     def _ticket(self, req, sampling, events, index) -> Ticket:
         t = super()._ticket(req, sampling, events, index)
@@ -145,12 +148,15 @@ class WorkerScheduler(Scheduler):
 
 
 class Worker:
-    def __init__(self, sender: ipc.BlockingSender, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, sender: ipc.BlockingSender, loop: asyncio.AbstractEventLoop, gate: Any = None) -> None:
         self.sender = sender
+        self.gate = gate
         self.loop = loop
         self.outbox = Outbox(sender, loop)
         self.engine: Engine | None = None
         self.handle: ModelHandle | None = None
+        # load, warm-up, benchmark and every step run on this one thread (see Scheduler.start)
+        self.engine_thread = new_engine_thread()
         self.spec: dict[str, Any] = {}
         self.closed = asyncio.Event()
 
@@ -218,7 +224,13 @@ class Worker:
                 self.handle.scheduler.abandon(t)
 
     # -- operations ----------------------------------------------------------------------------------------
-    def op_load(self, spec: dict[str, Any]) -> dict[str, Any]:
+    async def _on_engine_thread(self, fn: Any, *args: Any) -> Any:
+        return await self.loop.run_in_executor(self.engine_thread, fn, *args)
+
+    async def op_load(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return await self._on_engine_thread(self._load, spec)
+
+    def _load(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
         from octo.plugins import engine_registry, load_plugins
 
@@ -233,21 +245,33 @@ class Worker:
         return {"info": self.engine.info, "batching": self.engine.batching, "load_seconds": round(load_s, 3),
                 "pid": os.getpid()}
 
-    def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
+    async def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
         from octo.selection import micro_benchmark
 
-        return micro_benchmark(self.engine, seconds, beat=beat)
+        return await self._on_engine_thread(micro_benchmark, self.engine, seconds, beat)
 
-    def op_set_threads(self, n: int) -> None:
-        self.engine.set_threads(n)
+    async def op_set_threads(self, n: int) -> None:
+        await self._on_engine_thread(self.engine.set_threads, n)
 
     def op_serve(self, config: ServerConfig) -> None:
+        if self.handle is not None:
+            raise OctoError("worker: already serving")
         spec = self.spec
         self.handle = ModelHandle(spec["name"], (), self.engine.name, self.engine, spec["artifact"])
-        self.handle.start(config, WorkerScheduler, outbox=self.outbox)
+        self.handle.engine_thread = self.engine_thread
+        self.handle.start(config, WorkerScheduler, outbox=self.outbox, gate=self.gate)
+        # as the gateway does after its start-up: the model's Python objects (a tokenizer's vocabulary, ...) live as
+        # long as the worker, so full collections need not walk them while the engine thread holds the GIL
+        gc.collect()
+        gc.freeze()
 
     async def op_call(self, op: str, payload: Any) -> Any:
         return await run_call(self.handle, op, payload)
+
+    def op_share_cores(self, on: bool) -> None:
+        """Compute only when the gateway's arbiter grants the cores (several models loaded) or freely."""
+        if self.gate is not None:
+            self.gate.enabled = bool(on)
 
     def op_prompt_texts(self, req: Any) -> list[str]:
         return serving.prompt_texts(self.handle, req)
@@ -259,7 +283,7 @@ class Worker:
         if self.handle is not None:
             await self.loop.run_in_executor(None, self.handle.stop)
         elif self.engine is not None:
-            self.engine.unload()
+            await self._on_engine_thread(self.engine.unload)
         self.loop.call_soon(self.closed.set)
 
 
@@ -298,17 +322,19 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-async def _main(down_fd: int, up_fd: int) -> None:
+async def _main(down_fd: int, up_fd: int, arb_fd: int) -> None:
+    from octo.arbiter import ComputeGate
+
     loop = asyncio.get_running_loop()
     sender = ipc.BlockingSender(socket.socket(fileno=up_fd))
-    worker = Worker(sender, loop)
+    worker = Worker(sender, loop, ComputeGate(socket.socket(fileno=arb_fd)))
     await ipc.open_reader(socket.socket(fileno=down_fd), worker.on_message, lambda: os._exit(0))
     await worker.closed.wait()
     sender.send(("bye",))
 
 
 def main() -> None:
-    down_fd, up_fd, parent = (int(a) for a in sys.argv[1:4])
+    down_fd, up_fd, arb_fd, parent = (int(a) for a in sys.argv[1:5])
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when we stop (drain first)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -321,7 +347,7 @@ def main() -> None:
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(_main(down_fd, up_fd))
+        runner.run(_main(down_fd, up_fd, arb_fd))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip native destructors at exit: the gateway is done with us

@@ -51,6 +51,21 @@ def check_stop_string_and_max_tokens(server: OctoServer, model: str) -> None:
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
 
 
+def rss_tree(pid: int) -> int:
+    """Resident memory of process ``pid`` and its children (a gateway and its engine workers), in bytes."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(stat.parent.name) == pid or int(fields[1]) == pid:
+                for line in (stat.parent / "status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +101,18 @@ class OctoServer:
 
         with urllib.request.urlopen(self.url(path)) as r:
             return json.loads(r.read())
+
+    def post_json(self, path: str, body: dict) -> tuple[int, dict]:
+        """(status, JSON body) of a POST, error statuses included."""
+        import json
+        import urllib.error
+
+        req = urllib.request.Request(self.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -6,7 +6,6 @@ load, warm-up or a step, on purpose.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -52,12 +51,7 @@ def _wait_gone(pid: int, seconds: float = 10.0) -> bool:
 
 
 def _post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(server.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return server.post_json(path, body)
 
 
 def _chat(text: str, **kw) -> dict:
@@ -140,7 +134,7 @@ def test_queued_requests_fail_at_once_and_non_stream_calls_too(home):
         assert all(b["error"]["code"] == "engine_crashed" for _, b in results)
         stats = server.get_json("/v1/queue/stats")
         assert stats["pending"] == 0 and stats["active"] == 0 and stats["state"] == "crashed"
-        assert "octo_queue_depth 0.0" in urllib.request.urlopen(server.url("/metrics")).read().decode()
+        assert 'octo_queue_depth{model="m"} 0.0' in urllib.request.urlopen(server.url("/metrics")).read().decode()
 
 
 @pytest.mark.parametrize("where", ["load", "warmup"])

@@ -1,0 +1,425 @@
+"""The model registry: every model a server can serve, which of them are loaded, and routing by ``model``.
+
+Models named at start-up (``octo serve A B``, ``--models-file``) load then and stay loaded unless they have a
+``keep_alive``; a request for any other servable model (a catalog entry whose artifact is here, a local path, a
+synthetic model) loads it on demand, once however many requests wait for it, and it unloads after ``--keep-alive``
+idle. ``--max-loaded`` and ``--memory-budget`` make room by unloading the least recently used idle model (never
+one with requests in flight, never a pinned one). Each loaded model is an ordinary handle (``octo.model`` in this
+process, ``octo.remote`` in a worker), chosen by the start-up benchmark like a single served model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import gc
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from octo.config import ServerConfig
+from octo.engine import Engine
+from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, Overloaded, QueueTimeout
+
+log = logging.getLogger("octo.registry")
+FAILED_RETRY_S = 30.0  # a model whose load failed answers with that failure this long before it is tried again
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
+    """Seconds, as Ollama takes it: a number of seconds or a duration ("10m", "1h30m", "500ms"); a negative value
+    keeps the model loaded for good (None); 0 unloads it right after the request."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m'.", param=param)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(a + u for a, u in parts) != text.replace(" ", ""):
+                raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m' or '1h30m', "
+                                     f"got {value!r}.", param=param) from None
+            unit = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+            seconds = sum(float(a) * unit[u] for a, u in parts)
+    else:
+        raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m'.", param=param)
+    return None if seconds < 0 else seconds
+
+
+@dataclass
+class ModelSpec:
+    """A model the server was told about (command line or models file)."""
+
+    model: str
+    engine: str | None = None
+    options: dict[str, str] = field(default_factory=dict)
+    max_batch: int | None = None
+    pinned: bool = False
+    keep_alive: float | None = None  # seconds idle before unloading; None: never
+    declared: bool = True  # named at start-up (False: loaded on demand by a request)
+
+
+_SPEC_KEYS = {"model", "name", "path", "engine", "options", "max_batch", "pinned", "keep_alive"}
+
+
+def load_models_file(path: str) -> list[ModelSpec]:
+    """The models of a ``--models-file``: a YAML list (or ``models:`` list) of names/paths or mappings with
+    ``model`` (or ``name``/``path``), ``engine``, ``options``, ``max_batch``, ``pinned``, ``keep_alive``."""
+    import yaml
+
+    from octo.errors import ConfigError
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--models-file {path}: {exc}") from None
+    items = data.get("models") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise ConfigError(f"--models-file {path}: expected a list of models (or a 'models:' list).")
+    specs = []
+    for i, item in enumerate(items):
+        where = f"--models-file {path}: models[{i}]"
+        if isinstance(item, str):
+            specs.append(ModelSpec(item))
+            continue
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where} must be a name or a mapping.")
+        unknown = set(item) - _SPEC_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                              f"{', '.join(sorted(_SPEC_KEYS))}.")
+        model = item.get("model") or item.get("path") or item.get("name")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{where} needs 'model' (a name or a path).")
+        options = item.get("options") or {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"{where}: options must be a mapping.")
+        try:
+            keep_alive = parse_keep_alive(item.get("keep_alive"), "keep_alive")
+        except InvalidRequest as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
+        max_batch = item.get("max_batch")
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ConfigError(f"{where}: max_batch must be a positive integer.")
+        specs.append(ModelSpec(model, item.get("engine"), {str(k): str(v) for k, v in options.items()}, max_batch,
+                               bool(item.get("pinned", False)), keep_alive))
+    return specs
+
+
+class Slot:
+    """One servable model and, while it is loaded, its handle."""
+
+    def __init__(self, spec: ModelSpec, name: str, aliases: set[str], task: str | None) -> None:
+        self.spec = spec
+        self.name = name
+        self.aliases = aliases
+        self.task = task
+        self.handle: Any = None
+        self.rows: list[dict[str, Any]] = []
+        self.loading: asyncio.Task | None = None
+        self.error: OctoError | None = None
+        self.failed_at = 0.0
+        self.inflight = 0
+        self.last_used = time.monotonic()
+        self.loaded_at = 0.0
+        self.keep_alive = spec.keep_alive
+        self.artifact_bytes = 0
+        self.estimated_bytes = 0
+        self.load_seconds: float | None = None
+
+    @property
+    def state(self) -> str:
+        if self.loading is not None:
+            return "loading"
+        if self.handle is not None:
+            return self.handle.state
+        if self.error is not None:
+            return "failed"
+        return "available"
+
+    def expires_at(self) -> float | None:
+        """Wall-clock time at which an idle loaded model unloads (None: never)."""
+        if self.handle is None or self.keep_alive is None or self.spec.pinned:
+            return None
+        return time.time() + max(0.0, self.keep_alive - (time.monotonic() - self.last_used)) if self.inflight == 0 \
+            else None
+
+    def matches(self, model: str) -> bool:
+        if model == self.name or model in self.aliases:
+            return True
+        return model == "whisper-1" and self.task == "transcription"
+
+
+class Registry:
+    def __init__(self, config: ServerConfig, engines: dict[str, type[Engine]],
+                 say: Callable[[str], None] = log.info) -> None:
+        self.config = config
+        self.engines = engines
+        self.say = say
+        self.slots: list[Slot] = []
+        self._by_name: dict[str, Slot] = {}
+        self._sweeper: asyncio.Task | None = None
+        self._room = asyncio.Lock()  # one load decides about eviction at a time
+        self.loads = 0
+        self.unloads = 0
+
+    # -- start-up and shutdown -----------------------------------------------------------------------------
+    async def start(self, specs: list[ModelSpec]) -> None:
+        """Load the models named at start-up, in order (a failure stops the start with its reason)."""
+        for spec in specs:
+            slot = await self._slot_for(spec.model, spec)
+            await self._load(slot)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    def adopt(self, handle: Any, rows: list[dict[str, Any]] | None = None, spec: ModelSpec | None = None) -> Slot:
+        """Add a model that is already loaded (its handle not yet activated: ``activate_all`` does that)."""
+        slot = Slot(spec or ModelSpec(handle.name, engine=handle.engine_name), handle.name, set(handle.aliases),
+                    handle.task)
+        slot.handle, slot.rows, slot.loaded_at = handle, rows or [], time.time()
+        self.slots.append(slot)
+        for name in (handle.name, *handle.aliases):
+            self._by_name.setdefault(name, slot)
+        return slot
+
+    async def activate_all(self) -> None:
+        for slot in self.loaded():
+            await slot.handle.activate(self.config_for(slot.spec) if slot.spec.declared else self.config)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for slot in self.slots:
+            if slot.loading is not None:
+                slot.loading.cancel()
+        await asyncio.gather(*(self._unload(s) for s in self.slots if s.handle is not None), return_exceptions=True)
+
+    # -- routing -----------------------------------------------------------------------------------------
+    def loaded(self) -> list[Slot]:
+        return [s for s in self.slots if s.handle is not None]
+
+    def find(self, model: str | None) -> Slot | None:
+        """The slot named ``model`` (a name, an alias, a path, or ``whisper-1``), without resolving anything."""
+        if model:
+            slot = self._by_name.get(model)
+            if slot is not None:
+                return slot
+            for slot in self.slots:
+                if slot.matches(model):
+                    return slot
+        return None
+
+    async def route(self, model: str | None) -> Slot:
+        """The slot serving ``model``; a new on-demand slot for a servable model not seen before. Without a
+        ``model``, the only model there is (a 400 naming ``model`` when there are several)."""
+        if not model:
+            candidates = [s for s in self.slots if s.handle is not None or s.spec.declared]
+            if len(candidates) == 1:
+                return candidates[0]
+            names = ", ".join(s.name for s in candidates) or "none"
+            raise InvalidRequest(f"'model' is required when this server has several models (loaded: {names}).",
+                                 param="model") if candidates else \
+                InvalidRequest("'model' is required: no model is loaded yet.", param="model")
+        slot = self.find(model)
+        if slot is not None:
+            return slot
+        return await self._slot_for(model, ModelSpec(model, declared=False, keep_alive=self.config.keep_alive))
+
+    async def _slot_for(self, model: str, spec: ModelSpec) -> Slot:
+        """Resolve ``model`` (catalog, path, Hugging Face id) to its slot, creating one when it is new."""
+        from octo.loader import resolve_local
+
+        try:
+            name, aliases, task, nbytes = await asyncio.to_thread(resolve_local, model, spec.engine, self.engines,
+                                                                  not spec.declared)
+        except ModelNotFound as exc:
+            servable = ", ".join(s.name for s in self.slots) or "none loaded"
+            raise ModelNotFound(f"{exc.message} Servable here: {servable}.", param="model",
+                                code=exc.code) from None
+        slot = self._by_name.get(name)
+        if slot is None:
+            slot = Slot(spec, name, {model, *aliases} - {name}, task)
+            slot.artifact_bytes = nbytes
+            self.slots.append(slot)
+            self._by_name[name] = slot
+        else:
+            slot.aliases.add(model)
+        self._by_name[model] = slot
+        return slot
+
+    @contextlib.asynccontextmanager
+    async def use(self, model: str | None, keep_alive: Any = None) -> AsyncIterator[Any]:
+        """The ready handle serving ``model`` for the length of one request (loaded on demand; the model is not
+        unloaded while a request uses it). ``keep_alive`` (Ollama's) sets how long it stays loaded afterwards."""
+        slot = await self.route(model)
+        ka = parse_keep_alive(keep_alive) if keep_alive is not None else ...
+        slot.inflight += 1
+        try:
+            handle = await self._ready(slot)
+            yield handle
+        finally:
+            slot.inflight -= 1
+            slot.last_used = time.monotonic()
+            if ka is not ...:
+                slot.keep_alive = ka
+            if slot.keep_alive == 0 and slot.inflight == 0 and slot.handle is not None and not slot.spec.pinned:
+                asyncio.get_running_loop().create_task(self._unload(slot))
+
+    async def _ready(self, slot: Slot) -> Any:
+        if slot.handle is None:
+            if slot.error is not None and time.monotonic() - slot.failed_at < FAILED_RETRY_S:
+                raise slot.error
+            try:
+                await asyncio.wait_for(asyncio.shield(self._load(slot)), self.config.queue_timeout)
+            except TimeoutError:
+                raise QueueTimeout(f"Model '{slot.name}' is still loading after {self.config.queue_timeout:g} s; "
+                                   "retry later.", headers={"Retry-After": "5"}) from None
+        await slot.handle.ensure_ready()
+        return slot.handle
+
+    # -- loading and unloading ---------------------------------------------------------------------------------
+    async def load(self, model: str) -> Slot:
+        """Load ``model`` now (``POST /v1/models/{id}/load``)."""
+        slot = await self.route(model)
+        slot.error = None
+        await self._load(slot)
+        return slot
+
+    async def unload(self, model: str) -> Slot:
+        """Unload ``model`` now (``POST /v1/models/{id}/unload``); refused while requests use it."""
+        slot = self.find(model)
+        if slot is None:
+            raise ModelNotFound(f"The model '{model}' is not known here.", param="model")
+        if slot.inflight:
+            err = InvalidRequest(f"Model '{slot.name}' has {slot.inflight} request(s) in flight; unload it when they "
+                                 "are done.", param="model", code="model_busy")
+            err.status = 409
+            raise err
+        await self._unload(slot)
+        return slot
+
+    def _load(self, slot: Slot) -> asyncio.Future:
+        """The slot's load (one task however many requests wait for it)."""
+        if slot.handle is not None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+        if slot.loading is None:
+            slot.loading = asyncio.get_running_loop().create_task(self._do_load(slot))
+        return slot.loading
+
+    async def _do_load(self, slot: Slot) -> None:
+        from octo.loader import open_model
+
+        config = self.config_for(slot.spec)
+        t0 = time.monotonic()
+        try:
+            async with self._room:
+                # weights plus the prefix-cache share; the KV pool is counted once the engine reports it
+                slot.estimated_bytes = slot.artifact_bytes + int(config.cache_size_mb * 2**20)
+                await self._make_room(slot)
+                self.say(f"octo: loading '{slot.name}'")
+                handle, rows = await open_model(config, self.engines, say=self.say, download=slot.spec.declared)
+                await handle.activate(config)
+            slot.handle, slot.rows, slot.error = handle, rows, None
+            slot.task = handle.task
+            slot.aliases.update(handle.aliases)
+            for alias in handle.aliases:
+                self._by_name.setdefault(alias, slot)
+            slot.loaded_at = time.time()
+            slot.last_used = time.monotonic()
+            slot.load_seconds = round(time.monotonic() - t0, 3)
+            self.loads += 1
+            self.say(f"octo: '{slot.name}' ready with {handle.engine_name} ({handle.isolation}) in "
+                     f"{slot.load_seconds:.2f} s")
+            await self._share_cores()
+        except Overloaded:
+            raise  # no room now: only the requests waiting for this load are refused, the next one tries again
+        except Exception as exc:  # noqa: BLE001 - every waiting request gets the reason, the server goes on
+            cause = exc if isinstance(exc, OctoError) else OctoError(f"{type(exc).__name__}: {exc}")
+            if isinstance(cause, (ModelNotFound, InvalidRequest)) and cause.status < 500:
+                slot.error = cause
+            else:
+                slot.error = ModelFailed(f"Model '{slot.name}' could not be loaded: {cause.message}", param="model",
+                                         headers={"Retry-After": str(int(FAILED_RETRY_S))})
+            slot.failed_at = time.monotonic()
+            log.error("loading '%s' failed: %s", slot.name, cause.message)
+            raise slot.error from None
+        finally:
+            slot.loading = None
+
+    def config_for(self, spec: ModelSpec) -> ServerConfig:
+        """The server configuration one model runs with: its own engine, options, batch size and cache share."""
+        c = self.config
+        share = c.cache_size_mb / max(1, c.max_loaded or sum(1 for s in self.slots if s.spec.declared))
+        return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=dict(spec.options),
+                                   max_batch=spec.max_batch or c.max_batch, cache_size_mb=share)
+
+    async def _make_room(self, slot: Slot) -> None:
+        c = self.config
+        budget = int(c.memory_budget_gb * 2**30) if c.memory_budget_gb else 0
+        while True:
+            others = [s for s in self.loaded() if s is not slot]
+            used = sum(s.estimated_bytes for s in others)
+            too_many = c.max_loaded and len(others) + 1 > c.max_loaded
+            too_big = budget and used + slot.estimated_bytes > budget
+            if not (too_many or too_big) or not others:
+                return
+            idle = sorted((s for s in others if s.inflight == 0 and not s.spec.pinned), key=lambda s: s.last_used)
+            if not idle:
+                why = f"--max-loaded {c.max_loaded}" if too_many else f"--memory-budget {c.memory_budget_gb:g} GB"
+                raise Overloaded(f"No room to load '{slot.name}' ({why}): every loaded model is busy or pinned; "
+                                 "retry later.", headers={"Retry-After": "5"})
+            self.say(f"octo: unloading '{idle[0].name}' (least recently used) to make room for '{slot.name}'")
+            await self._unload(idle[0])
+
+    async def _unload(self, slot: Slot) -> None:
+        handle, slot.handle = slot.handle, None
+        if handle is None:
+            return
+        slot.rows = []
+        if not slot.spec.declared:
+            slot.keep_alive = self.config.keep_alive
+        try:
+            await handle.close()
+        except Exception:  # noqa: BLE001
+            log.exception("unloading '%s' failed", slot.name)
+        self.unloads += 1
+        del handle
+        gc.collect()  # an in-process engine's memory goes back now, not at the next collection
+        self.say(f"octo: unloaded '{slot.name}'")
+        await self._share_cores()
+
+    async def _share_cores(self) -> None:
+        """Two or more models in workers compute in turns (octo.arbiter); a model alone computes freely."""
+        workers = [s.handle for s in self.loaded() if hasattr(s.handle, "share_cores")]
+        on = len(workers) >= 2 and self.config.share_cores != "off"
+        for handle in workers:
+            if handle.shares_cores != on:
+                try:
+                    await handle.share_cores(on)
+                except OctoError as exc:  # a worker that just died is restarted with the current setting
+                    log.warning("%s: could not switch core sharing: %s", handle.name, exc.message)
+
+    async def _sweep(self) -> None:
+        """Unload idle models whose keep-alive has run out (once a second)."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for slot in self.loaded():
+                if slot.spec.pinned or slot.inflight or slot.keep_alive is None or slot.loading is not None:
+                    continue
+                if now - slot.last_used >= slot.keep_alive:
+                    self.say(f"octo: '{slot.name}' idle for {slot.keep_alive:g} s (keep_alive): unloading")
+                    await self._unload(slot)
