@@ -106,9 +106,10 @@ def _keep_alive(ctx, param, value):
               type=click.Choice(["auto", "uvloop", "asyncio"]),
               help="Event loop: uvloop (faster HTTP handling), asyncio, or auto (uvloop when installed).",
               **_env("LOOP"))
-@click.option("--share-cores", default="auto", show_default=True, type=click.Choice(["auto", "off"]),
-              help="auto: while two or more models are loaded in workers they compute in turns, so their thread "
-                   "pools never oversubscribe the cores; off: they compute at the same time.", **_env("SHARE_CORES"))
+@click.option("--share-cores", default="os", show_default=True, type=click.Choice(["os", "turns"]),
+              help="How models in workers share the cores: os (their threads run at once, the OS scheduler shares "
+                   "them; measured best here) or turns (one model computes at a time, fair turns: octo.arbiter).",
+              **_env("SHARE_CORES"))
 @click.option("--isolation", default=None, type=click.Choice(["process", "thread"]),
               help="Run each loaded model in its own worker process (a native crash costs only its requests) or in "
                    "this process; default: each engine's own (process for native engines, thread for echo).",

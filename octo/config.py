@@ -28,5 +28,5 @@ class ServerConfig:
     keep_alive: float | None = 300.0  # idle seconds before a model loaded on demand unloads (None: never)
     max_loaded: int = 0  # models loaded at once (0: no limit)
     memory_budget_gb: float = 0.0  # estimated memory of the loaded models (0: no limit)
-    share_cores: str = "auto"  # "auto": models in workers compute in turns when two or more are loaded; "off"
+    share_cores: str = "os"  # "os": the OS shares the cores; "turns": models in workers compute in turns (arbiter)
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)

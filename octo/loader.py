@@ -184,6 +184,30 @@ def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engin
     return resolved.name, tuple(resolved.aliases), resolved.task, max(sizes, default=0)
 
 
+def servable_catalog(registry: dict[str, type[Engine]]) -> list[dict[str, Any]]:
+    """Catalog models this host could load on demand now: an installed, available engine has an artifact for the
+    default variant, and that artifact is downloaded (or synthetic, built locally)."""
+    from octo.catalog import load_catalog
+    from octo.download import is_downloaded
+
+    catalog = load_catalog()
+    out = []
+    for entry in catalog.entries:
+        artifacts = catalog.artifacts(entry, entry.default_variant)
+        usable = [e for e, a in artifacts.items() if e in registry and "any" not in registry[e].formats
+                  and registry[e].detect().available and _downloaded(a, is_downloaded)]
+        if usable:
+            out.append({"id": entry.id, "task": entry.task, "aliases": list(entry.aliases), "engines": usable})
+    return out
+
+
+def _downloaded(artifact: Any, is_downloaded: Callable[[Any], bool]) -> bool:
+    try:
+        return is_downloaded(artifact)
+    except Exception:  # noqa: BLE001 - a broken cache entry reads as "not downloaded"
+        return False
+
+
 def _size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size

@@ -205,6 +205,21 @@ class Registry:
                 slot.loading.cancel()
         await asyncio.gather(*(self._unload(s) for s in self.slots if s.handle is not None), return_exceptions=True)
 
+    async def catalog_available(self) -> list[dict[str, Any]]:
+        """Catalog models servable on demand that the registry has no slot for yet (cached for 30 s)."""
+        from octo.loader import servable_catalog
+
+        now = time.monotonic()
+        cached = getattr(self, "_catalog", None)
+        if cached is None or now - cached[0] > 30:
+            try:
+                rows = await asyncio.to_thread(servable_catalog, self.engines)
+            except OctoError as exc:  # a broken catalog file: listed models stay listable
+                log.warning("catalog unavailable: %s", exc.message)
+                rows = []
+            self._catalog = cached = (now, rows)
+        return [r for r in cached[1] if self.find(r["id"]) is None]
+
     # -- routing -----------------------------------------------------------------------------------------
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots if s.handle is not None]
@@ -402,9 +417,10 @@ class Registry:
         await self._share_cores()
 
     async def _share_cores(self) -> None:
-        """Two or more models in workers compute in turns (octo.arbiter); a model alone computes freely."""
+        """With --share-cores turns, two or more models in workers compute in turns (octo.arbiter); a model alone
+        always computes freely."""
         workers = [s.handle for s in self.loaded() if hasattr(s.handle, "share_cores")]
-        on = len(workers) >= 2 and self.config.share_cores != "off"
+        on = len(workers) >= 2 and self.config.share_cores == "turns"
         for handle in workers:
             if handle.shares_cores != on:
                 try:

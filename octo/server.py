@@ -139,8 +139,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models_route(request: web.Request) -> web.Response:
+    """Every model the server knows (loaded or not), then catalog models it could load on demand."""
     state = request.app[STATE]
     data = [_model_entry(state, s) for s in state.registry.slots]
+    for row in await state.registry.catalog_available():
+        data.append({"id": row["id"], "object": "model", "created": int(state.started), "owned_by": "octo",
+                     "state": "available", "task": row["task"], "aliases": row["aliases"],
+                     "engines": row["engines"], "source": "catalog"})
     return api.json_response({"object": "list", "data": data})
 
 

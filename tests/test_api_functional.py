@@ -113,7 +113,10 @@ def test_embeddings_base64(echo_server):
 def test_models(echo_server):
     client = echo_server.openai()
     models = client.models.list()
-    assert [m.id for m in models.data] == ["test-model"]
+    # the served model first, then catalog models this host could load on demand (the synthetic demo, ...)
+    assert [m.id for m in models.data if m.model_extra["state"] != "available"] == ["test-model"]
+    assert models.data[0].model_extra["state"] == "ready"
+    assert all(m.model_extra.get("source") == "catalog" for m in models.data[1:])
     assert client.models.retrieve("test-model").id == "test-model"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")

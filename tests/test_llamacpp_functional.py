@@ -51,7 +51,7 @@ def client(server):
 
 
 def test_served_with_llamacpp(client, server):
-    models = client.models.list().data
+    models = [m for m in client.models.list().data if m.model_extra.get("source") != "catalog"]
     assert len(models) == 1 and models[0].model_extra["engine"] == "llamacpp"
     assert MODEL in models[0].model_extra["aliases"]
     assert models[0].model_extra["context_length"] == 2048
