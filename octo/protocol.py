@@ -73,8 +73,8 @@ class _Sampling(_Model):
     @classmethod
     def _bias(cls, v):
         for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got '{key}'")
+            if not (key.isascii() and key.isdigit()):  # "²" is a Unicode digit that int() cannot read
+                raise ValueError(f"keys must be token ids (ASCII decimal, >= 0), got '{key}'")
             if not -100 <= bias <= 100:
                 raise ValueError(f"bias for token {key} must be in [-100, 100]")
         return v

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octo.engine import Engine, Feed, SamplingParams, Sequence
-from octo.errors import ContextLengthExceeded, EngineError, OctoError, Overloaded, QueueTimeout
+from octo.errors import ContextLengthExceeded, EngineError, InvalidRequest, OctoError, Overloaded, QueueTimeout
 from octo.prefix_cache import PrefixCache
 from octo.textstream import TextStream
 
@@ -205,6 +205,11 @@ class Scheduler:
     def submit_all(self, gens: list[GenerationRequest], n: int, events: Any = None) -> list[Ticket]:
         """``n`` sequences for each of ``gens`` (a prompt list), choice indices prompt-major, one event queue;
         all or nothing: when one is refused, those already queued are abandoned and the error raised."""
+        if len(gens) * n > self.max_queue + self.max_batch:  # could never be admitted: not a load that will pass
+            param = "n" if n > 1 else "prompt"
+            raise InvalidRequest(f"This request needs {len(gens) * n} sequences ({len(gens)} prompt(s) x n={n}); "
+                                 f"this server admits at most {self.max_queue + self.max_batch} at once "
+                                 f"(--max-queue {self.max_queue} + --max-batch {self.max_batch}).", param=param)
         tickets: list[Ticket] = []
         try:
             for i, gen in enumerate(gens):

@@ -50,6 +50,10 @@ OK = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
     ({**OK, "unknown_field": 1}, 400, "unknown_field"),
     ({**OK, "frequency_penalty": 0.5}, 400, "frequency_penalty"),  # echo cannot honour it
     ({**OK, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({**OK, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # a Unicode digit int() cannot read: not a 500
+    ({**OK, "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ({**OK, "n": 73}, 400, "n"),  # more than --max-queue + --max-batch can ever admit: 400, never a 503 to retry
+    ({**OK, "keep_alive": "later"}, 400, "keep_alive"),
     ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({**OK, "logprobs": True}, 400, "logprobs"),
     ({**OK, "response_format": {"type": "json_object"}}, 400, "response_format"),
@@ -67,7 +71,37 @@ def test_unknown_model_404(echo_server):
     assert_error(post(echo_server, "/v1/embeddings", {"model": "nope", "input": "x"}), 404, "model")
 
 
+def test_abandoned_non_stream_requests_are_cancelled():
+    """Clients that give up on a non-stream request: its sequence leaves the batch, counted as cancelled."""
+    import concurrent.futures
+    import time
+
+    for isolation in ("thread", "process"):
+        with run_octo("m", "--engine", "echo", "-o", "token_delay_ms=50", "--isolation", isolation) as server:
+            def give_up(_, url=server.url("/v1/chat/completions")):
+                body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "w " * 200}]}).encode()
+                req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=0.3)
+                except OSError:
+                    return True
+                return False
+
+            with concurrent.futures.ThreadPoolExecutor(20) as pool:
+                assert all(pool.map(give_up, range(20)))
+            deadline = time.monotonic() + 3
+            while True:
+                stats = server.get_json("/v1/queue/stats")
+                if stats["active"] == 0 and stats["pending"] == 0:
+                    break
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.05)
+            assert stats["total_cancelled"] == 20 and stats["total_processed"] == 0, stats
+
+
 def test_completions_and_embeddings_bad_inputs(echo_server):
+    assert_error(post(echo_server, "/v1/completions", {"model": "test-model", "prompt": ["x"] * 100}), 400,
+                 "prompt")
     assert_error(post(echo_server, "/v1/completions", {"model": "test-model"}), 400, "prompt")
     assert_error(post(echo_server, "/v1/completions", {"model": "test-model", "prompt": "x", "suffix": "y"}),
                  400, "suffix")
