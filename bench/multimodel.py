@@ -7,7 +7,8 @@ One `octo serve` process (engine workers, the default), synthetic Qwen2.5-0.5B-s
    /v1/models reports it) plus its time to first token once loaded. Target: the difference <= 0.2 s.
 2. Sharing the cores: a llama.cpp model and a second model (ONNX int4 by default, or a second GGUF) each serving
    4 greedy streams: each alone, then both at once; with ``--share-cores os`` (octo's default: both thread pools
-   run, the OS shares the cores) and ``--share-cores turns`` (the arbiter: the workers compute in turns). Targets:
+   run, and while both are busy llama.cpp computes with its share of the cores) and ``--share-cores turns`` (the
+   arbiter: the workers compute in turns). Targets:
    the summed tok/s >= 0.9x the mean of the two single-model rates, neither below 0.3x its own. A Whisper
    transcription sent while both stream (apart from the measured rounds) must finish, and the streams go on.
 3. Memory: gateway + worker RSS after each of 5 load/unload cycles of the llama.cpp model.

@@ -6,9 +6,10 @@ asks the gateway's arbiter for the cores (one byte on its own socket pair) and w
 for a quantum (several steps, ``QUANTUM`` seconds) or until it has nothing to do, then hands them back. Grants go in
 arrival order, so two busy models alternate, and a model alone pays one round trip per quantum. It is on with
 ``--share-cores turns`` while two or more models are loaded in workers. Measured on a 2-core host
-(bench/multimodel.py) it loses to the OS scheduler (``--share-cores os``, the default): llama.cpp's OpenMP threads
-and ONNX Runtime's pool spin-wait after their own steps, so the idle model's threads still take cores during the
-other's turn, and a model whose turn comes must wake its sleeping threads.
+(bench/multimodel.py) it is no better than ``--share-cores os`` (the default, where models busy together split the
+cores by thread count, ``Registry._busy_changed``): llama.cpp's OpenMP threads and ONNX Runtime's pool spin-wait
+after their own steps, so the idle model's threads still take cores during the other's turn, and a model whose turn
+comes must wake its sleeping threads.
 
 Gateway side: :class:`Arbiter` (one per gateway) and a :class:`Member` protocol per worker. Worker side:
 :class:`ComputeGate`, which the scheduler calls around each ``Engine.step``.

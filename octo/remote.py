@@ -302,6 +302,7 @@ class RemoteHandle(HandleInfo):
         self.fallback = loaded.get("fallback") or {}
         self.fallback_reason = loaded.get("fallback_reason")
         self.started_at = time.monotonic()
+        self.threads_limit: int | None = None  # set by the registry while several models are busy
         worker.on_events = self._on_events
         worker.on_exit = self._on_exit
 
@@ -311,7 +312,17 @@ class RemoteHandle(HandleInfo):
                 "restarts": self.restarts, "fallback": self.fallback or None,
                 "fallback_reason": self.fallback_reason, "shares_cores": self.shares_cores,
                 "compute_turns": member.turns if member else 0,
-                "compute_wait_s": round(member.waited, 3) if member else 0.0}
+                "compute_wait_s": round(member.waited, 3) if member else 0.0,
+                "threads_limit": self.threads_limit}
+
+    async def limit_threads(self, n: int | None) -> None:
+        """At most ``n`` compute threads for this model while others are busy too (None: its own count again)."""
+        self.threads_limit = n
+        if self.worker.alive and self.state == "ready":
+            try:
+                await self.worker.request("threads", n)
+            except EngineCrashed:
+                pass  # a restarted worker starts with its full thread count
 
     async def share_cores(self, on: bool) -> None:
         """Compute in turns with the other loaded models (octo.arbiter), or freely when alone."""

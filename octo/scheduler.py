@@ -16,7 +16,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,7 @@ class Scheduler:
         self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
         self._thread: Executor | None = None
         self._stopping = False
+        self._between: list[tuple[Callable[[], Any], Future]] = []  # run on the engine thread between two steps
         self._sleeping = False
         self._kick_scheduled = False
         self._outbox: list = []
@@ -340,9 +341,30 @@ class Scheduler:
         }
 
     # -- engine thread -----------------------------------------------------------------------------
+    def run_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine thread before its next step (e.g. ``Engine.set_threads`` while serving)."""
+        fut: Future = Future()
+        with self._lock:
+            self._between.append((fn, fut))
+            sleeping = self._sleeping
+        if sleeping:
+            self._wake.put(None)
+        return fut
+
+    def _run_between(self) -> None:
+        with self._lock:
+            items, self._between = self._between, []
+        for fn, fut in items:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                fut.set_exception(exc)
+
     def _run(self) -> None:
         posts: list[tuple[Any, ...]] = []
         while True:
+            if self._between:
+                self._run_between()
             with self._lock:
                 idle = not self._stopping and not self._pending and not self._active
                 self._sleeping = idle

@@ -259,6 +259,8 @@ class Worker:
         spec = self.spec
         self.handle = ModelHandle(spec["name"], (), self.engine.name, self.engine, spec["artifact"])
         self.handle.engine_thread = self.engine_thread
+        counts = self.engine.thread_counts()  # the thread count selection chose comes first; [] when not tunable
+        self.full_threads = counts[0] if counts else None
         self.handle.start(config, WorkerScheduler, outbox=self.outbox, gate=self.gate)
         # as the gateway does after its start-up: the model's Python objects (a tokenizer's vocabulary, ...) live as
         # long as the worker, so full collections need not walk them while the engine thread holds the GIL
@@ -267,6 +269,16 @@ class Worker:
 
     async def op_call(self, op: str, payload: Any) -> Any:
         return await run_call(self.handle, op, payload)
+
+    async def op_threads(self, n: int | None) -> int | None:
+        """Compute with at most ``n`` threads (None: all it chose at start), switched between two steps: while
+        several models are busy on few cores each takes its share instead of oversubscribing them."""
+        full = getattr(self, "full_threads", None)
+        if full is None or self.handle is None:
+            return None
+        target = full if n is None else max(1, min(n, full))
+        await asyncio.wrap_future(self.handle.scheduler.run_between_steps(lambda: self.engine.set_threads(target)))
+        return target
 
     def op_share_cores(self, on: bool) -> None:
         """Compute only when the gateway's arbiter grants the cores (several models loaded) or freely."""

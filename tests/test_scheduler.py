@@ -94,3 +94,22 @@ async def test_a_step_with_the_wrong_number_of_tokens_fails_its_sequences():
         assert (await asyncio.wait_for(s.submit(request(e, "ok"))[0].result, 5)).text == "ok"
     finally:
         s.stop()
+
+
+async def test_run_between_steps_runs_on_the_engine_thread_idle_or_busy():
+    import threading
+
+    e = engine(token_delay_ms="20")
+    s = Scheduler(e, max_batch=2)
+    s.start()
+    try:
+        assert (await asyncio.wrap_future(s.run_between_steps(lambda: threading.current_thread().name))) \
+            .startswith("octo-engine")  # idle: it wakes the engine thread
+        busy = s.submit(request(e, " ".join("w" * 1 for _ in range(30))))[0]
+        await asyncio.sleep(0.1)
+        steps = s.steps
+        assert await asyncio.wrap_future(s.run_between_steps(lambda: 42)) == 42
+        assert s.steps - steps < 5  # done between two steps, not after the request
+        assert (await busy.result).finish_reason == "stop"
+    finally:
+        s.stop()
