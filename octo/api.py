@@ -19,6 +19,7 @@ from aiohttp import web
 from octo import serving
 from octo.engine import Task
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
+from octo.jobs import Result
 from octo.protocol import (
     AnthropicRequest,
     ChatCompletionRequest,
@@ -26,7 +27,6 @@ from octo.protocol import (
     EmbeddingRequest,
     parse,
 )
-from octo.scheduler import Result
 from octo.state import STATE
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -21,8 +21,9 @@ from octo import serving
 from octo.config import ServerConfig
 from octo.engine import Engine, EngineConfig, Task
 from octo.errors import ConfigError, InvalidRequest
+from octo.jobs import Ticket
 from octo.prefix_cache import PrefixCache
-from octo.scheduler import Scheduler, Ticket
+from octo.scheduler import Scheduler
 
 log = logging.getLogger("octo.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls

@@ -10,110 +10,20 @@ and cancellation are handled here, once, for every engine.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from octo.engine import Engine, Feed, SamplingParams, Sequence
+from octo.engine import Engine, Feed, SamplingParams
 from octo.errors import ContextLengthExceeded, EngineError, InvalidRequest, OctoError, Overloaded, QueueTimeout
+from octo.jobs import GenerationRequest, Ticket, _Call, _Job
 from octo.prefix_cache import PrefixCache
-from octo.textstream import TextStream
 
 log = logging.getLogger("octo.scheduler")
-_ids = itertools.count(1)
-
-
-@dataclass
-class GenerationRequest:
-    prompt_tokens: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-
-
-@dataclass
-class Result:
-    text: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    token_ids: list[int]
-    stop_sequence: str | None = None
-
-
-class _Job:
-    """Common part of a queued sequence or call: admission future and deadline handling."""
-
-    __slots__ = ("admitted", "state", "deadline", "error")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.admitted: asyncio.Future | None = None  # created by wait_admitted, for those who wait for it
-        self.state = "pending"  # pending -> active -> done | expired | cancelled
-        self.deadline = 0.0  # loop time after which a still-pending job gets a 504
-        self.error: OctoError | None = None  # why a job that never ran was dropped (504, shutdown)
-
-
-class Ticket(_Job):
-    """The event-loop side of one generated sequence."""
-
-    __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
-                 events: asyncio.Queue, index: int = 0) -> None:
-        super().__init__(loop)
-        self.id = next(_ids)
-        self.index = index  # choice index within its request
-        self.req = req
-        self.seq = Sequence(self.id, list(req.prompt_tokens), sampling)
-        self.n_prompt = len(req.prompt_tokens)
-        # (index, "text", str) | (index, "done", Result | OctoError); shared by the tickets of one request
-        self.events = events
-        self.result: asyncio.Future = loop.create_future()
-        self.stream = TextStream(req.stop)
-        self.text: list[str] = []  # engine-thread side: emitted pieces
-        self.cached = 0
-        self.finish: str | None = None
-        self.hit_eos = False
-        self._cancel = False
-
-    def cancel(self) -> None:
-        """Called from the event loop (client gone): the sequence leaves the batch at the next step."""
-        self._cancel = True
-
-    async def deltas(self):
-        """Text pieces as they are generated (streaming, one ticket per queue); ends when it finishes."""
-        while True:
-            _, kind, value = await self.events.get()
-            if kind == "text":
-                yield value
-            else:
-                return
-
-    def _result(self) -> Result:
-        gen = self.seq.tokens[self.n_prompt:len(self.seq.tokens) - self.hit_eos]
-        return Result("".join(self.text), self.finish or "stop", self.n_prompt, len(gen), self.cached, gen,
-                      self.stream.matched)
-
-
-class _Call(_Job):
-    __slots__ = ("fn", "future", "batch_key", "item")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], batch_key: Any = None,
-                 item: Any = None) -> None:
-        super().__init__(loop)
-        self.fn = fn
-        self.future: asyncio.Future = loop.create_future()
-        self.batch_key = batch_key  # calls with the same key queued together run as one fn(engine, items)
-        self.item = item
 
 
 class Scheduler:

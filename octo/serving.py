@@ -13,8 +13,8 @@ from typing import Any
 
 from octo.engine import SamplingParams, Task
 from octo.errors import InvalidRequest, UnsupportedParameter
+from octo.jobs import GenerationRequest, Result
 from octo.protocol import AnthropicRequest, ChatCompletionRequest, CompletionRequest
-from octo.scheduler import GenerationRequest, Result
 
 # SamplingParams field -> the request parameter a user would recognise
 _PARAM_NAMES = {"json_schema": "response_format", "repetition_penalty": "repetition_penalty"}

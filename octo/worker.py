@@ -32,8 +32,9 @@ from octo import ipc, serving
 from octo.config import ServerConfig
 from octo.engine import Engine, Task
 from octo.errors import OctoError
+from octo.jobs import Ticket
 from octo.model import ModelHandle, load_engine, local_stats, run_call
-from octo.scheduler import Scheduler, Ticket, _as_octo_error, new_engine_thread
+from octo.scheduler import Scheduler, _as_octo_error, new_engine_thread
 
 log = logging.getLogger("octo.worker")
 
