@@ -36,6 +36,12 @@ log = logging.getLogger("octo.remote")
 CRASH_WINDOW = 60.0  # a worker that dies again this soon after a restart marks its model failed
 EARLY_STEPS = 16  # a crash within this many engine steps of a start counts as a crash of the configuration
 LOAD_TIMEOUT = 900.0
+
+
+def BENCH_GRACE(seconds: float) -> float:  # noqa: N802 - a named bound, like LOAD_TIMEOUT
+    """How long a candidate's start-up benchmark may take before it counts as hung: its budget is a ceiling
+    checked before every step, so this only passes when a single step never returns."""
+    return 3 * seconds + 20
 _ids = itertools.count(1)
 
 
@@ -226,7 +232,7 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
             loaded = await worker.request("load", spec, timeout=LOAD_TIMEOUT)
             if bench is not None:
                 phase, (seconds, beat) = "measuring", bench
-                loaded["benchmark"] = await worker.request("bench", seconds, beat, timeout=3 * seconds + 60)
+                loaded["benchmark"] = await worker.request("bench", seconds, beat, timeout=BENCH_GRACE(seconds))
             loaded.update(fallback=overlay, fallback_reason=configs[i][1], config_index=i)
             return worker, loaded
         except EngineCrashed:
@@ -242,7 +248,7 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
         except TimeoutError:
             worker.kill()
             raise EngineCrashed(f"{cls.name} hung while {phase} '{name}' (no answer in time); the worker was "
-                                "stopped.") from None
+                                "stopped.", code="engine_hung") from None
         except BaseException:
             await worker.stop()
             raise

@@ -394,8 +394,9 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
 
 def _failure(exc: BaseException) -> str:
     msg = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    if getattr(exc, "code", None) == "engine_crashed":
-        return f"crashed: {msg}"
+    code = getattr(exc, "code", None)
+    if code in ("engine_crashed", "engine_hung"):
+        return f"{code.removeprefix('engine_')}: {msg}"
     return f"load failed: {msg}"
 
 

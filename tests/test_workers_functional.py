@@ -181,6 +181,8 @@ def test_selection_survives_a_candidate_that_crashes(tmp_path):
         rows = {r["name"]: r for r in engines["data"]}
         crashy = rows["crashy"]["benchmark"]
         assert crashy["score"] == 0 and "crashed" in crashy["error"] and "SIGSEGV" in crashy["error"]
+        hangy = rows["hangy"]["benchmark"]  # killed after its grace (3 x budget + 20 s), not waited for forever
+        assert hangy["score"] == 0 and hangy["error"].startswith("hung: hangy hung while measuring")
         assert engines["active"] in ("llamacpp", "steady") and engines["isolation"] == "process"
         assert rows["steady"]["benchmark"]["score"] > 0 and rows["llamacpp"]["benchmark"]["score"] > 0
         out = server.openai().completions.create(model=gguf, prompt="hi there", max_tokens=3)

@@ -7,8 +7,9 @@
   -o safe=true                         never crash: its fallback configuration (what a crash at load or warm-up
                                        retries with, like llama.cpp's repack=false)
   -o token_delay_ms=N                  as echo
-``crashy`` dies of SIGSEGV in its first decode step unless safe=true and declares no fallback (a selection
-candidate that crashes); ``steady`` never crashes. Both claim GGUF files, so a GGUF path makes them candidates.
+``crashy`` dies of SIGSEGV in its first decode step and declares no fallback (a selection candidate that crashes);
+``hangy`` never returns from a step (one that hangs); ``steady`` never crashes. All three claim GGUF files, so a
+GGUF path makes them candidates.
 """
 
 from __future__ import annotations
@@ -87,6 +88,18 @@ class CrashyEngine(FaultyEngine):
         self.crash_in = "warmup"
 
 
+class HangyEngine(FaultyEngine):
+    """Never returns from a step: a selection candidate that hangs past its budget."""
+
+    name = "hangy"
+    formats = frozenset({"gguf"})
+    tasks = frozenset({Task.CHAT, Task.COMPLETION})
+    fallbacks = ()
+
+    def step(self, feeds):
+        time.sleep(3600)
+
+
 class SteadyEngine(FaultyEngine):
     name = "steady"
     formats = frozenset({"gguf"})
@@ -97,4 +110,5 @@ class SteadyEngine(FaultyEngine):
 def register_engines(register):
     register(FaultyEngine)
     register(CrashyEngine)
+    register(HangyEngine)
     register(SteadyEngine)
