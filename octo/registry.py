@@ -176,11 +176,11 @@ class Registry:
 
     # -- start-up and shutdown -----------------------------------------------------------------------------
     async def start(self, specs: list[ModelSpec]) -> None:
-        """Load the models named at start-up, in order (a failure stops the start with its reason)."""
+        """Load the models named at start-up, in order (a failure stops the start with its reason). The keep-alive
+        sweeper starts with the app (``activate_all``)."""
         for spec in specs:
             slot = await self._slot_for(spec.model, spec)
             await self._load(slot)
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     def adopt(self, handle: Any, rows: list[dict[str, Any]] | None = None, spec: ModelSpec | None = None) -> Slot:
         """Add a model that is already loaded (its handle not yet activated: ``activate_all`` does that)."""

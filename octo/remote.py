@@ -71,6 +71,7 @@ class WorkerProcess:
         self.exit_reason: str | None = None
         self.messages = 0  # event messages received (about one per engine step)
         self.stopping = False
+        self._reaping = False
 
     @classmethod
     async def spawn(cls, label: str) -> WorkerProcess:
@@ -132,7 +133,7 @@ class WorkerProcess:
             self.stopping = True
 
     def _lost(self) -> None:
-        if self.exited is not None and not self.exited.done() and not getattr(self, "_reaping", False):
+        if self.exited is not None and not self.exited.done() and not self._reaping:
             self._reaping = True
             asyncio.get_running_loop().create_task(self._reap())
 

@@ -67,6 +67,23 @@ class Outbox:
         if schedule:
             self._loop.call_soon(self.flush)
 
+    def track(self, rid: int, sequences: int) -> None:
+        """Remember request ``rid`` until its ``sequences`` results are sent (or it is cancelled)."""
+        with self._lock:
+            self.requests[rid] = [None, sequences]
+
+    def set_tickets(self, rid: int, tickets: list) -> None:
+        with self._lock:
+            entry = self.requests.get(rid)
+            if entry is not None:  # None: every result already went out
+                entry[0] = tickets
+
+    def forget(self, rid: int) -> list:
+        """Stop tracking ``rid``; its tickets (empty if none were queued or all finished)."""
+        with self._lock:
+            entry = self.requests.pop(rid, None)
+        return (entry[0] or []) if entry else []
+
     def flush(self) -> None:
         with self._sender.lock:  # one sender at a time, so the order of events is kept across threads
             with self._lock:
@@ -182,7 +199,7 @@ class Worker:
         try:
             value = handler(*args)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the gateway
-            self._reply(cid, False, _wire_error(exc))
+            self._reply(cid, False, _as_octo_error(exc))
         else:
             self._reply(cid, True, value)
 
@@ -190,7 +207,7 @@ class Worker:
         try:
             value = await handler(*args)
         except BaseException as exc:  # noqa: BLE001
-            self._reply(cid, False, _wire_error(exc))
+            self._reply(cid, False, _as_octo_error(exc))
         else:
             self._reply(cid, True, value)
 
@@ -205,22 +222,14 @@ class Worker:
             expected = serving.sequence_count(kind, req)
             if len(gens) * n != expected:
                 raise OctoError(f"worker: {len(gens) * n} sequences for a request the gateway counted {expected}")
-            with self.outbox._lock:
-                self.outbox.requests[rid] = [None, expected]
-            tickets = sched.submit_all(gens, n, WireQueue(self.outbox, rid))
-            with self.outbox._lock:
-                entry = self.outbox.requests.get(rid)
-                if entry is not None:
-                    entry[0] = tickets
+            self.outbox.track(rid, expected)
+            self.outbox.set_tickets(rid, sched.submit_all(gens, n, WireQueue(self.outbox, rid)))
         except BaseException as exc:  # noqa: BLE001 - a refused request: every sequence gets the error
-            with self.outbox._lock:
-                self.outbox.requests.pop(rid, None)
-            self.outbox.add(rid, -1, "e", _wire_error(exc))
+            self.outbox.forget(rid)
+            self.outbox.add(rid, -1, "e", _as_octo_error(exc))
 
     def _cancel(self, rid: int) -> None:
-        with self.outbox._lock:
-            entry = self.outbox.requests.pop(rid, None)
-        for t in (entry[0] or []) if entry else []:
+        for t in self.outbox.forget(rid):
             if t.state in ("pending", "active"):
                 self.handle.scheduler.abandon(t)
 
@@ -314,13 +323,6 @@ def warm_up(engine: Engine) -> None:
             free_sequences(engine, seqs)
     elif Task.EMBEDDINGS in tasks:
         engine.embed(["warm up"])
-
-
-def _wire_error(exc: BaseException) -> OctoError:
-    err = _as_octo_error(exc)
-    if not isinstance(err, OctoError):  # pragma: no cover - _as_octo_error always returns one
-        err = OctoError(str(exc))
-    return err
 
 
 def _die_with_parent(parent: int) -> None:
