@@ -9,7 +9,8 @@ Plain URLs (OpenAI's whisper checkpoints) go to ``$OCTO_HOME/downloads/HOST/PATH
 transfer leaves ``*.part``, which the next attempt resumes with an HTTP range request; a SHA-256 in
 the URL path (OpenAI's convention) is checked. Hub downloads resume within an attempt (huggingface_hub
 retries a broken transfer with a range request); huggingface_hub 2.x (tested: 2.4) keeps no partial files
-between processes.
+between processes, and the partial blob of a download that was killed is removed by the next download of that
+repository (``sweep_partial_blobs``). Every lock is an ``flock``, which dies with its holder.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from octo.atomic import file_lock
 from octo.catalog import Artifact, parse_hf, uri_kind
 from octo.errors import ConfigError, ModelNotFound
 from octo.paths import octo_home
@@ -246,6 +248,7 @@ def _fetch_hf(artifact: Artifact, offline: bool, progress: bool, refresh: bool) 
         raise _not_here(artifact, "downloads are disabled (HF_HUB_OFFLINE)")
     if why := _unreachable(hub_endpoint() or "https://huggingface.co"):
         raise _not_here(artifact, why)
+    sweep_partial_blobs(parse_hf(artifact.uri)[0])
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -290,6 +293,41 @@ def _fetch_hf(artifact: Artifact, offline: bool, progress: bool, refresh: bool) 
     return path
 
 
+def sweep_partial_blobs(repo_id: str) -> list[Path]:
+    """Remove the partial blobs that a killed download of ``repo_id`` left in the hub cache; returns them.
+
+    huggingface_hub (2.x) downloads a blob to ``blobs/ETAG.RANDOM.incomplete`` while holding the flock
+    ``.locks/models--ORG--NAME/ETAG.lock``, renames it when complete and never resumes such a file, so one left
+    after its process died is garbage. A partial blob whose lock can be taken has no live download: it goes (with
+    the lock held, so no download of that blob starts meanwhile); one whose lock is held is left alone.
+    """
+    import fcntl
+
+    storage = _storage(repo_id)
+    removed: list[Path] = []
+    for part in sorted((storage / "blobs").glob("*.incomplete")):
+        lock = hub_cache_dir() / ".locks" / storage.name / (part.name.split(".", 1)[0] + ".lock")
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:  # the lock comes before the partial file: no download holds it
+            fd = None
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a live download (or no flock here: leave it to huggingface_hub)
+            part.unlink(missing_ok=True)
+            removed.append(part)
+            log.info("removed %s, left by a download that did not finish", part)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
 @functools.lru_cache(maxsize=1)
 def _quiet_tqdm() -> type:
     from tqdm.auto import tqdm
@@ -324,15 +362,14 @@ def _fetch_url(artifact: Artifact, offline: bool, progress: bool, refresh: bool)
         raise _not_here(artifact, "downloads are disabled (HF_HUB_OFFLINE)")
     if why := _unreachable(url):
         raise _not_here(artifact, why)
-    from filelock import FileLock
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.file_download import http_get
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
-    locks = downloads_dir() / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(locks / (hashlib.sha1(url.encode()).hexdigest() + ".lock"))):
+    # flock: released by the kernel if this process dies, so a killed download never leaves a stale lock;
+    # its .part stays and the next attempt resumes it
+    with file_lock(downloads_dir() / ".locks" / (hashlib.sha1(url.encode()).hexdigest() + ".lock")):
         if dest.is_file() and not refresh:
             return dest
         with part.open("ab") as f:

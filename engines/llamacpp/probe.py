@@ -59,11 +59,10 @@ def repack_safe(version: str) -> bool:
     if not verdict:
         log.warning("llamacpp: the weight repack crashed on this host in the probe (%s); loading with repack=false",
                     detail)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"repack_safe": verdict, "detail": detail, "llama_cpp": version,
-                               "seconds": round(time.perf_counter() - t0, 2)}))
-    tmp.replace(path)
+    from octo.atomic import write_json  # atomic: a probe killed midway leaves no half-written verdict
+
+    write_json(path, {"repack_safe": verdict, "detail": detail, "llama_cpp": version,
+                      "seconds": round(time.perf_counter() - t0, 2)})
     return verdict
 
 

@@ -6,7 +6,8 @@ Llama's Q/K row permutation for its interleaved RoPE, the byte-level BPE vocabul
 ``qwen2`` pre-tokenizer, special-token ids and the chat template. F32 / F16 files are written here; Q8_0 and
 Q4_K_M go through llama.cpp's own quantiser (``llama_model_quantize``, needs llama-cpp-python).
 
-Files are cached next to the HF build: ``synth_dir()/<shape>-s<seed>-float32/gguf/<shape>-<ftype>.gguf``.
+Files are cached next to the HF build: ``synth_dir()/<shape>-s<seed>-float32/gguf/<shape>-<ftype>.gguf``, written
+to a temporary sibling under the file's lock and renamed into place (``octo.atomic.build_file``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from octo.atomic import build_file
 from octo.synth.hf import build_hf
 from octo.synth.spec import ModelSpec, get_spec
 
@@ -61,26 +62,11 @@ def build_gguf(
     out = Path(out) if out is not None else default_path(spec, seed, ftype, pooling)
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     if ftype in ("f32", "f16"):
         hf = build_hf(spec, seed, dtype="float32")
-        _atomic(out, lambda tmp: convert_hf(hf, spec, tmp, ftype, pooling))
-    else:
-        src = build_gguf(spec, seed, "f16", pooling=pooling)
-        _atomic(out, lambda tmp: quantize(src, tmp, ftype, threads))
-    return out
-
-
-def _atomic(out: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return build_file(out, lambda tmp: convert_hf(hf, spec, tmp, ftype, pooling))
+    src = build_gguf(spec, seed, "f16", pooling=pooling)
+    return build_file(out, lambda tmp: quantize(src, tmp, ftype, threads))
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from octo.synth.folder import COMPLETE, build_folder
+from octo.synth.folder import COMPLETE, build_folder, die_with_parent
 from octo.synth.spec import ModelSpec, get_spec
 
 QUANTS = {None: None, "4bit": {"bits": 4, "group_size": 64}}
@@ -50,7 +50,7 @@ def build_mlx(spec: ModelSpec | str, seed: int = 0, quant: str | None = None, ou
 
     def write(tmp: Path) -> dict:
         cmd = [sys.executable, "-m", "octo.synth.mlx", str(hf), str(tmp)] + (["--quant", quant] if quant else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=die_with_parent)
         if proc.returncode != 0:
             raise RuntimeError(f"MLX conversion of {hf} failed:\n{proc.stderr[-4000:]}")
         return {"shape": spec.name, "seed": seed, "quant": quant}

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from octo.synth.folder import COMPLETE, build_folder
+from octo.synth.folder import COMPLETE, build_folder, die_with_parent
 from octo.synth.hf import build_hf
 from octo.synth.spec import ModelSpec, get_spec
 
@@ -50,7 +50,8 @@ def build_onnx(shape: ModelSpec | str, seed: int = 0, precision: str = "int4", o
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(model_dir),
                "-p", precision, "-e", "cpu", "-c", str(cache_dir)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=die_with_parent)
         if proc.returncode != 0 or not (model_dir / "genai_config.json").is_file():
             tail = (proc.stdout[-2000:] + proc.stderr[-4000:]).strip()
             raise RuntimeError(f"onnxruntime-genai's model builder failed for {spec.name} {precision} "

@@ -8,10 +8,8 @@ model.
 from __future__ import annotations
 
 import functools
-import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 
 from octo.paths import synth_dir
@@ -149,15 +147,10 @@ def train(seed: int = 0):
 
 def tokenizer_path() -> Path:
     """The cached ``tokenizer.json`` shared by all synthetic models (trained on first use)."""
-    folder = synth_dir() / f"tokenizer-v{VERSION}"
-    path = folder / "tokenizer.json"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        os.close(fd)
-        train().save(tmp)
-        os.replace(tmp, path)
-    return path
+    from octo.atomic import build_file
+
+    path = synth_dir() / f"tokenizer-v{VERSION}" / "tokenizer.json"
+    return build_file(path, lambda tmp: train().save(str(tmp)))
 
 
 @functools.cache

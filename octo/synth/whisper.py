@@ -14,9 +14,9 @@ Random weights produce random text; callers bound decoding (the engine's ``max_n
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from octo.atomic import build_file
 from octo.paths import synth_dir
 
 _BASE = dict(n_mels=80, n_audio_ctx=1500, n_text_ctx=448)
@@ -57,7 +57,10 @@ def build_whisper(shape: str = "test", seed: int = 0, out: str | Path | None = N
     path = Path(out) if out is not None else default_path(shape, seed)
     if path.is_file():
         return path
+    return build_file(path, lambda tmp: _write_checkpoint(tmp, shape, seed))
 
+
+def _write_checkpoint(tmp: Path, shape: str, seed: int) -> None:
     import torch
     from whisper.model import ModelDimensions, Whisper
 
@@ -77,15 +80,8 @@ def build_whisper(shape: str = "test", seed: int = 0, out: str | Path | None = N
             std = 0.02 if "embedding" in name else fan_in**-0.5
             value = std * torch.randn(tensor.shape, generator=gen)
         state[name] = value.to(torch.float16).contiguous()
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save({"dims": dims.__dict__.copy(), "model_state_dict": state}, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    with open(tmp, "wb") as f:
+        torch.save({"dims": dims.__dict__.copy(), "model_state_dict": state}, f)
 
 
 # -- speech for tests and benchmarks ---------------------------------------------------------------
@@ -194,14 +190,12 @@ def build_whisper_hf(shape: str = "test", seed: int = 0, out: str | Path | None 
     heads = [
         [layer, head] for layer in range(d["n_text_layer"] // 2, d["n_text_layer"]) for head in range(d["n_text_head"])
     ]
-    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps({"alignment_heads": heads}, indent=2))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if folder.exists():
-        import shutil
 
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    def write(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps({"alignment_heads": heads}, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    build_file(folder, write, done=lambda p: (p / "model.safetensors").is_file())
     return folder
