@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from octo.atomic import replacing, write_json
+
 # Quantisation per engine for "--quant 4bit" / "fp" on synthetic shapes.
 QUANTS = {"4bit": {"llamacpp": "q4_k_m", "onnx": "int4", "mlx": "4bit"},
           "8bit": {"llamacpp": "q8_0", "onnx": "int4", "mlx": "4bit"},
@@ -97,7 +99,8 @@ def chart(report: dict, path: Path) -> None:
     ax.set_title(f"octo bench: {report['model']} on {report['host']['cpu'][:40]}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replacing(path) as tmp:  # atomic: a run killed while saving leaves no half-written chart
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -157,7 +160,7 @@ def bench(model, shape, engines_opt, batch_opt, quant, seconds, options, out):
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     stem = (shape or model).replace("/", "_").replace(":", "_")
-    (outdir / f"bench-{stem}.json").write_text(json.dumps(report, indent=2))
+    write_json(outdir / f"bench-{stem}.json", report, indent=2)
     if ok:
         chart(report, outdir / f"bench-{stem}.png")
     click.echo(f"octo bench: winner {report.get('winner')}; wrote {outdir}/bench-{stem}.json and .png", err=True)

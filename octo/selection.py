@@ -1,16 +1,23 @@
 """Start-up engine selection: a bounded micro-benchmark per candidate engine, cached per host.
 
 Per candidate: load, warm up, then measure prefill tok/s, single-stream decode tok/s and batched decode
-tok/s (4 sequences), and try each thread count the engine offers, all within ``--bench-seconds`` (warm-up
+tok/s (4 sequences), and try each thread count the engine offers, within ``--bench-seconds`` (warm-up
 and measurement; the load time is reported apart). The budget is a ceiling: a decode phase ends as soon as its
-rate is known to 1.5% (standard error of the mean step time). The score favours serving throughput (a weighted
-geometric mean, so no metric's units dominate):
+rate is known to 1.5% (standard error of the mean step time). It is not a reason to measure nothing: whatever
+the budget, every candidate does a floor of work (a warm-up that runs each timed shape once, then at least 64
+prefill tokens, 8 timed decode steps per thread count and 8 timed steps of the 4-sequence batch); when that takes
+longer than the budget the progress line says the budget is too small. The score favours serving throughput
+(a weighted geometric mean, so no metric's units dominate):
 
     score = batch_decode_tok_s ** 0.5 * decode_tok_s ** 0.3 * prefill_tok_s ** 0.2
 
-A candidate that fails to load or errors during its benchmark gets ``error`` set and can never win. The
-winner stays loaded (no second load); losers are unloaded before serving starts. Results are cached in
-``OCTO_HOME/bench`` keyed by host fingerprint, engine name and version, and artifact digest.
+A measurement during which other processes competed for the cores (``octo.benchload.LoadMonitor``) is repeated
+once after waiting for them to calm down; one still disturbed is used for this start but not cached. A cached
+result records its budget and conditions (``conditions``) and is used only when it was undisturbed and measured
+with at least the budget asked. A candidate that fails to load or errors during its benchmark gets ``error`` set
+and can never win. The winner stays loaded (no second load); losers are unloaded before serving starts. Results
+are cached in ``OCTO_HOME/bench`` keyed by host fingerprint, engine name and version, and artifact digest,
+written atomically (``octo.atomic``).
 
 While the first candidate loads, the others' ``Engine.prepare`` (slow imports) runs in a background thread;
 every measurement waits for it. Candidates run one at a time, the one with the best earlier result on this host
@@ -34,6 +41,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from octo.atomic import sweep, write_json
+from octo.benchload import LoadMonitor, loadavg_1min, wait_quiet
 from octo.engine import Engine, Feed, SamplingParams, Sequence
 from octo.paths import bench_dir
 
@@ -42,6 +51,14 @@ WEIGHTS = {"batch_decode_tok_s": 0.5, "decode_tok_s": 0.3, "prefill_tok_s": 0.2}
 BATCH = 4
 PROMPT_TOKENS = 64
 SETTLE = 0.015  # a decode phase ends once its mean step time is known to 1.5% (standard error)
+# The floor of work every candidate does, whatever the budget (after a warm-up that runs every timed shape once):
+WARM_TOKENS = 16  # warm-up prompt, fed in the prefill chunk the measurement uses, then 2 decode steps
+MIN_PREFILL_TOKENS = 64  # prefill: at least one whole 64-token prompt
+MAX_PREFILL_TOKENS = 512  # ... and more prompts while within 20% of the budget, up to this many tokens
+MIN_DECODE_STEPS = 8  # single-stream decode: at least 8 timed steps per thread count (after 1 untimed one)
+MIN_BATCH_STEPS = 8  # batched decode: at least 8 timed steps of BATCH sequences (32 tokens; after 1 untimed)
+FLOOR_GRACE = 10.0  # the floor gives up this long after the budget (a very slow engine measures what it can)
+MAX_ATTEMPTS = 2  # a disturbed measurement is repeated once; one still disturbed is not cached
 _TEXT = ("The quick brown fox jumps over the lazy dog while the busy engineers measure how fast each engine "
          "decodes tokens on this machine, one step at a time. ")
 
@@ -104,15 +121,32 @@ def cached_result(key: dict[str, Any]) -> dict[str, Any] | None:
         data = json.loads(_cache_file(key).read_text())
     except (OSError, ValueError):
         return None
-    return data.get("result") if data.get("key") == key else None
+    return data.get("result") if isinstance(data, dict) and data.get("key") == key else None
+
+
+def distrust(result: dict[str, Any], seconds: float) -> str | None:
+    """Why a cached ``result`` must not stand for a measurement with a ``seconds`` budget (None: it may).
+
+    Not trusted: a result that does not say how it was measured (an older octo's), one measured with a smaller
+    budget than asked, or one that was disturbed by other load. A crash or a failed load does not depend on
+    the budget and stands.
+    """
+    cond = result.get("conditions")
+    if not isinstance(cond, dict):
+        return "it does not record how it was measured"
+    if cond.get("disturbed"):
+        return "it was measured while other processes competed for the cores"
+    err = result.get("error") or ""
+    if err.startswith(("crashed", "load failed")):
+        return None
+    budget = float(cond.get("budget_s") or 0.0)
+    if budget + 1e-9 < seconds:
+        return f"it was measured with a {budget:g} s budget, less than the {seconds:g} s asked"
+    return None
 
 
 def store_result(key: dict[str, Any], result: dict[str, Any]) -> None:
-    path = _cache_file(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
-    tmp.replace(path)
+    write_json(_cache_file(key), {"key": key, "result": result}, indent=2)
 
 
 # -- the micro-benchmark -----------------------------------------------------------------------------
@@ -140,26 +174,30 @@ def bench_prompt(engine: Engine, n: int, salt: int = 0) -> list[int]:
 
 
 def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_steps: int,
-                 enough: Callable[[float], bool] | None = None, settle: float = 0.0) -> tuple[int, float]:
+                 enough: Callable[[float], bool] | None = None, settle: float = 0.0, min_steps: int = 0,
+                 hard: float | None = None) -> tuple[int, float]:
     """Greedy decode steps for all ``seqs`` until the deadline; returns (tokens, seconds).
 
-    From the third step and 0.25 s on, it ends early when ``enough(tok_s)`` says so, or, with ``settle``, once
-    the rate is known that well: the standard error of the mean step time below ``settle`` times the mean
+    At least ``min_steps`` steps whatever the deadline (a floor of work; ``hard`` still ends it). From
+    ``max(3, min_steps)`` steps and 0.25 s on, it ends early when ``enough(tok_s)`` says so, or, with ``settle``,
+    once the rate is known that well: the standard error of the mean step time below ``settle`` times the mean
     (after at least 8 steps), so a fast, steady engine does not spend its whole budget confirming a number.
     """
     tokens, t0, steps = 0, time.perf_counter(), 0
     n_ctx = engine.info.n_ctx if engine.info else 1 << 30
     times: list[float] = []
-    while steps < max_steps and time.perf_counter() < deadline and all(len(s.tokens) < n_ctx - 1 for s in seqs):
-        t_step = time.perf_counter()
+    while steps < max_steps and all(len(s.tokens) < n_ctx - 1 for s in seqs):
+        now = time.perf_counter()
+        if (now >= deadline and steps >= min_steps) or (hard is not None and now >= hard):
+            break
         out = engine.step([Feed(s, s.tokens[-1:], True) for s in seqs])
-        times.append(time.perf_counter() - t_step)
+        times.append(time.perf_counter() - now)
         for s, tok in zip(seqs, out, strict=True):
             s.tokens.append(tok)
         tokens += len(seqs)
         steps += 1
         dt = time.perf_counter() - t0
-        if steps < 3 or dt < 0.25:
+        if steps < max(3, min_steps) or dt < 0.25:
             continue
         if enough is not None and enough(tokens / dt):
             break
@@ -206,37 +244,84 @@ def _prefill_until(engine: Engine, seq: Sequence, deadline: float) -> int:
 
 
 def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = None) -> dict[str, Any]:
-    """Measure a loaded engine within ``seconds`` (checked before every step); never raises.
+    """Measure a loaded engine within ``seconds``, doing at least the floor of work; never raises.
 
-    Phases: warm-up (4-token prompt), prefill of a 64-token prompt in chunks (stops at 30% of the budget),
-    single-stream decode on the warm-up sequence for each thread count (to 55%), then 4 sequences with
-    4-token prompts decoding together until the budget ends. A phase the engine is too slow to reach stays
-    null; ``score`` then counts batched decode as single-stream decode (no batching gain).
+    One measurement (``_measure``) under a ``LoadMonitor``. When other processes competed for the cores
+    meanwhile (``disturbed``), it waits for them to calm down (up to the budget, 1-3 s) and measures again
+    (at most ``MAX_ATTEMPTS`` in all, within 2 x the budget + 12 s, below the worker's hang limit); the result is
+    the best undisturbed attempt, else the best one, flagged ``conditions.disturbed`` (``select`` does not cache
+    it). ``conditions`` also records the budget, the load figures, the attempts, the work done and whether the
+    budget was too small for the floor.
+    """
+    t0 = time.perf_counter()
+    limit = t0 + 2 * seconds + FLOOR_GRACE + 2
+    load1 = loadavg_1min()
+    attempts: list[dict[str, Any]] = []
+    for i in range(MAX_ATTEMPTS):
+        if i:
+            wait = min(max(seconds, 1.0), 3.0)
+            if time.perf_counter() + wait + attempts[-1]["seconds"] > limit:
+                break
+            wait_quiet(wait)
+        mon = LoadMonitor().start()
+        r = _measure(engine, seconds, beat, min(time.perf_counter() + seconds + FLOOR_GRACE, limit))
+        r["conditions"] = {**mon.stop(), **r["conditions"]}
+        attempts.append(r)
+        if r["error"] or not r["conditions"]["disturbed"]:
+            break
+    best = next((r for r in attempts if r["error"]), None) or max(
+        attempts, key=lambda r: (not r["conditions"]["disturbed"], r["score"]))
+    if best is not attempts[-1] and best["threads"] is not None:
+        try:
+            engine.set_threads(best["threads"])  # the last attempt left its own choice set
+        except Exception:  # noqa: BLE001
+            log.debug("set_threads(%s) failed", best["threads"], exc_info=True)
+    best["conditions"].update(
+        budget_s=seconds, loadavg=load1, attempts=[{"score": r["score"], **{k: r["conditions"][k] for k in (
+            "disturbed", "foreign_load", "run_wait", "steal")}} for r in attempts])
+    best["seconds"] = round(time.perf_counter() - t0, 3)
+    return best
+
+
+def _measure(engine: Engine, seconds: float, beat: float | None, hard: float) -> dict[str, Any]:
+    """One measurement. Phases: warm-up (a 16-token prompt in the measured prefill chunks, 2 decode steps), prefill
+    of 64-token prompts (at least one; more while within 20% of the budget), single-stream decode for each thread
+    count (to 55% of the budget; at least MIN_DECODE_STEPS each, after an untimed step), then BATCH sequences
+    decoding together until the budget ends (at least MIN_BATCH_STEPS, after an untimed step). The floor runs
+    whatever the budget, until ``hard``.
 
     With ``beat`` (the leader's score), the engine stops once it cannot reach it: a thread count's decode
     phase ends when its upper bound is below ``beat``, and the batch phase is skipped when the best one is.
     """
     t_start = time.perf_counter()
     deadline = t_start + seconds
+    work = {"prefill_tokens": 0, "decode_tokens": 0, "batch_tokens": 0}
     result: dict[str, Any] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None,
                               "threads": None, "score": 0.0, "cached": False, "seconds": None, "error": None,
-                              "stopped": None}
+                              "stopped": None, "conditions": {"work": work}}
     live: list[Sequence] = []
     try:
-        warm = Sequence(900_001, bench_prompt(engine, 4, 1), SamplingParams(temperature=0.0))
+        warm = Sequence(900_001, bench_prompt(engine, WARM_TOKENS, 1), SamplingParams(temperature=0.0))
         engine.add_sequence(warm)
         live.append(warm)
-        _prefill_until(engine, warm, deadline)
-        decode_steps(engine, [warm], deadline, 1)
-        prompt = Sequence(900_002, bench_prompt(engine, PROMPT_TOKENS, 2), SamplingParams(temperature=0.0))
-        engine.add_sequence(prompt)
-        live.append(prompt)
-        t0 = time.perf_counter()
-        fed = _prefill_until(engine, prompt, t_start + 0.3 * seconds)
+        _prefill_until(engine, warm, hard)
+        decode_steps(engine, [warm], hard, 2)
+        fed, spent, k = 0, 0.0, 0
+        while fed < MIN_PREFILL_TOKENS or (time.perf_counter() < t_start + 0.2 * seconds and fed < MAX_PREFILL_TOKENS):
+            if time.perf_counter() >= hard:
+                break
+            prompt = Sequence(900_200 + k, bench_prompt(engine, PROMPT_TOKENS, 2 + k), SamplingParams(temperature=0.0))
+            engine.add_sequence(prompt)
+            t0 = time.perf_counter()
+            n = _prefill_until(engine, prompt, hard)
+            spent += time.perf_counter() - t0
+            free_sequences(engine, [prompt])
+            if not n:
+                break
+            fed, k = fed + n, k + 1
         if fed:
-            result["prefill_tok_s"] = round(fed / (time.perf_counter() - t0), 2)
-        free_sequences(engine, live[1:])
-        del live[1:]
+            result["prefill_tok_s"] = round(fed / spent, 2)
+        work["prefill_tokens"] = fed
         threads = engine.thread_counts()
         best = None
         phase_end = t_start + 0.55 * seconds
@@ -247,9 +332,11 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
         for k, n in enumerate(threads or [None]):
             if n is not None:
                 engine.set_threads(n)
+            decode_steps(engine, [warm], hard, 1)  # a new thread count's first step may be slow: untimed
             now = time.perf_counter()
             toks, dt = decode_steps(engine, [warm], now + (phase_end - now) / (len(threads or [1]) - k), 256,
-                                    hopeless, SETTLE)
+                                    hopeless, SETTLE, MIN_DECODE_STEPS, hard)
+            work["decode_tokens"] += toks
             rate = toks / dt if toks and dt > 0 else 0.0
             if best is None or rate > best[1]:
                 best = (n, rate)
@@ -262,7 +349,7 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
             result["stopped"] = (f"cannot win: at most {upper_bound(result):.2f} with perfect batching, "
                                  f"below the leader's {beat:.2f}")
         else:
-            result["batch_decode_tok_s"] = _batch_decode(engine, live, deadline)
+            result["batch_decode_tok_s"] = _batch_decode(engine, live, deadline, hard, work)
     except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never raised
         log.warning("benchmark of %s failed: %s", engine.name, exc)
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -270,11 +357,14 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
         free_sequences(engine, live)
     result["score"] = score(result)
     result["seconds"] = round(time.perf_counter() - t_start, 3)
+    result["conditions"]["budget_too_small"] = result["seconds"] > 1.25 * seconds + 0.05
     return result
 
 
-def _batch_decode(engine: Engine, live: list[Sequence], deadline: float) -> float | None:
-    """BATCH sequences with 4-token prompts decoding together until ``deadline``: aggregate tok/s."""
+def _batch_decode(engine: Engine, live: list[Sequence], deadline: float, hard: float,
+                  work: dict[str, int]) -> float | None:
+    """BATCH sequences with 4-token prompts decoding together until ``deadline`` (at least MIN_BATCH_STEPS timed
+    steps, after an untimed one): aggregate tok/s."""
     batch = [Sequence(900_010 + i, bench_prompt(engine, 4, 10 + i), SamplingParams(temperature=0.0))
              for i in range(BATCH)]
     for s in batch:
@@ -286,10 +376,12 @@ def _batch_decode(engine: Engine, live: list[Sequence], deadline: float) -> floa
             s.tokens.append(tok)
     else:
         for s in batch:
-            _prefill_until(engine, s, deadline)
+            _prefill_until(engine, s, hard)
     if not all(s.n_cached == len(s.tokens) - 1 for s in batch):
         return None
-    toks, dt = decode_steps(engine, batch, deadline, 256, settle=SETTLE)
+    decode_steps(engine, batch, hard, 1)
+    toks, dt = decode_steps(engine, batch, deadline, 256, settle=SETTLE, min_steps=MIN_BATCH_STEPS, hard=hard)
+    work["batch_tokens"] = toks
     return round(toks / dt, 2) if toks and dt > 0 else None
 
 
@@ -335,7 +427,12 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
     t0 = time.perf_counter()
     ordered = _ordered(candidates)
     keys = {name: cache_key(c.cls, c.artifact) for name, c in ordered.items()}
+    sweep(bench_dir())  # temporaries of writers that were killed
     cached_results = {name: None if rebench else cached_result(key) for name, key in keys.items()}
+    for name, cached in list(cached_results.items()):
+        if cached is not None and (why := distrust(cached, seconds)):
+            say(f"octo: bench {name:9s} not using its cached result: {why}")
+            cached_results[name] = None
     # in-process candidates after the first prepare (slow imports) while the first one loads
     prep = _prepare([c.cls for name, c in ordered.items() if c.in_process and cached_results[name] is None][1:])
     for name, cand in ordered.items():
@@ -358,13 +455,15 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
             except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason
                 res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
                        "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
-                       "error": _failure(exc)}
+                       "error": _failure(exc), "conditions": {"budget_s": seconds, "disturbed": False}}
             results[name] = res
-            store_result(key, {k: v for k, v in res.items() if k != "cached"})
+            cond = res.setdefault("conditions", {"budget_s": seconds, "disturbed": False})
+            if not cond.get("disturbed"):
+                store_result(key, {k: v for k, v in res.items() if k != "cached"})
             say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
                 f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
                 f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
-                + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "")
+                + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "") + _notes(cond, seconds)
                 if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
         if res.get("error"):
             if loaded:
@@ -390,6 +489,23 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
     reason = (f"highest benchmark score among {len(results)} candidates ({', '.join(ranked)}); "
               f"selection took {time.perf_counter() - t0:.2f} s")
     return name, cand, results, reason
+
+
+def _notes(cond: dict[str, Any], seconds: float) -> str:
+    """What the progress line says about how a measurement went: a budget too small, disturbance."""
+    notes = ""
+    if cond.get("budget_too_small"):
+        w = cond.get("work") or {}
+        notes += (f"; --bench-seconds {seconds:g} is too small to measure meaningfully: measured the minimum "
+                  f"({w.get('prefill_tokens')} prefill, {w.get('decode_tokens')} decode, {w.get('batch_tokens')} "
+                  f"batch tokens) anyway")
+    tries = cond.get("attempts") or []
+    if len(tries) > 1:
+        notes += f"; disturbed by other load, measured {len(tries)} times"
+    if cond.get("disturbed"):
+        notes += (f"; DISTURBED (other processes used {cond.get('foreign_load')} of the cores, this one waited "
+                  f"{cond.get('run_wait')} of the time for a core): not cached")
+    return notes
 
 
 def _failure(exc: BaseException) -> str:

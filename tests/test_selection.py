@@ -1,15 +1,31 @@
 """Start-up engine selection with fake engines of known speed (registered like any plugin engine)."""
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from octo.config import ServerConfig
 from octo.engine import Engine, Feed, ModelInfo, Task
 from octo.loader import LocalCandidate
-from octo.selection import artifact_digest, host_fingerprint, micro_benchmark, score, select, upper_bound
+from octo.selection import (
+    BATCH,
+    MIN_BATCH_STEPS,
+    MIN_DECODE_STEPS,
+    MIN_PREFILL_TOKENS,
+    artifact_digest,
+    distrust,
+    host_fingerprint,
+    micro_benchmark,
+    score,
+    select,
+    upper_bound,
+)
 
 LOADS: list[str] = []
 UNLOADS: list[str] = []
@@ -208,3 +224,208 @@ def test_prepare_runs_in_the_background_and_ends_before_any_measurement(home):
            say=lambda m: None)
     assert [p[0] for p in PREPARED] == ["octo-prepare"]  # only the candidates after the first, in the background
     assert PREPARED[0][1] <= FIRST_STEP[0]  # no measurement shares the machine with it
+
+
+# -- a floor of work whatever the budget; disturbance; what a cached result must say ------------------
+class _Cold(_Fake):
+    """Like a real engine, the first step of each size it has not run yet is slow (buffers, kernel choice)."""
+
+    cold_seconds = 0.04
+
+    def load(self, artifact, name):
+        self.seen = set()
+        return super().load(artifact, name)
+
+    def step(self, feeds):
+        n = sum(len(f.tokens) for f in feeds)
+        if n not in self.seen:
+            self.seen.add(n)
+            time.sleep(self.cold_seconds)
+        return super().step(feeds)
+
+
+class ColdFast(_Cold):
+    name = "coldfast"
+    step_seconds = 0.001
+
+
+class ColdSlow(_Cold):
+    name = "coldslow"
+    step_seconds = 0.003
+
+
+class _Quiet:
+    """Stands in for LoadMonitor: reports the next verdict of ``verdicts`` (then quiet) for each measurement."""
+
+    verdicts: list[bool] = []
+
+    def start(self):
+        return self
+
+    def stop(self):
+        disturbed = _Quiet.verdicts.pop(0) if _Quiet.verdicts else False
+        return {"foreign_load": 0.6 if disturbed else 0.0, "run_wait": 0.4 if disturbed else 0.0, "steal": 0.0,
+                "disturbed": disturbed}
+
+
+@pytest.fixture
+def monitor(monkeypatch):
+    import octo.selection as sel
+
+    waits: list[float] = []
+    monkeypatch.setattr(sel, "LoadMonitor", _Quiet)
+    monkeypatch.setattr(sel, "wait_quiet", lambda limit: waits.append(limit) or True)
+    _Quiet.verdicts = []
+    return waits
+
+
+def _stored(home) -> dict[str, dict]:
+    out = {}
+    for f in (home.parent / "bench").glob("*.json"):
+        data = json.loads(f.read_text())
+        out[data["key"]["engine"]] = data["result"]
+    return out
+
+
+def test_a_tiny_budget_still_measures_the_floor_and_the_fastest_wins(home, monitor):
+    lines: list[str] = []
+    name, _, results, _ = run_select({"coldslow": (ColdSlow, str(home)), "coldfast": (ColdFast, str(home))},
+                                     seconds=0.05, say=lines.append)
+    assert name == "coldfast" and results["coldfast"]["score"] > 1.5 * results["coldslow"]["score"]
+    for r in results.values():
+        work = r["conditions"]["work"]
+        assert work["prefill_tokens"] >= MIN_PREFILL_TOKENS and work["decode_tokens"] >= 2 * MIN_DECODE_STEPS
+        assert r["conditions"]["budget_too_small"] and r["conditions"]["budget_s"] == 0.05
+    assert results["coldslow"]["conditions"]["work"]["batch_tokens"] >= BATCH * MIN_BATCH_STEPS
+    assert sum("--bench-seconds 0.05 is too small to measure meaningfully" in line for line in lines) == 2
+
+
+def test_a_disturbed_measurement_is_repeated_and_one_that_stays_disturbed_is_not_cached(home, monitor):
+    _Quiet.verdicts = [True]  # fast's first measurement is disturbed, its second is not
+    lines: list[str] = []
+    name, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
+    fast = results["fast"]["conditions"]
+    assert [a["disturbed"] for a in fast["attempts"]] == [True, False] and not fast["disturbed"]
+    assert len(monitor) == 1 and "fast" in _stored(home)  # waited for quiet once; the quiet result is cached
+    _Quiet.verdicts = [True, True]  # disturbed both times: used for this start, not cached
+    (home.parent / "bench").rename(home.parent / "old-bench")
+    name, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
+    assert name == "fast" and results["fast"]["conditions"]["disturbed"]
+    assert len(results["fast"]["conditions"]["attempts"]) == 2 and _stored(home) == {}
+    assert any("DISTURBED" in line and "not cached" in line for line in lines)
+
+
+def test_a_cached_result_stands_only_for_a_budget_it_covered_and_undisturbed(home, monitor):
+    cands = {"slow": (Slow, str(home)), "fast": (Fast, str(home))}
+    run_select(cands, seconds=0.2, say=lambda m: None)
+    assert {r["conditions"]["budget_s"] for r in _stored(home).values()} == {0.2}
+    lines: list[str] = []
+    _, _, results, _ = run_select(cands, seconds=0.4, say=lines.append)  # a bigger budget: measured again
+    assert not any(r["cached"] for r in results.values())
+    assert any("it was measured with a 0.2 s budget, less than the 0.4 s asked" in line for line in lines)
+    _, _, results, _ = run_select(cands, seconds=0.2, say=lambda m: None)  # a smaller one: the cache stands
+    assert all(r["cached"] for r in results.values())
+    assert distrust({"score": 1.0}, 0.2) == "it does not record how it was measured"  # an older octo's result
+    assert distrust({"conditions": {"budget_s": 5, "disturbed": True}}, 0.2).startswith("it was measured while")
+    assert distrust({"error": "crashed: x", "conditions": {"budget_s": 0.2, "disturbed": False}}, 3.0) is None
+
+
+def test_the_load_monitor_sees_a_busy_neighbour(tmp_path):
+    from octo.benchload import LoadMonitor
+
+    spinners = spin(2, 30)
+    try:
+        time.sleep(0.2)
+        mon = LoadMonitor().start()
+        end = time.thread_time() + 0.4
+        while time.thread_time() < end:
+            pass
+        cond = mon.stop()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert cond["disturbed"] and cond["foreign_load"] >= 0.3 and cond["run_wait"] >= 0.1, cond
+
+
+# -- the real server with engines of known speed (tests/plugins/timed.py): fastone is twice slowone's speed ----
+def spin(n: int, seconds: float) -> list[subprocess.Popen]:
+    """``n`` processes, each spinning on a core for ``seconds``."""
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+
+
+def _serve_timed(tmp_path, order, *extra, bench="0.5"):
+    from serverproc import REPO, run_octo
+
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text("models:\n  - id: timed-model\n    task: chat\n    default_variant: default\n    variants:\n"
+                       "      default:\n" + "".join(f"        {e}: none://timed\n" for e in order))
+    env = {"OCTO_HOME": str(tmp_path / "octo"), "OCTO_CATALOG": str(catalog)}
+    return run_octo("timed-model", "--plugins-dir", str(REPO / "tests" / "plugins"), "--bench-seconds", bench,
+                    *extra, env=env)
+
+
+def _benchmarks(server) -> tuple[str, dict[str, dict]]:
+    engines = server.get_json("/v1/engines")
+    return engines["active"], {r["name"]: r["benchmark"] for r in engines["data"] if r.get("benchmark")}
+
+
+def test_the_smallest_budget_allowed_still_crowns_the_fastest(tmp_path):
+    with _serve_timed(tmp_path, ("slowone", "fastone"), bench="0.2") as server:
+        active, bench = _benchmarks(server)
+        log = server.log()
+    assert active == "fastone" and bench["fastone"]["score"] > 1.4 * bench["slowone"]["score"]
+    for r in bench.values():
+        assert r["conditions"]["work"]["prefill_tokens"] >= MIN_PREFILL_TOKENS and r["conditions"]["budget_s"] == 0.2
+    assert "--bench-seconds 0.2 is too small to measure meaningfully" in log
+
+
+def _when_marked(mark: Path, engine: str, start) -> threading.Thread:
+    """Run ``start()`` in a thread as soon as ``engine`` takes its first benchmark step (its mark file appears)."""
+
+    def watch():
+        deadline = time.monotonic() + 60
+        while not Path(f"{mark}.{engine}").exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        start()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_busy_neighbour_during_the_whole_selection(tmp_path):
+    mark, spinners = tmp_path / "mark", []
+    # both cores busy from the first candidate's first step to the end of the start-up
+    watcher = _when_marked(mark, "slowone", lambda: spinners.extend(spin(2, 60)))
+    try:
+        with _serve_timed(tmp_path, ("slowone", "fastone"), "-o", f"timed_mark={mark}", bench="0.3") as server:
+            active, bench = _benchmarks(server)
+    finally:
+        watcher.join(5)
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert active == "fastone", bench
+    for r in bench.values():  # seen, measured again, and kept out of the cache
+        assert r["conditions"]["disturbed"] and len(r["conditions"]["attempts"]) == 2, r
+    assert list((tmp_path / "octo" / "bench").glob("*one-*.json")) == []
+
+
+def test_a_neighbour_that_disturbs_the_fastest_engines_measurement_is_waited_out(tmp_path):
+    mark, spinners = tmp_path / "mark", []
+    # 4 processes on 2 cores for 1 s from fastone's first step: its first measurement only (without the repeat,
+    # that makes fastone look slower than slowone, which then wins)
+    watcher = _when_marked(mark, "fastone", lambda: spinners.extend(spin(4, 1.0)))
+    try:
+        with _serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
+            active, bench = _benchmarks(server)
+    finally:
+        watcher.join(5)
+        for p in spinners:
+            p.kill()
+            p.wait()
+    attempts = bench["fastone"]["conditions"]["attempts"]
+    assert attempts[0]["disturbed"] and len(attempts) == 2, attempts  # the neighbour was seen and waited out
+    assert active == "fastone", bench
