@@ -6,8 +6,9 @@ sequence's token history, so the shared prefix-cache index really saves and rest
 distribution is a point mass, so temperature, top_p, top_k, min_p and seed are honoured trivially;
 other sampling parameters are refused by the serving layer.
 
-Options (``-o KEY=VALUE``): ``token_delay_ms`` (sleep per decode step), ``n_ctx`` (default 8192),
-``dim`` (embedding size, default 64).
+Options (``-o KEY=VALUE``): ``token_delay_ms`` (sleep per decode step), ``n_ctx`` (default 8192, or
+``kv_cells``), ``dim`` (embedding size, default 64), ``kv_cells`` (default 0: none; else one KV pool of that many
+cells shared by every sequence, as llama.cpp's, so the scheduler's preemption can be tested with a scripted model).
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from octo.engine import (
     Sequence,
     Task,
 )
-from octo.errors import ConfigError
+from octo.errors import ConfigError, KVCacheFull
 from octo.hookspecs import hookimpl
 
 _WORD = re.compile(r"\s*\S+")
 EOS = 0
 _MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-_OPTIONS = {"token_delay_ms": float, "n_ctx": int, "dim": int}
+_OPTIONS = {"token_delay_ms": float, "n_ctx": int, "dim": int, "kv_cells": int}
 
 
 class EchoEngine(Engine):
@@ -58,7 +59,11 @@ class EchoEngine(Engine):
             except ValueError:
                 raise ConfigError(f"Option '{key}' must be a number, got '{value}'.", param=key) from None
         self.delay = opts.get("token_delay_ms", 0.0) / 1000.0
-        self.n_ctx = opts.get("n_ctx", 8192)
+        self.kv_cells = opts.get("kv_cells", 0)
+        self.n_ctx = opts.get("n_ctx", self.kv_cells or 8192)
+        if self.kv_cells and not 0 < self.n_ctx <= self.kv_cells:
+            raise ConfigError(f"n_ctx ({self.n_ctx}) must be between 1 and kv_cells ({self.kv_cells}).", param="n_ctx")
+        self._seqs: set[Sequence] = set()  # holding KV, for kv_room
         self.dim = opts.get("dim", 64)
         self._vocab: dict[str, int] = {"": EOS}
         self._pieces: list[str] = [""]
@@ -120,8 +125,17 @@ class EchoEngine(Engine):
     # -- steps ---------------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
         seq.slot = {"reply": None, "emitted": 0}
+        self._seqs.add(seq)
+
+    def kv_room(self) -> int | None:
+        return self.kv_cells - sum(s.n_cached for s in self._seqs) if self.kv_cells else None
+
+    def kv_drop(self, seq: Sequence) -> None:
+        seq.n_cached = 0
 
     def step(self, feeds: list[Feed]) -> list[int | None]:
+        if self.kv_cells and sum(len(f.tokens) for f in feeds) > self.kv_room():
+            raise KVCacheFull(f"echo's KV pool is full ({self.kv_cells} cells)")
         if self.delay:
             time.sleep(self.delay)
         out: list[int | None] = []
@@ -140,6 +154,7 @@ class EchoEngine(Engine):
 
     def remove_sequence(self, seq: Sequence) -> None:
         seq.slot = None
+        self._seqs.discard(seq)
 
     def kv_save(self, seq: Sequence) -> KVHandle:
         tokens = tuple(seq.tokens[: seq.n_cached])

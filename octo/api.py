@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from octo import serving
+from octo.bodies import read_json_body
 from octo.engine import Task
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.jobs import Result
@@ -34,6 +35,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+async def _body(request: web.Request) -> bytes:
+    """The JSON body: bounded by --max-body-mb before and after decompression."""
+    return await read_json_body(request, int(request.app[STATE].config.max_body_mb * 2**20))
 
 
 def _model(request: web.Request, req: Any):
@@ -90,7 +96,7 @@ def _error_event(exc: Any) -> bytes:
 
 # -- /v1/chat/completions ------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
+    body = await _body(request)
     req = parse(ChatCompletionRequest, body)
     async with _model(request, req) as handle:
         tickets, events = await handle.submit("chat", req, len(body))
@@ -123,7 +129,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 # -- /v1/completions -----------------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
+    body = await _body(request)
     req = parse(CompletionRequest, body)
     if req.echo and req.stream:
         raise UnsupportedParameter("echo", "echo is only supported without stream")
@@ -157,8 +163,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # -- /v1/embeddings ------------------------------------------------------------------------------------
 async def embeddings(request: web.Request) -> web.Response:
-    body = await request.read()
+    body = await _body(request)
     req = parse(EmbeddingRequest, body)
+    serving.check_embedding_input(req.input, 0)  # the limits that need no model, before one loads for it
     async with _model(request, req) as handle:
         if Task.EMBEDDINGS not in handle.tasks:
             raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) does not support embeddings.",
@@ -166,6 +173,7 @@ async def embeddings(request: web.Request) -> web.Response:
         dim = handle.info.embedding_dim
         if req.dimensions is not None and req.dimensions != dim:
             raise UnsupportedParameter("dimensions", f"this model's embeddings have {dim} dimensions")
+        serving.check_embedding_input(req.input, handle.info.n_vocab)
         result = await handle.call("embed", req.input)
         data = []
         for i, vec in enumerate(result.vectors):
@@ -183,7 +191,7 @@ def _event(name: str, obj: dict) -> bytes:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
+    body = await _body(request)
     req = parse(AnthropicRequest, body)
     async with _model(request, req) as handle:
         tickets, events = await handle.submit("messages", req, len(body))
@@ -223,7 +231,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 def anthropic_error_body(exc: Any) -> dict[str, Any]:
     if isinstance(exc, OctoError):
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "request_too_large", 503: "overloaded_error", 504: "timeout_error"}.get(exc.status, "api_error")
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}.get(
+            exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
         return {"type": "error", "error": {"type": kind, "message": exc.message}}
     return {"type": "error", "error": {"type": "api_error", "message": str(exc)}}

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
+from octo.bodies import content_encoding
 from octo.engine import Transcription, TranscriptionRequest
 from octo.errors import (
     EngineError,
@@ -91,7 +93,9 @@ async def _handle(request: web.Request, task: str) -> web.Response:
 async def read_form(
     request: web.Request, allowed: frozenset[str], *, max_file_bytes: int, max_body_bytes: int
 ) -> AudioForm:
-    """The multipart form; the file part is read in chunks and refused (413) past ``max_file_bytes``."""
+    """The multipart form; the file part is read in chunks and refused (413) past ``max_file_bytes``. The body is
+    taken uncompressed (audio formats are compressed already): another Content-Encoding is a 415."""
+    content_encoding(request, allow_compressed=False)
     if request.content_type != "multipart/form-data":
         raise InvalidRequest(
             f"The request must be multipart/form-data with the audio in a 'file' part (got '{request.content_type}').",
@@ -127,8 +131,9 @@ async def read_form(
                 raise InvalidRequest(f"Field '{name}' is given more than once.", param=name)
             else:
                 form.fields[name] = value
-    except (ValueError, AssertionError) as exc:  # aiohttp's errors for a malformed multipart body
-        raise InvalidRequest(f"Malformed multipart body: {exc}", param="file") from None
+    except (ValueError, AssertionError, HttpProcessingError) as exc:  # aiohttp's errors for a malformed body
+        why = getattr(exc, "message", None) or exc
+        raise InvalidRequest(f"Malformed multipart body: {why}", param="file") from None
     if form.data is None:
         raise InvalidRequest("Missing required field 'file' (the audio to transcribe).", param="file")
     if not form.data:

@@ -114,11 +114,24 @@ def _keep_alive(ctx, param, value):
               help="Run each loaded model in its own worker process (a native crash costs only its requests) or in "
                    "this process; default: each engine's own (process for native engines, thread for echo).",
               **_env("ISOLATION"))
+@click.option("--preempt", default="swap", show_default=True, type=click.Choice(["swap", "recompute"]),
+              help="KV pressure (a KV pool shared by the sequences is full): the youngest sequence gives its KV back "
+                   "and resumes later; swap keeps its KV in host memory meanwhile, recompute feeds its tokens again.",
+              **_env("PREEMPT"))
+@click.option("--step-stretch", default=2.0, show_default=True, type=float,
+              help="While sequences decode, other requests' prompt chunks fill a step only until it takes this many "
+                   "times a decode-only step (2: running streams keep at least half their speed while a long prompt "
+                   "is read); 0: no limit (whole -o prefill chunks, the most prompt throughput).",
+              **_env("STEP_STRETCH"))
+@click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
+              help="On SIGTERM/SIGINT: seconds running and queued requests get to finish (new ones get 503) before "
+                   "what remains is cancelled.", **_env("SHUTDOWN_TIMEOUT"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
 def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, max_queue,
           queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds, api_key,
-          insecure_no_auth, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name, log_level):
+          insecure_no_auth, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name, preempt,
+          step_stretch, shutdown_timeout, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -137,7 +150,8 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
                           plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench,
-                          isolation=isolation, share_cores=share_cores)
+                          isolation=isolation, share_cores=share_cores, preempt=preempt,
+                          step_stretch=step_stretch, shutdown_timeout=shutdown_timeout)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
     from octo.registry import ModelSpec, load_models_file
@@ -203,9 +217,32 @@ async def _serve(config: ServerConfig, specs: list) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        await _drain(app, config.shutdown_timeout)
     finally:
         click.echo("octo: shutting down", err=True)
         await runner.cleanup()
+
+
+async def _drain(app, timeout: float) -> None:
+    """Graceful shutdown: new requests get 503 (``AppState.draining``) while running and queued ones finish, up to
+    ``timeout`` seconds; then the models stop, which ends what remains (a 503, or an error event and [DONE] on a
+    stream) and the handlers get a moment to write that out."""
+    from octo.state import STATE
+
+    state = app[STATE]
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, timeout)
+    if state.inflight:
+        click.echo(f"octo: draining {state.inflight} request(s) (up to {timeout:g} s; new requests get 503)", err=True)
+    while state.inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.inflight:
+        click.echo(f"octo: {state.inflight} request(s) still running after {timeout:g} s; cancelling them", err=True)
+    await state.registry.close()
+    deadline = loop.time() + 5.0
+    while state.inflight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
 
 
 @cli.command()

@@ -30,3 +30,6 @@ class ServerConfig:
     memory_budget_gb: float = 0.0  # estimated memory of the loaded models (0: no limit)
     share_cores: str = "os"  # "os": the OS shares the cores; "turns": models in workers compute in turns (arbiter)
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)
+    preempt: str = "swap"  # KV pressure: a preempted sequence's KV waits in host memory ("swap") or is recomputed
+    step_stretch: float = 2.0  # prompt chunks may stretch a step to this many decode-only steps (0: no limit)
+    shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish

@@ -247,15 +247,32 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         """Give ``seq`` a slot (KV sequence, sampler) before its first feed."""
 
-    def step(self, feeds: list[Feed]) -> list[int | None]:
+    def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         """Run one forward pass over ``feeds``; return the sampled token per feed (None if not sampled).
 
-        The engine advances ``feed.seq.n_cached`` by ``len(feed.tokens)``.
+        The engine advances ``feed.seq.n_cached`` by ``len(feed.tokens)``. A failure that belongs to one sequence
+        (its sampler, its grammar) is returned as an exception instance in that feed's place: that request fails
+        alone and the others go on. An exception raised from ``step`` fails every sequence of the step, except
+        :class:`octo.errors.KVCacheFull` ("the shared pool had no room; nothing was consumed"), after which the
+        scheduler preempts a sequence and runs the step again.
         """
         raise NotImplementedError
 
     def remove_sequence(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and KV (finished, cancelled or failed)."""
+
+    # -- KV pressure (engines whose sequences share one bounded KV pool) ---------------------------------
+    def kv_room(self) -> int | None:
+        """Free cells in a KV pool shared by every sequence (one cell per token of one sequence), or None when
+        every sequence owns room for ``n_ctx`` tokens (nothing to preempt for). The scheduler admits, feeds and
+        preempts so that a step never needs more than this."""
+        return None
+
+    def kv_drop(self, seq: Sequence) -> None:
+        """Preemption: give back every KV cell of ``seq`` but keep its slot (sampler state, grammar), and set
+        ``n_cached`` to 0. The scheduler later refills it with ``kv_restore`` or by feeding its tokens again.
+        Required when ``kv_room`` can return a number."""
+        raise NotImplementedError
 
     # -- prefix cache (optional: return None from kv_save to opt out) ---------------------------
     def kv_save(self, seq: Sequence) -> KVHandle | None:
@@ -263,7 +280,8 @@ class Engine:
         return None
 
     def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
-        """Load the first ``n_tokens`` of ``handle`` into the freshly added ``seq``; set ``n_cached``."""
+        """Load the first ``n_tokens`` of ``handle`` into ``seq``, which holds no KV (freshly added, or dropped by
+        ``kv_drop``); set ``n_cached`` (left at 0 when it could not)."""
         raise NotImplementedError
 
     def kv_free(self, handle: KVHandle) -> None:

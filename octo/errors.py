@@ -65,6 +65,18 @@ class PayloadTooLarge(OctoError):
     code = "payload_too_large"
 
 
+class UnsupportedMediaType(OctoError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class RequestTimeout(OctoError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class Overloaded(OctoError):
     status = 503
     type = "server_overloaded"
@@ -83,6 +95,13 @@ class EngineError(OctoError):
     status = 500
     type = "server_error"
     code = "engine_error"
+
+
+class KVCacheFull(EngineError):
+    """Raised by ``Engine.step`` when a KV pool shared by the sequences had no room for the step and nothing was
+    consumed (the scheduler preempts a sequence and runs the step again; the client never sees it)."""
+
+    code = "kv_cache_full"
 
 
 class EngineCrashed(OctoError):

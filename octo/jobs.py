@@ -53,7 +53,7 @@ class Ticket(_Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel")
+                 "finish", "hit_eos", "_cancel", "swap", "preemptions")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -72,6 +72,8 @@ class Ticket(_Job):
         self.finish: str | None = None
         self.hit_eos = False
         self._cancel = False
+        self.swap: Any = None  # the KVHandle of a sequence preempted in "swap" mode, until it resumes
+        self.preemptions = 0
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""

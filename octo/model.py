@@ -19,7 +19,7 @@ from typing import Any
 
 from octo import serving
 from octo.config import ServerConfig
-from octo.engine import Engine, EngineConfig, Task
+from octo.engine import Embeddings, Engine, EngineConfig, Task
 from octo.errors import ConfigError, InvalidRequest
 from octo.jobs import Ticket
 from octo.prefix_cache import PrefixCache
@@ -73,8 +73,16 @@ class ModelHandle(HandleInfo):
     benchmarks: dict[str, Any] = field(default_factory=dict)  # engine name -> benchmark result
     engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
     isolation = "thread"
-    state = "ready"
-    reason = None
+
+    @property
+    def state(self) -> str:
+        """"ready", or what the watchdog found: "wedged" (a step that does not return), "failed" (a dead loop)."""
+        dog = self.scheduler.watchdog if self.scheduler is not None else None
+        return "ready" if dog is None or dog.state == "ok" else ("wedged" if dog.state == "wedged" else "failed")
+
+    @property
+    def reason(self) -> str | None:
+        return self.scheduler.watchdog.reason if self.scheduler is not None else None
 
     @property
     def info(self):
@@ -91,7 +99,8 @@ class ModelHandle(HandleInfo):
             cache = PrefixCache(int(config.cache_size_mb * 2**20), self.engine.kv_free)
         self.cache = cache
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
-                                       queue_timeout=config.queue_timeout, cache=cache, **kw)
+                                       queue_timeout=config.queue_timeout, cache=cache, preempt=config.preempt,
+                                       step_stretch=config.step_stretch, **kw)
         self.scheduler.start(engine_thread=self.engine_thread)
 
     async def activate(self, config: ServerConfig) -> None:
@@ -111,7 +120,8 @@ class ModelHandle(HandleInfo):
 
     # -- requests ----------------------------------------------------------------------------------------
     async def ensure_ready(self) -> None:
-        return None
+        if self.scheduler is not None:
+            self.scheduler.watchdog.check_open()  # wedged or dead: 503 at once
 
     async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[Ticket], asyncio.Queue | None]:
         if size > _OFFLOAD_BYTES:
@@ -144,7 +154,12 @@ class ModelHandle(HandleInfo):
 async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
     if op == "embed":
         texts = embed_texts(handle, payload)
-        return await handle.scheduler.call(lambda engine: engine.embed(texts))
+        vectors, n_tokens = [], 0
+        for chunk in _embed_chunks(texts):  # each chunk queues anew: other models' steps interleave
+            out = await handle.scheduler.call(lambda engine, chunk=chunk: engine.embed(chunk))
+            vectors += out.vectors
+            n_tokens += out.n_tokens
+        return Embeddings(vectors, n_tokens)
     if op == "transcribe":
         scheduler, engine = handle.scheduler, handle.engine
         if hasattr(engine, "transcribe_batch"):  # batched with other queued requests
@@ -152,6 +167,25 @@ async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
                                               lambda eng, reqs, done: eng.transcribe_batch(reqs, done))
         return await scheduler.call(lambda eng: eng.transcribe(payload))
     raise ValueError(f"unknown call {op!r}")
+
+
+EMBED_CHUNK_TEXTS = 32
+EMBED_CHUNK_CHARS = 32_768
+
+
+def _embed_chunks(texts: list[str]):
+    """Split a long embeddings request into engine calls of at most 32 texts or ~32k characters, so that the
+    decode steps of generations queued behind it run between them instead of waiting for all of it."""
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        if chunk and (len(chunk) >= EMBED_CHUNK_TEXTS or size + len(text) > EMBED_CHUNK_CHARS):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(text)
+        size += len(text)
+    if chunk:
+        yield chunk
 
 
 def embed_texts(handle: ModelHandle, inp: Any) -> list[str]:

@@ -1,31 +1,69 @@
 """Request models of the HTTP API (pydantic), fields in the order of the OpenAI/Anthropic documentation.
 
-Every request model allows extra keys only to name them in a 400 ("Unrecognized request argument");
-fields that exist in the API but that octo does not implement are declared, so a request that sets them
-gets a 400 naming the field instead of being silently ignored (see ``serving.check_unsupported``).
+Validation is strict, as OpenAI's API is: a value of the wrong JSON type is a 400 ``invalid_type`` naming the
+field with its path (``messages[0].content``), never coerced (``"8"`` is not an integer, ``1`` is not a boolean;
+an integer is a number). Every request model allows extra keys only to name them in a 400 ("Unrecognized
+request argument"), at any depth; fields that exist in the API but that octo does not implement are declared,
+so a request that sets them gets a 400 naming the field instead of being silently ignored (see
+``serving.check_unsupported``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from octo.errors import InvalidRequest
 
-Number = float
+# -- limits (README "Limits"): generous, but finite, so that no request can hold the server hostage ----------
+MAX_STOPS = 16  # stop strings per request (OpenAI allows 4), `stop` and Anthropic's `stop_sequences`
+MAX_STOP_CHARS = 500  # characters per stop string
+MAX_TOKENS_LIMIT = 2**24  # max_tokens and the like; beyond the model's context it is a 400 anyway
+MAX_N = 128  # choices per request
+MAX_EMBEDDING_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
+MAX_EMBEDDING_TOKENS = 300_000  # token ids per embeddings request (OpenAI's limit on tokens)
+MAX_EMBEDDING_CHARS = 1_200_000  # characters of text per embeddings request (about 300,000 tokens of English)
+_INT32 = 2**31 - 1
+_INT64 = 2**63
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True, allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return list(self.model_extra or ())
 
 
+class _Other(BaseModel):
+    """A content part or block of a type octo does not serve: kept whole, refused in the serving layer with a 400
+    naming it (an unsupported type, not an unknown argument)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+def _part_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text-part" if kind == "text" else "other-part"
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(_Other):
+    pass
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[OtherPart, Tag("other-part")],
+                        Discriminator(_part_kind)]
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -39,17 +77,32 @@ class StreamOptions(_Model):
     include_obfuscation: bool | None = None
 
 
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+
+def _check_stops(stops: list[str], param: str) -> None:
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed, got {len(stops)}")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop sequence {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
 
 
 class _Sampling(_Model):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -57,7 +110,7 @@ class _Sampling(_Model):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
     # extensions common to local servers (llama.cpp, vLLM; keep_alive: Ollama's, seconds or a duration)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=_INT32)
     keep_alive: float | str | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, alias="repeat_penalty")
@@ -65,8 +118,8 @@ class _Sampling(_Model):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
+        if v is not None:
+            _check_stops([v] if isinstance(v, str) else v, "stop")
         return v
 
     @field_validator("logit_bias")
@@ -87,8 +140,8 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = None
     functions: list[Any] | None = None
     logprobs: bool | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     metadata: dict[str, str] | None = None
     modalities: list[str] | None = None
     parallel_tool_calls: bool | None = None
@@ -101,7 +154,7 @@ class ChatCompletionRequest(_Sampling):
     store: bool | None = None
     tool_choice: Any = None
     tools: list[Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
 
@@ -109,45 +162,72 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     echo: bool = False
-    logprobs: int | None = None
-    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
     suffix: str | None = None
 
 
 class EmbeddingRequest(_Model):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: int | None = Field(None, ge=1, le=_INT32)
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
     keep_alive: float | str | None = None
 
 
+def _block_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "text-block" if kind == "text" else "other-block"
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here (the prefix cache)
+    citations: list[Any] | None = None
+
+
+class OtherBlock(_Other):
+    pass
+
+
+ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[OtherBlock, Tag("other-block")],
+                         Discriminator(_block_kind)]
+
+
 class AnthropicMessage(_Model):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[ContentBlock]
 
 
 class AnthropicRequest(_Model):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     container: Any = None
     mcp_servers: list[Any] | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[ContentBlock] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     thinking: dict[str, Any] | None = None
     tool_choice: Any = None
     tools: list[Any] | None = None
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=_INT32)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     keep_alive: float | str | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop(cls, v):
+        if v is not None:
+            _check_stops(v, "stop_sequences")
+        return v
 
 
 def parse(model: type[_Model], body: bytes) -> Any:
@@ -158,32 +238,80 @@ def parse(model: type[_Model], body: bytes) -> Any:
         req = model.model_validate_json(body)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-    extra = req.unknown_fields()
-    if extra:
-        raise InvalidRequest(f"Unrecognized request argument supplied: {extra[0]}", param=extra[0],
-                             code="unknown_parameter")
-    for name in ("messages",):
-        for i, msg in enumerate(getattr(req, name, None) or ()):
-            if msg.unknown_fields():
-                key = msg.unknown_fields()[0]
-                raise InvalidRequest(f"Unrecognized argument in {name}[{i}]: {key}", param=f"{name}[{i}].{key}",
-                                     code="unknown_parameter")
+    _check_unknown(req, "")
     return req
 
 
-def _validation_error(exc: ValidationError) -> InvalidRequest:
-    err = exc.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return InvalidRequest(f"The body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}.")
-    if err["type"] == "model_type":
-        return InvalidRequest("The request body must be a JSON object.")
-    loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+def _check_unknown(value: Any, path: str) -> None:
+    """A 400 naming the first key no model declares, at any depth (``stream_options.foo``, ``messages[0].x``)."""
+    if isinstance(value, _Model):
+        extra = value.unknown_fields()
+        if extra:
+            key = extra[0]
+            if not path:
+                raise InvalidRequest(f"Unrecognized request argument supplied: {key}", param=key,
+                                     code="unknown_parameter")
+            raise InvalidRequest(f"Unrecognized argument in {path}: {key}", param=f"{path}.{key}",
+                                 code="unknown_parameter")
+        for name in value.model_fields_set:
+            field = type(value).model_fields.get(name)
+            if field is not None:
+                _check_unknown(getattr(value, name), f"{path}.{field.alias or name}" if path else field.alias or name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (_Model, list)):
+                _check_unknown(item, f"{path}[{i}]")
+
+
+# -- errors -------------------------------------------------------------------------------------------
+_UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "none", "function-after", "function-before",
+               "text-part", "other-part", "text-block", "other-block"}
+_EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+             "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+             "model_attributes_type": "an object", "literal_error": None}
+
+
+def _path(loc: tuple) -> str:
     param = ""
     for part in loc:
+        if isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
+            continue  # the union member a nested error came from
         param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    return param
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _validation_error(exc: ValidationError) -> InvalidRequest:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return InvalidRequest(f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}.",
+                              code="invalid_json")
+    if not first["loc"] and first["type"] in ("model_type", "model_attributes_type"):
+        return InvalidRequest(f"The request body must be a JSON object, got {_json_kind(first['input'])}.",
+                              code="invalid_type")
+    # the deepest error explains best: for `content: [1]`, "messages[0].content[0] must be an object" rather than
+    # "messages[0].content must be a string"; a union's type errors at that same place list every expected type
+    err = max(errors, key=lambda e: len(_path(e["loc"]).replace("[", ".").split(".")))
+    param = _path(err["loc"])
     if err["type"] == "missing":
         return InvalidRequest(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
-    return InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param, code="invalid_value")
-
-
-_UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "none", "function-after", "function-before"}
+    if err["type"] in _EXPECTED and err["type"] != "literal_error":
+        expected = []
+        for e in errors:
+            want = _EXPECTED.get(e["type"])
+            if want and _path(e["loc"]) == param and want not in expected:
+                expected.append(want)
+        return InvalidRequest(f"Invalid type for '{param}': expected {' or '.join(expected)}, but got "
+                              f"{_json_kind(err['input'])} instead.", param=param, code="invalid_type")
+    msg = err["msg"].removeprefix("Value error, ")
+    return InvalidRequest(f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")

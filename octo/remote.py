@@ -71,6 +71,7 @@ class WorkerProcess:
         self.exit_reason: str | None = None
         self.messages = 0  # event messages received (about one per engine step)
         self.stopping = False
+        self.fault: str | None = None
         self._reaping = False
 
     @classmethod
@@ -131,6 +132,8 @@ class WorkerProcess:
                     fut.set_exception(msg[3])
         elif kind == "bye":
             self.stopping = True
+        elif kind == "fault":  # its engine thread was wedged or dead; it exits next (octo.watchdog)
+            self.fault = msg[1]
 
     def _lost(self) -> None:
         if self.exited is not None and not self.exited.done() and not self._reaping:
@@ -143,7 +146,7 @@ class WorkerProcess:
         except TimeoutError:  # the socket closed but the process lives on: it is of no use any more
             self.proc.kill()
             code = await self.proc.wait()
-        self.exit_reason = describe_exit(code)
+        self.exit_reason = describe_exit(code) if self.fault is None else f"{self.fault}; {describe_exit(code)}"
         if self._down is not None and self._down.transport is not None:
             self._down.transport.close()
         crash = None if self.stopping and code == 0 else EngineCrashed(
@@ -203,11 +206,9 @@ def remembered(cls: type[Engine], artifact: str, options: dict[str, str]) -> int
 
 
 def remember(cls: type[Engine], artifact: str, overlay: dict[str, str], why: str) -> None:
-    path = _memo_file(cls, artifact)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"options": overlay, "reason": why}))
-    tmp.replace(path)
+    from octo.atomic import write_json  # atomic, and a writer killed midway leaves no stale file
+
+    write_json(_memo_file(cls, artifact), {"options": overlay, "reason": why})
 
 
 async def start_worker(cls: type[Engine], artifact: str, name: str, config: ServerConfig, *, first: int = 0,
@@ -375,8 +376,10 @@ class RemoteHandle(HandleInfo):
                             "queued requests were ended. The next request restarts it.", param="model")
         for rid in list(self._requests):
             self._fail_request(rid, err)
-        self.reason = f"the {self.engine_name} worker crashed ({why})"
-        can_fall_back = early and self.config_index + 1 < len(_configs(self.engine_cls, self.config.options))
+        fault = self.worker.fault  # wedged or dead engine thread: the worker stopped itself (octo.watchdog)
+        self.reason = f"the {self.engine_name} worker " + (f"stopped: {why}" if fault else f"crashed ({why})")
+        configs = _configs(self.engine_cls, self.config.options)
+        can_fall_back = early and not fault and self.config_index + 1 < len(configs)
         if self.state == "stopped":
             return
         if soon and not can_fall_back:

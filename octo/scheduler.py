@@ -1,10 +1,8 @@
 """The shared scheduler: bounded FIFO admission queue, continuous batcher and prefix-cache use.
 
-One scheduler per served model. Requests are submitted from the event loop; a single engine thread
-admits them in FIFO order, runs one ``Engine.step`` per iteration for every active sequence (decode
-tokens first, then prompt chunks within the engine's ``prefill_chunk`` budget), and posts results back
-with one ``loop.call_soon_threadsafe`` per step. Stop strings, ``max_tokens``, EOS, the context limit
-and cancellation are handled here, once, for every engine.
+One scheduler per served model. Requests are submitted from the event loop (this module: admission, queue
+time-outs, cancellation, stats); a single engine thread admits them in FIFO order and steps the batch
+(``octo.engine_loop``); ``octo.watchdog`` supervises that thread.
 """
 
 from __future__ import annotations
@@ -15,28 +13,34 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any
 
-from octo.engine import Engine, Feed, SamplingParams
-from octo.errors import ContextLengthExceeded, EngineError, InvalidRequest, OctoError, Overloaded, QueueTimeout
+from octo.engine import Engine, SamplingParams
+from octo.engine_loop import EngineLoop, Pacer, _as_octo_error, _fail_job, _set_result, new_engine_thread  # noqa: F401
+from octo.errors import ContextLengthExceeded, InvalidRequest, Overloaded, QueueTimeout
 from octo.jobs import GenerationRequest, Ticket, _Call, _Job
 from octo.prefix_cache import PrefixCache
+from octo.watchdog import Watchdog
 
 log = logging.getLogger("octo.scheduler")
 
 
-class Scheduler:
+class Scheduler(EngineLoop):
     gate: Any = None  # octo.arbiter.ComputeGate of a worker sharing the cores with other models
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
-                 cache: PrefixCache | None = None) -> None:
+                 cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.cache = cache
+        self.preempt_mode = preempt  # "swap": a preempted sequence's KV waits in host memory; "recompute"
         self._pending: deque[_Job] = deque()
         self._active: list[Ticket] = []
+        self._preempted: list[Ticket] = []  # gave their KV back under pressure; resume oldest first
+        self.watchdog = Watchdog(self)
+        self._pacer = Pacer(step_stretch)
         self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
         self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
         self._thread: Executor | None = None
@@ -55,6 +59,8 @@ class Scheduler:
         self.total_cancelled = 0
         self.generated_tokens = 0
         self.steps = 0
+        self.total_preemptions = 0
+        self.total_resumed = 0
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None, engine_thread: Executor | None = None) -> None:
@@ -66,7 +72,7 @@ class Scheduler:
         self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
         self._thread = engine_thread or new_engine_thread()
         self._done = self._thread.submit(self._run)
-        self._done.add_done_callback(_report_exit)
+        self._done.add_done_callback(self.watchdog.thread_exited)
 
     def stop(self) -> None:
         if getattr(self, "_sweeper", None) is not None:
@@ -154,9 +160,11 @@ class Scheduler:
             raise
 
     def _enqueue(self, jobs: list[_Job]) -> None:
+        self.watchdog.check_open()  # a wedged or dead engine thread: 503 at once, not a wait
         with self._lock:
             if self._stopping:
-                raise Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
+                raise Overloaded("The server is shutting down.", code="server_shutting_down",
+                                 headers={"Retry-After": "5"})
             # free batch slots count as room: requests arriving together at an idle server are admitted at the
             # engine thread's next look at the queue, not refused while a slot waits for them
             # calls (embeddings, audio) run one batch at a time and take no batch slot: no extra room for them
@@ -219,6 +227,7 @@ class Scheduler:
                         expired.append(job)
         for job in expired:
             _fail_job(job, err)
+        self.watchdog.check()
         if not self._stopping:
             self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 
@@ -248,338 +257,8 @@ class Scheduler:
             "batching": self.engine.batching,
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
+            "preempted": len(self._preempted),
+            "total_preemptions": self.total_preemptions,
+            "total_resumed": self.total_resumed,
+            "engine_thread": self.watchdog.state,
         }
-
-    # -- engine thread -----------------------------------------------------------------------------
-    def run_between_steps(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn()`` on the engine thread before its next step (e.g. ``Engine.set_threads`` while serving)."""
-        fut: Future = Future()
-        with self._lock:
-            self._between.append((fn, fut))
-            sleeping = self._sleeping
-        if sleeping:
-            self._wake.put(None)
-        return fut
-
-    def _run_between(self) -> None:
-        with self._lock:
-            items, self._between = self._between, []
-        for fn, fut in items:
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                fut.set_exception(exc)
-
-    def _run(self) -> None:
-        posts: list[tuple[Any, ...]] = []
-        while True:
-            if self._between:
-                self._run_between()
-            with self._lock:
-                idle = not self._stopping and not self._pending and not self._active
-                self._sleeping = idle
-                if not idle:
-                    if self._stopping:
-                        break
-                    calls, admitted = self._admit_locked()
-            if idle:
-                if self.gate is not None:
-                    self.gate.idle()
-                self._wake.get()  # a kick (or stop) wakes us; spurious wake-ups just look again
-                continue
-            for job in admitted + calls:
-                if job.admitted is not None:
-                    posts.append((_set_result, job.admitted, None))
-            if calls and calls[0].batch_key is not None:
-                self._run_batch(calls, posts)
-            else:
-                for job in calls:
-                    self._run_call(job, posts)
-            for t in admitted:
-                self._start(t, posts)
-            if self._active:
-                self._step(posts)
-            if posts:
-                self._post(posts)
-                posts = []
-        self._shutdown()
-
-    def _post(self, posts: list) -> None:
-        """Hand results to the event loop; one wake-up covers everything posted until the loop drains."""
-        with self._out_lock:
-            self._outbox.extend(posts)
-            if self._drain_scheduled:
-                return
-            self._drain_scheduled = True
-        self._loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        with self._out_lock:
-            posts, self._outbox = self._outbox, []
-            self._drain_scheduled = False
-        _deliver(posts)
-
-    def _admit_locked(self) -> tuple[list[_Call], list[Ticket]]:
-        calls: list[_Call] = []
-        admitted: list[Ticket] = []
-        window = self.engine.batching == "window"
-        if window and self._active:
-            return calls, admitted
-        while self._pending:
-            job = self._pending[0]
-            if isinstance(job, _Call):
-                if admitted:  # keep FIFO: run the call after this step's admissions
-                    break
-                self._pending.popleft()
-                job.state = "active"
-                calls.append(job)
-                while (job.batch_key is not None and self._pending and len(calls) < self.max_batch
-                       and isinstance(self._pending[0], _Call) and self._pending[0].batch_key == job.batch_key):
-                    nxt = self._pending.popleft()
-                    nxt.state = "active"
-                    calls.append(nxt)
-                break
-            if len(self._active) + len(admitted) >= self.max_batch:
-                break
-            self._pending.popleft()
-            job.state = "active"
-            admitted.append(job)
-        return calls, admitted
-
-    def _run_batch(self, jobs: list[_Call], posts: list) -> None:
-        self._post(posts[:])  # admissions now: an item answered early (below) must not wait for them
-        posts.clear()
-
-        def done(i: int, result: Any) -> None:  # the engine answers one item before the batch ends
-            self._post([_outcome(jobs[i].future, result)])
-
-        try:
-            results = list(jobs[0].fn(self.engine, [j.item for j in jobs], done))
-            if len(results) != len(jobs):
-                raise EngineError(f"batched call returned {len(results)} results for {len(jobs)} items")
-        except BaseException as exc:  # noqa: BLE001 - the error goes to every caller still waiting
-            results = [exc] * len(jobs)
-        for job, result in zip(jobs, results, strict=True):
-            posts.append(_outcome(job.future, result))  # no-op for futures already answered by done()
-            job.state = "done"
-            self.total_processed += 1
-
-    def _run_call(self, job: _Call, posts: list) -> None:
-        try:
-            result = job.fn(self.engine)
-        except BaseException as exc:  # noqa: BLE001 - the error goes to the caller
-            posts.append((_set_exception, job.future, _as_octo_error(exc)))
-        else:
-            posts.append((_set_result, job.future, result))
-        job.state = "done"
-        self.total_processed += 1
-
-    def _start(self, t: Ticket, posts: list) -> None:
-        seq = t.seq
-        try:
-            self.engine.add_sequence(seq)
-        except BaseException as exc:  # noqa: BLE001
-            self._fail(t, exc, posts, remove=False)
-            return
-        if self.cache is not None:
-            handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1)
-            if handle is not None:
-                try:
-                    self.engine.kv_restore(seq, handle, n)
-                    t.cached = seq.n_cached
-                    if seq.n_cached != n:  # the engine reused less than the index offered
-                        self.cache.tokens_reused -= n - seq.n_cached
-                except Exception:  # noqa: BLE001 - a failed restore is a miss, never an error
-                    log.exception("KV restore failed; recomputing the prompt")
-                    self.cache.restore_failed(n)
-                    self.engine.remove_sequence(seq)
-                    self.engine.add_sequence(seq)
-                    seq.n_cached = 0
-        self._active.append(t)
-
-    def _step(self, posts: list) -> None:
-        eng = self.engine
-        n_ctx = eng.info.n_ctx if eng.info else 1 << 30
-        for t in [t for t in self._active if t._cancel]:
-            self._finish(t, "cancelled", posts)
-        # decode tokens first (one per sequence), then prompt chunks within the engine's prefill budget
-        feeds: list[Feed] = []
-        owners: list[Ticket] = []  # the ticket of each feed
-        prefilling: list[Ticket] = []
-        for t in self._active:
-            seq = t.seq
-            remaining = len(seq.tokens) - seq.n_cached
-            if remaining == 1:
-                feeds.append(Feed(seq, seq.tokens[-1:], True))
-                owners.append(t)
-            elif remaining > 1:
-                prefilling.append(t)
-        budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
-        for t in prefilling:
-            if budget <= 0:
-                break
-            seq = t.seq
-            remaining = len(seq.tokens) - seq.n_cached
-            take = min(remaining, budget)
-            budget -= take
-            feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
-            owners.append(t)
-        if not feeds:
-            return
-        gate = self.gate
-        try:
-            if gate is not None:  # several models share the cores: compute in turns (octo.arbiter)
-                gate.enter()
-            try:
-                out = eng.step(feeds)
-            finally:
-                if gate is not None:
-                    gate.exit()
-            if len(out) != len(feeds):
-                raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
-        except BaseException as exc:  # noqa: BLE001 - fail this step's sequences, keep serving
-            log.exception("engine step failed")
-            for t in owners:
-                if t.state == "active":
-                    self._fail(t, exc, posts)
-            return
-        self.steps += 1
-        eos = eng.info.eos_token_ids if eng.info else frozenset()
-        token_bytes = eng.token_bytes
-        for t, tok in zip(owners, out, strict=True):
-            if tok is None:
-                continue
-            tokens = t.seq.tokens
-            tokens.append(tok)
-            self.generated_tokens += 1
-            if tok in eos:
-                t.hit_eos = True
-                self._finish(t, "stop", posts)
-                continue
-            piece, stopped = t.stream.push(token_bytes(tok))
-            if piece:
-                t.text.append(piece)
-                if t.req.stream:
-                    posts.append((_put, t.events, (t.index, "text", piece)))
-            if stopped:
-                self._finish(t, "stop", posts, flush=False)
-            elif (t.req.max_tokens is not None and len(tokens) - t.n_prompt >= t.req.max_tokens) \
-                    or len(tokens) >= n_ctx:
-                self._finish(t, "length", posts)
-
-    def _finish(self, t: Ticket, reason: str, posts: list, flush: bool = True) -> None:
-        t.finish = reason
-        tail = t.stream.flush() if flush and reason != "cancelled" else ""
-        if tail:
-            t.text.append(tail)
-            if t.req.stream:
-                posts.append((_put, t.events, (t.index, "text", tail)))
-        self._retire(t)
-        if reason == "cancelled":
-            self.total_cancelled += 1
-        else:
-            self.total_processed += 1
-        result = t._result()
-        if t.req.stream:
-            posts.append((_put, t.events, (t.index, "done", result)))
-        posts.append((_set_result, t.result, result))
-
-    def _fail(self, t: Ticket, exc: BaseException, posts: list, remove: bool = True) -> None:
-        t.finish = "error"
-        if remove:
-            self._retire(t, save=False)
-        err = _as_octo_error(exc)
-        if t.events is not None:
-            posts.append((_put, t.events, (t.index, "done", err)))
-        posts.append((_set_exception, t.result, err))
-
-    def _retire(self, t: Ticket, save: bool = True) -> None:
-        """Take ``t`` out of the batch; offer its KV to the prefix cache first."""
-        t.state = "done"
-        if t in self._active:
-            self._active.remove(t)
-        seq = t.seq
-        if save and self.cache is not None and seq.n_cached > 0:
-            try:
-                handle = self.engine.kv_save(seq)
-            except Exception:  # noqa: BLE001
-                log.exception("KV save failed")
-                handle = None
-            if handle is not None:
-                self.cache.insert(handle)
-        try:
-            self.engine.remove_sequence(seq)
-        except Exception:  # noqa: BLE001
-            log.exception("remove_sequence failed")
-
-    def _shutdown(self) -> None:
-        posts: list = []
-        err = Overloaded("The server is shutting down.", headers={"Retry-After": "5"})
-        for t in list(self._active):
-            self._fail(t, err, posts)
-        with self._lock:
-            pending, self._pending = list(self._pending), deque()
-            for job in pending:
-                job.state, job.error = "failed", err
-        if self.cache is not None:
-            self.cache.clear()
-        if (posts or pending) and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_deliver, posts)
-            for job in pending:
-                self._loop.call_soon_threadsafe(_fail_job, job, err)
-
-
-def _report_exit(done: Any) -> None:
-    exc = done.exception()
-    if exc is not None:
-        log.error("the engine thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
-
-
-def new_engine_thread() -> ThreadPoolExecutor:
-    """A model's engine thread: one thread that runs its load, warm-up, benchmark and every step, in order."""
-    return ThreadPoolExecutor(1, thread_name_prefix="octo-engine")
-
-
-def _as_octo_error(exc: BaseException) -> OctoError:
-    if isinstance(exc, OctoError):
-        return exc
-    return EngineError(f"The engine failed: {type(exc).__name__}: {exc}")
-
-
-def _fail_job(job: _Job, err: OctoError) -> None:
-    """On the event loop: a job that never ran gets ``err`` (its admission wait, and its result)."""
-    if job.admitted is not None:
-        _set_exception(job.admitted, err)
-    _set_exception(job.result if isinstance(job, Ticket) else job.future, err)
-
-
-def _put(queue: asyncio.Queue, item: Any) -> None:
-    queue.put_nowait(item)
-
-
-def _outcome(fut: asyncio.Future, result: Any) -> tuple:
-    if isinstance(result, BaseException):
-        return (_set_exception, fut, _as_octo_error(result))
-    return (_set_result, fut, result)
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-        fut.add_done_callback(_consume)  # nobody may await it (client gone)
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _deliver(posts: list) -> None:
-    for fn, target, value in posts:
-        fn(target, value)
-

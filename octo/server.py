@@ -12,13 +12,19 @@ from aiohttp import web
 
 from octo import api
 from octo.config import ServerConfig
-from octo.errors import InvalidRequest, NotFound, OctoError, PayloadTooLarge, Unauthorized
+from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
 from octo.metrics import CONTENT_TYPE, Metrics
 from octo.serving import new_id
 from octo.state import STATE, AppState
 
 log = logging.getLogger("octo.server")
 _OPEN_PATHS = frozenset({"/health"})
+# aiohttp's connection handler: bodies are decompressed by octo/bodies.py with bounds, not by aiohttp (whose
+# decompression is bounded only after the fact); a connection that has not sent a whole request (headers arriving at
+# 1 byte/s: slowloris) or sits idle between requests is closed after 75 s (aiohttp's default is an hour; nginx's
+# upstream keep-alive is 60 s, so a proxy never reuses a connection octo is closing); header lines and fields are
+# aiohttp's defaults (8,190 bytes, 128 headers: 400 above)
+HANDLER_ARGS = {"auto_decompress": False, "keepalive_timeout": 75.0}
 
 
 def _error_response(request: web.Request, err: OctoError) -> web.Response:
@@ -51,10 +57,16 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
     status = 500
+    counted = request.path not in _OPEN_PATHS
+    if counted:
+        state.inflight += 1
     try:
         key = state.config.api_key
-        if key and request.path not in _OPEN_PATHS and request.method != "OPTIONS":
+        if key and counted:  # every method (OPTIONS, HEAD too): there is no CORS preflight
             _check_key(request, key)
+        if state.draining and counted:
+            raise Overloaded("The server is shutting down; retry on another instance or after it restarts.",
+                             code="server_shutting_down", headers={"Retry-After": "5", "Connection": "close"})
         resp = await handler(request)
         status = resp.status
     except OctoError as err:
@@ -75,6 +87,8 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
         err = OctoError("Internal server error; see the server log for details.")
         resp = _error_response(request, err)
     finally:
+        if counted:
+            state.inflight -= 1
         if state.metrics is not None:
             state.metrics.observe(endpoint, status, time.perf_counter() - started)
     resp.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or new_id("req")
@@ -128,14 +142,17 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     slots = state.registry.loaded()
     bad = [s for s in slots if s.state != "ready"]
-    body: dict[str, Any] = {"status": "degraded" if bad else "ok",
+    # 503 (take me out of rotation) while draining, or when a model cannot serve and will not come back by itself
+    # (a wedged or dead engine thread, a model that failed); a crashed worker restarts on the next request: 200
+    down = state.draining or any(s.state in ("wedged", "failed") for s in slots)
+    body: dict[str, Any] = {"status": "draining" if state.draining else "degraded" if bad else "ok",
                             "models": [{"id": s.name, "engine": s.handle.engine_name, "state": s.state,
                                         **({"reason": s.handle.reason} if s.handle.reason else {})} for s in slots],
                             "uptime_s": round(time.time() - state.started, 3)}
     if len(slots) == 1:  # a one-model server: its model's details at the top
         body.update({"model": slots[0].name, **_model_entry(state, slots[0])})
         body.pop("id"), body.pop("object"), body.pop("owned_by")
-    return api.json_response(body)
+    return api.json_response(body, status=503 if down else 200)
 
 
 async def models_route(request: web.Request) -> web.Response:
@@ -266,7 +283,8 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     which the app activates on start-up."""
     from octo.registry import Registry
 
-    app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20))
+    app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20),
+                          handler_args=HANDLER_ARGS)
     if isinstance(models, Registry):
         registry = models
     else:

@@ -12,9 +12,18 @@ import uuid
 from typing import Any
 
 from octo.engine import SamplingParams, Task
-from octo.errors import InvalidRequest, UnsupportedParameter
+from octo.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from octo.jobs import GenerationRequest, Result
-from octo.protocol import AnthropicRequest, ChatCompletionRequest, CompletionRequest
+from octo.protocol import (
+    MAX_EMBEDDING_CHARS,
+    MAX_EMBEDDING_INPUTS,
+    MAX_EMBEDDING_TOKENS,
+    AnthropicRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TextBlock,
+    TextPart,
+)
 
 # SamplingParams field -> the request parameter a user would recognise
 _PARAM_NAMES = {"json_schema": "response_format", "repetition_penalty": "repetition_penalty"}
@@ -54,6 +63,8 @@ def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
         value = getattr(req, name, None)
         if value is not None:
             setattr(sp, name, value)
+    if sp.seed is not None:
+        sp.seed &= 2**63 - 1  # any int64, as OpenAI's API takes it; engines see a non-negative int64
     if getattr(req, "logit_bias", None):
         bias = {}
         for key, value in req.logit_bias.items():
@@ -68,7 +79,7 @@ def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
         if rf.type == "json_object":
             sp.json_schema = {}
         else:
-            schema = (rf.json_schema or {}).get("schema")
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
             if not isinstance(schema, dict):
                 raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object.",
                                      param="response_format.json_schema.schema")
@@ -111,10 +122,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if not isinstance(part, TextPart):
                     raise UnsupportedParameter(f"messages[{i}].content[{j}]",
-                                               f"content parts of type '{part.get('type')}' are not supported")
-                texts.append(part["text"])
+                                               f"content parts of type '{part.type}' are not supported")
+                texts.append(part.text)
             content = "".join(texts)
         item = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
         if msg.name:
@@ -179,21 +190,81 @@ def completion_generations(handle: Any, req: CompletionRequest) -> list[Generati
         raise UnsupportedParameter("best_of", "only best_of == n is supported")
     sampling = sampling_params(req, handle.engine, handle.info.n_vocab)
     prompt = req.prompt
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty.", param="prompt")
+    n_vocab, n_ctx = handle.info.n_vocab, handle.info.n_ctx
     if isinstance(prompt, str):
         token_lists = [handle.engine.tokenize(prompt, special=False)]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        token_lists = [list(prompt)]
-    elif prompt and all(isinstance(p, list) for p in prompt):
-        token_lists = [list(p) for p in prompt]
-    elif prompt:
-        token_lists = [handle.engine.tokenize(p, special=False) for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        token_lists = [check_token_ids(prompt, n_vocab, "prompt", handle.engine)]
+    elif all(isinstance(p, list) for p in prompt):
+        token_lists = [check_token_ids(p, n_vocab, "prompt", handle.engine) for p in prompt]
     else:
-        raise InvalidRequest("prompt must not be empty.", param="prompt")
-    n_vocab = handle.info.n_vocab
-    for toks in token_lists:
-        if n_vocab and any(not 0 <= t < n_vocab for t in toks):
-            raise InvalidRequest(f"prompt token ids must be in 0..{n_vocab - 1}.", param="prompt")
+        token_lists = [handle.engine.tokenize(p, special=False) for p in prompt]
+    for i, toks in enumerate(token_lists):
+        where = "The prompt" if len(token_lists) == 1 else f"Prompt {i}"
+        if not toks:
+            raise InvalidRequest(f"{where} is empty{' after tokenization' if prompt_is_text(prompt) else ''}; "
+                                 "send at least one token.", param="prompt")
+        if n_ctx and len(toks) >= n_ctx:
+            raise ContextLengthExceeded(f"This model's maximum context length is {n_ctx} tokens, but "
+                                        f"{where[0].lower() + where[1:]} has {len(toks)} tokens.", param="prompt")
     return [GenerationRequest(t, sampling, req.max_tokens, _stops(req.stop), req.stream) for t in token_lists]
+
+
+def prompt_is_text(prompt: Any) -> bool:
+    return isinstance(prompt, str) or any(isinstance(p, str) for p in prompt)
+
+
+def check_token_ids(tokens: list[int], n_vocab: int, param: str, engine: Any = None) -> list[int]:
+    """``tokens`` as a list, or a 400 naming ``param`` for an id outside the vocabulary (0..n_vocab-1). For an
+    engine that does not say its vocabulary size (``n_vocab`` 0), an id is in it when ``engine.token_bytes`` knows it
+    (without the engine, only negative ids are refused)."""
+    if not tokens:
+        raise InvalidRequest(f"{param} must not contain an empty list of token ids.", param=param)
+    low, high = min(tokens), max(tokens)
+    bad = low if low < 0 else high if n_vocab and high >= n_vocab else None
+    if bad is None and not n_vocab and engine is not None:
+        for tok in set(tokens):
+            try:
+                engine.token_bytes(tok)
+            except Exception:  # noqa: BLE001 - IndexError, KeyError, a native error: not a token of this model
+                bad = tok
+                break
+    if bad is not None:
+        bound = f" (0..{n_vocab - 1})" if n_vocab else ""
+        raise InvalidRequest(f"Token id {bad} in '{param}' is outside the model's vocabulary{bound}.", param=param)
+    return list(tokens)
+
+
+def check_embedding_input(inp: Any, n_vocab: int) -> None:
+    """The limits of an embeddings ``input`` that need no tokenizer: the number of inputs, token ids inside the
+    vocabulary, token ids and characters per request (each input's token count is the engine's to check against
+    its context)."""
+    if isinstance(inp, str):
+        items: list[Any] = [inp]
+    elif inp and all(isinstance(x, int) for x in inp):
+        items = [inp]
+    else:
+        items = list(inp)
+    if not items:
+        raise InvalidRequest("input must not be empty.", param="input")
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequest(f"input has {len(items)} items; at most {MAX_EMBEDDING_INPUTS} are allowed per request.",
+                             param="input")
+    n_ids = n_chars = 0
+    for item in items:
+        if isinstance(item, list):
+            check_token_ids(item, n_vocab, "input")
+            n_ids += len(item)
+        else:
+            n_chars += len(item)
+    if n_ids > MAX_EMBEDDING_TOKENS:
+        raise InvalidRequest(f"input has {n_ids} token ids; at most {MAX_EMBEDDING_TOKENS} are allowed per request.",
+                             param="input")
+    if n_chars > MAX_EMBEDDING_CHARS:
+        raise InvalidRequest(f"input has {n_chars} characters of text; at most {MAX_EMBEDDING_CHARS} are allowed "
+                             "per request.", param="input")
 
 
 def prompt_texts(handle: Any, req: CompletionRequest) -> list[str]:
@@ -202,11 +273,14 @@ def prompt_texts(handle: Any, req: CompletionRequest) -> list[str]:
     if isinstance(p, str):
         return [p]
     if p and all(isinstance(x, int) for x in p):
-        return [_detok(handle, p)]
-    return [x if isinstance(x, str) else _detok(handle, x) for x in p]
+        return [_detok(handle, p, "prompt")]
+    return [x if isinstance(x, str) else _detok(handle, x, "prompt") for x in p]
 
 
-def _detok(handle: Any, tokens: list[int]) -> str:
+def _detok(handle: Any, tokens: list[int], param: str = "input") -> str:
+    """The text of token ids (a prompt for ``echo``, an embeddings input): 400 naming ``param`` for an id outside
+    the vocabulary."""
+    check_token_ids(tokens, handle.info.n_vocab, param, handle.engine)
     return b"".join(handle.engine.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
 
@@ -280,15 +354,14 @@ def anthropic_generation(handle: Any, req: AnthropicRequest) -> GenerationReques
     return GenerationRequest(tokens, sp, req.max_tokens, list(req.stop_sequences or []), req.stream)
 
 
-def _anthropic_text(content: str | list[dict[str, Any]], where: str) -> str:
+def _anthropic_text(content: str | list[Any], where: str) -> str:
     if isinstance(content, str):
         return content
     parts = []
     for j, block in enumerate(content):
-        if block.get("type") != "text":
-            raise UnsupportedParameter(f"{where}[{j}]", f"content blocks of type '{block.get('type')}' are "
-                                       "not supported")
-        parts.append(block.get("text", ""))
+        if not isinstance(block, TextBlock):
+            raise UnsupportedParameter(f"{where}[{j}]", f"content blocks of type '{block.type}' are not supported")
+        parts.append(block.text)
     return "".join(parts)
 
 

@@ -16,6 +16,8 @@ class AppState:
     registry: Any  # octo.registry.Registry: every servable model and the loaded ones' handles
     metrics: Any = None
     started: float = 0.0
+    draining: bool = False  # SIGTERM: new requests get 503 while the running ones finish (--shutdown-timeout)
+    inflight: int = 0  # requests being handled (not counting /health and /metrics)
 
     @property
     def handle(self) -> Any:

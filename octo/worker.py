@@ -37,6 +37,7 @@ from octo.model import ModelHandle, load_engine, local_stats, run_call
 from octo.scheduler import Scheduler, _as_octo_error, new_engine_thread
 
 log = logging.getLogger("octo.worker")
+FAULT_EXIT = 70  # the worker exits with this after its engine thread was found wedged or dead
 
 
 class Outbox:
@@ -272,10 +273,19 @@ class Worker:
         counts = self.engine.thread_counts()  # the thread count selection chose comes first; [] when not tunable
         self.full_threads = counts[0] if counts else None
         self.handle.start(config, WorkerScheduler, outbox=self.outbox, gate=self.gate)
+        self.handle.scheduler.watchdog.on_fault = self._fault
         # as the gateway does after its start-up: the model's Python objects (a tokenizer's vocabulary, ...) live as
         # long as the worker, so full collections need not walk them while the engine thread holds the GIL
         gc.collect()
         gc.freeze()
+
+    def _fault(self, state: str, reason: str) -> None:
+        """The engine thread is wedged or dead (its requests got a 503): tell the gateway why, and exit, so that
+        the gateway reloads the model in a fresh worker (a stuck native call cannot be interrupted)."""
+        self.outbox.flush()
+        self.sender.send(("fault", reason))
+        log.error("worker: %s; exiting so the gateway reloads the model", reason)
+        os._exit(FAULT_EXIT)
 
     async def op_call(self, op: str, payload: Any) -> Any:
         return await run_call(self.handle, op, payload)

@@ -66,6 +66,19 @@ def rss_tree(pid: int) -> int:
     return total
 
 
+def children(pid: int) -> list[int]:
+    """The pids of the direct children of process ``pid`` (a gateway's engine workers)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,10 +110,18 @@ class OctoServer:
         return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", **kw)
 
     def get_json(self, path: str) -> dict:
-        import json
+        """The JSON body of a GET, error statuses included (/health answers 503 with a body when a model is down)."""
+        return self.get_status(path)[1]
 
-        with urllib.request.urlopen(self.url(path)) as r:
-            return json.loads(r.read())
+    def get_status(self, path: str) -> tuple[int, dict]:
+        import json
+        import urllib.error
+
+        try:
+            with urllib.request.urlopen(self.url(path), timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
     def post_json(self, path: str, body: dict) -> tuple[int, dict]:
         """(status, JSON body) of a POST, error statuses included."""
@@ -123,6 +144,8 @@ def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180
     """``octo serve ARGS --port P``; waits for /health, yields an OctoServer, stops it afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "octo.cli", "serve", *args, "--port", str(port)]
+    if "--shutdown-timeout" not in args:  # tests end with requests in flight on purpose: drain briefly
+        cmd += ["--shutdown-timeout", "2"]
     if api_key:
         cmd += ["--api-key", api_key]
     log = tempfile.NamedTemporaryFile("wb", prefix="octo-serve-", suffix=".log", delete=False)

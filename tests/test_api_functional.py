@@ -197,3 +197,32 @@ def test_transcription_on_chat_model_is_400(echo_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.transcriptions.create(model="test-model", file=("a.wav", b"RIFF0000WAVE", "audio/wav"))
     assert "transcription" in str(e.value)
+
+
+def test_text_parts_and_blocks(echo_server):
+    """Content as typed parts (OpenAI) and blocks (Anthropic, system included) is read part by part."""
+    client = echo_server.openai()
+    parts = [{"type": "text", "text": "red green"}, {"type": "text", "text": " blue"}]
+    r = client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": parts}])
+    assert r.choices[0].message.content == "red green blue"
+    ac = anthropic.Anthropic(base_url=echo_server.base_url, api_key="none")
+    m = ac.messages.create(model="test-model", max_tokens=20, system=[{"type": "text", "text": "be brief"}],
+                           messages=[{"role": "user", "content": [{"type": "text", "text": "one two",
+                                                                    "cache_control": {"type": "ephemeral"}}]}])
+    assert m.content[0].text == "one two"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model="test-model", max_tokens=20, system=[{"type": "text", "text": 5}],
+                           messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 400 and "system[0].text" in e.value.body["error"]["message"]
+
+
+def test_compressed_request_bodies(echo_server):
+    import gzip
+    import zlib
+
+    raw = json.dumps({"model": "test-model", "messages": MSG}).encode()
+    for coding, data in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw))):
+        req = urllib.request.Request(echo_server.url("/v1/chat/completions"), data,
+                                     {"Content-Type": "application/json", "Content-Encoding": coding})
+        with urllib.request.urlopen(req) as r:
+            assert json.loads(r.read())["choices"][0]["message"]["content"] == "the quick brown fox"

@@ -136,3 +136,29 @@ def test_unknown_engine_option_fails_at_start():
     with pytest.raises(RuntimeError, match="Unknown option 'bogus'"):
         with run_octo("m", "--engine", "echo", "-o", "bogus=1", timeout=30):
             pass
+
+
+def test_token_ids_outside_the_vocabulary_and_empty_prompts(echo_server):
+    """In the gateway and in an engine worker: ids the model does not have, negative ids and empty prompts are a 400
+    naming the field, never an engine error."""
+    for prompt in ([99999], [[1, 2], [99999]], [-1], [[0, -5]], "", [], [""], [[]]):
+        assert_error(post(echo_server, "/v1/completions", {"model": "test-model", "prompt": prompt}), 400, "prompt")
+    for inp in ([99999], [[0], [99999]], [-1], [[0], [-2]], [[]]):
+        assert_error(post(echo_server, "/v1/embeddings", {"model": "test-model", "input": inp}), 400, "input")
+    ok = post(echo_server, "/v1/completions", {"model": "test-model", "prompt": [0, 0], "max_tokens": 2})
+    assert ok[0] == 200, ok
+
+
+@pytest.mark.parametrize("body,param", [
+    ({**OK, "max_tokens": "8"}, "max_tokens"),
+    ({**OK, "max_tokens": True}, "max_tokens"),
+    ({**OK, "stream": "yes"}, "stream"),
+    ({**OK, "temperature": "0.5"}, "temperature"),
+    ({**OK, "messages": [1]}, "messages[0]"),
+    ({**OK, "stream_options": "yes", "stream": True}, "stream_options"),
+    ({**OK, "response_format": "json"}, "response_format"),
+])
+def test_wrong_types_are_invalid_type_never_coerced(echo_server, body, param):
+    code, err = post(echo_server, "/v1/chat/completions", body)
+    assert_error((code, err), 400, param)
+    assert err["error"]["code"] == "invalid_type"

@@ -513,6 +513,28 @@ async def test_scheduler_batching_cache_and_cancel(folder):
         e.unload()
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+async def test_kv_cells_bound_preempts_and_every_sequence_finishes(folder, mode):
+    from octo.scheduler import GenerationRequest, Scheduler
+
+    e = MLXEngine(EngineConfig(max_batch=4, options={"kv_cells": "96"}))
+    e.load(folder, "tiny")
+    assert e.info.n_ctx == 96
+    sched = Scheduler(e, max_batch=4, preempt=mode)
+    sched.start(asyncio.get_running_loop())
+    try:
+        prompts = [e.tokenize(p)[:12] for p in PROMPTS[:4]]
+        tickets = [sched.submit(GenerationRequest(p, GREEDY, max_tokens=40))[0] for p in prompts]
+        results = [await asyncio.wait_for(t.result, 120) for t in tickets]
+        for r in results:  # 4 x ~52 tokens in 96 cells: each fits alone, together they preempt
+            assert r.finish_reason in ("length", "stop") and r.completion_tokens <= 40
+            assert r.finish_reason == "stop" or r.completion_tokens == 40
+        assert sched.stats()["total_preemptions"] > 0 and e.kv_room() == 96 and len(e.batch) == 0
+    finally:
+        sched.stop()
+        e.unload()
+
+
 # -- BLAS choice (MLX's BLAS is fixed when MLX is first loaded, so these run in fresh processes) -----------
 def _fresh(code: str) -> str:
     import subprocess

@@ -113,3 +113,111 @@ async def test_run_between_steps_runs_on_the_engine_thread_idle_or_busy():
         assert (await busy.result).finish_reason == "stop"
     finally:
         s.stop()
+
+
+# -- KV pressure: preemption and resumption ------------------------------------------------------------------------
+WORDS = [" ".join(f"w{i}x{j}" for j in range(40)) for i in range(6)]  # 40-word replies, ~45-token prompts
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+async def test_kv_pressure_preempts_and_resumes_without_losing_a_token(mode):
+    # six sequences of ~85 tokens each in a 160-cell pool: at most one or two fit at a time
+    e = engine(kv_cells="160")
+    s = Scheduler(e, max_batch=6, preempt=mode)
+    s.start()
+    try:
+        tickets = [s.submit(request(e, w, stream=True))[0] for w in WORDS]
+
+        async def collect(t):
+            return "".join([d async for d in t.deltas()])
+
+        streamed = await asyncio.gather(*(collect(t) for t in tickets))
+        results = [await t.result for t in tickets]
+        for w, text, r in zip(WORDS, streamed, results, strict=True):
+            assert text == w and r.text == w and r.finish_reason == "stop"  # nothing lost, nothing repeated
+        stats = s.stats()
+        assert stats["total_preemptions"] > 0 and stats["total_resumed"] == stats["total_preemptions"]
+        assert stats["active"] == stats["preempted"] == stats["pending"] == 0
+        assert e.kv_room() == 160  # every cell came back
+    finally:
+        s.stop()
+
+
+async def test_kv_pressure_cancel_while_preempted():
+    e = engine(kv_cells="120", token_delay_ms="5")
+    s = Scheduler(e, max_batch=4)
+    s.start()
+    try:
+        tickets = [s.submit(request(e, w))[0] for w in WORDS[:4]]
+        for _ in range(400):
+            await asyncio.sleep(0.01)
+            if s.stats()["preempted"]:
+                break
+        victim = s._preempted[0]
+        s.abandon(victim)
+        done = [await t.result for t in tickets]
+        assert victim.finish == "cancelled"
+        assert all(r.text == w for r, w, t in zip(done, WORDS[:4], tickets, strict=True) if t is not victim)
+        assert e.kv_room() == 120 and s.stats()["preempted"] == 0
+    finally:
+        s.stop()
+
+
+# -- faults: a sequence fails alone ---------------------------------------------------------------------------------
+class PickyEcho(EchoEngine):
+    """Fails the sequences whose prompt holds 'bad' (step returns an exception in their place) and cannot spell
+    the word 'boom' (token_bytes raises)."""
+
+    def step(self, feeds):
+        out = super().step(feeds)
+        return [RuntimeError("bad sequence") if tok is not None and b"bad" in b"".join(
+            self.token_bytes(t) for t in f.seq.tokens[:f.seq.n_cached] if self._pieces[t].strip() != "boom")
+            else tok for f, tok in zip(feeds, out, strict=True)]
+
+    def token_bytes(self, token):
+        if self._pieces[token].strip() == "boom":
+            raise UnicodeError("cannot spell boom")
+        return super().token_bytes(token)
+
+
+async def test_engine_failure_of_one_sequence_fails_only_it():
+    e = PickyEcho(EngineConfig())
+    e.load("x", "m")
+    s = Scheduler(e, max_batch=4)
+    s.start()
+    try:
+        good = [s.submit(request(e, f"fine words {i} here"))[0] for i in range(2)]
+        bad = s.submit(request(e, "a bad one"))[0]
+        boom = s.submit(request(e, "x boom y"))[0]
+        for t in good:
+            assert (await t.result).finish_reason == "stop"
+        with pytest.raises(EngineError, match="bad sequence"):
+            await bad.result
+        with pytest.raises(EngineError, match="cannot spell boom"):
+            await boom.result
+        assert (await s.submit(request(e, "still serving"))[0].result).text == "still serving"
+        assert s.stats()["engine_thread"] == "ok" and s.stats()["active"] == 0
+    finally:
+        s.stop()
+
+
+async def test_a_long_embeddings_request_runs_in_chunks_between_decode_steps():
+    from octo.config import ServerConfig
+    from octo.model import ModelHandle, run_call
+
+    e = engine(token_delay_ms="1")
+    seen: list[int] = []
+    embed = e.embed
+    e.embed = lambda texts: (seen.append(h.scheduler.steps), embed(texts))[1]
+    h = ModelHandle("m", (), "echo", e, "x")
+    h.start(ServerConfig(no_cache=True))
+    try:
+        gen = h.scheduler.submit(request(e, " ".join(f"w{i}" for i in range(300))))[0]
+        while h.scheduler.steps < 2:
+            await asyncio.sleep(0.001)
+        out = await run_call(h, "embed", [f"text number {i}" for i in range(2048)])
+        assert len(out.vectors) == 2048 and out.n_tokens == 3 * 2048
+        assert len(seen) == 64 and seen[-1] > seen[0]  # 64 calls of 32, with decode steps between them
+        assert (await gen.result).finish_reason == "stop"
+    finally:
+        h.stop()

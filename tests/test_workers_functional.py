@@ -17,20 +17,9 @@ from pathlib import Path
 import openai
 import pytest
 from serverproc import REPO, run_octo
+from serverproc import children as _children
 
 PLUGINS = str(REPO / "tests" / "plugins")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _alive(pid: int) -> bool:

@@ -26,7 +26,7 @@ from octo.engine import (
     Sequence,
     Task,
 )
-from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, Overloaded
+from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
 from .grammar import grammar_for
 from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores
@@ -395,12 +395,11 @@ class LlamaCppEngine(Engine):
         return result
 
     def _decode_failed(self, rc: int, feeds: list[Feed]) -> None:
-        if rc == 1:  # no KV slot: the memory state was restored, nothing was consumed
-            used = sum(f.seq.n_cached for f in feeds)
-            raise EngineError(
-                f"llama.cpp's KV cache is full ({self._L.llama_n_ctx(self.ctx)} cells shared by "
-                f"{len(feeds)} sequences holding {used} tokens); lower --max-batch or raise "
-                "-o n_ctx."
+        if rc == 1:  # no KV slot: the memory state was restored, nothing was consumed (the scheduler preempts)
+            used = sum(s.n_cached for s in self.active.values())
+            raise KVCacheFull(
+                f"llama.cpp's KV cache is full ({self.kv_cells} cells shared by {len(self.active)} "
+                f"sequences holding {used} tokens)."
             )
         # A fatal error may leave part of the batch in memory: drop what each sequence added.
         for f in feeds:
@@ -417,6 +416,16 @@ class LlamaCppEngine(Engine):
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
         seq.slot = None
+
+    # -- KV pressure -------------------------------------------------------------------------------
+    def kv_room(self) -> int | None:
+        if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
+            return None
+        return self.kv_cells - sum(s.n_cached for s in self.active.values())
+
+    def kv_drop(self, seq: Sequence) -> None:
+        self._L.llama_memory_seq_rm(self.mem, seq.slot.seq_id, -1, -1)
+        seq.n_cached = 0
 
     # -- prefix cache ------------------------------------------------------------------------------
     def kv_save(self, seq: Sequence) -> KVHandle | None:

@@ -20,7 +20,9 @@ Options (``-o KEY=VALUE``): ``blas`` (``auto``, ``bundled`` or a library path; s
 ``dtype`` (``auto``: float parameters, quantization scales included, upcast to float32 on CPU; ``keep``; or
 ``float32``/``float16``/``bfloat16``),
 ``n_ctx`` (default: the model's ``max_position_embeddings``), ``penalty_last_n`` (default 64),
-``prefill_chunk`` (default 512).
+``prefill_chunk`` (default 512), ``kv_cells`` (default: no bound, each sequence's KV grows in memory as it needs;
+N: the sequences' KV together holds at most N tokens, and the scheduler preempts and resumes under that bound,
+as with llama.cpp's shared pool).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .batch import DecodeBatch, cache_nbytes, copy_prompt_cache, prefix_view
 from .sampling import SAMPLING_PARAMS, RowSampler, sample_rows
 
 log = logging.getLogger("octo.engines.mlx")
-_OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int}
+_OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int, "kv_cells": int}
 _DTYPES = ("auto", "keep", "float32", "float16", "bfloat16")
 
 
@@ -84,6 +86,8 @@ class MLXEngine(Engine):
         self.n_ctx_option = opts.get("n_ctx")
         self.penalty_last_n = opts.get("penalty_last_n", 64)
         self.prefill_chunk = opts.get("prefill_chunk", type(self).prefill_chunk)
+        self.kv_cells = opts.get("kv_cells", 0)
+        self._live: set[Sequence] = set()  # sequences holding KV, for kv_room
         self.model = None
         self.codec = None
         self.batch: DecodeBatch | None = None
@@ -162,7 +166,7 @@ class MLXEngine(Engine):
         dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
         self.info = ModelInfo(
             name=name,
-            n_ctx=min(self.n_ctx_option or n_ctx_model, n_ctx_model),
+            n_ctx=min(self.n_ctx_option or n_ctx_model, n_ctx_model, self.kv_cells or n_ctx_model),
             eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
             n_vocab=n_vocab or self.codec.n_vocab,
             extra={
@@ -225,8 +229,19 @@ class MLXEngine(Engine):
     def add_sequence(self, seq: Sequence) -> None:
         seq.slot = _Slot(RowSampler(seq.sampling, self.info.n_vocab, self.penalty_last_n))
         seq.n_cached = 0
+        self._live.add(seq)
+
+    def kv_room(self) -> int | None:
+        return self.kv_cells - sum(s.n_cached for s in self._live) if self.kv_cells else None
+
+    def kv_drop(self, seq: Sequence) -> None:
+        if self.batch is not None and seq in self.batch:
+            self.batch.leave(seq)
+        seq.slot.cache = None
+        seq.n_cached = 0
 
     def remove_sequence(self, seq: Sequence) -> None:
+        self._live.discard(seq)
         if self.batch is not None and seq in self.batch:
             try:
                 self.batch.leave(seq)

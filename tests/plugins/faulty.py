@@ -1,6 +1,9 @@
 """Fault-injection engines for the test suite (loaded with ``--plugins-dir tests/plugins``).
 
-``faulty`` behaves like echo (it repeats the last user message) and dies on purpose:
+``faulty`` behaves like echo (it repeats the last user message) and fails on purpose. Words in a prompt choose a
+fault for that sequence, once it has generated ``after`` tokens: HANG (its step never returns), STEPFAIL (the step
+raises: every sequence in it fails), SEQFAIL (the step returns an exception for this sequence alone), BYTESFAIL
+(``token_bytes`` raises when the word itself is generated), CRASH (the process dies, with ``crash_in=step``). Options:
   -o crash_in=none|load|warmup|step   where it dies (default none; "step" only for prompts that contain CRASH)
   -o how=segv|abort|kill|exit          how: SIGSEGV, SIGABRT (abort()), SIGKILL (as the OOM killer does), exit(3)
   -o after=N                           in "step": after N generated tokens (default 2)
@@ -24,6 +27,7 @@ from octo.engine import Task
 from octo.errors import ConfigError
 from octo.hookspecs import hookimpl
 
+_FAULT_WORDS = frozenset({"HANG", "STEPFAIL", "SEQFAIL", "BYTESFAIL"})
 _OWN = {"crash_in": ("none", "load", "warmup", "step"), "how": ("segv", "abort", "kill", "exit"), "after": None,
         "safe": ("true", "false")}
 
@@ -64,17 +68,30 @@ class FaultyEngine(EchoEngine):
 
     def add_sequence(self, seq) -> None:
         super().add_sequence(seq)
-        seq.slot["crash"] = any(self.token_bytes(t).strip() == b"CRASH" for t in seq.tokens)
+        words = {self._pieces[t].strip() for t in seq.tokens}
+        seq.slot["crash"] = "CRASH" in words
+        seq.slot["faults"] = words & _FAULT_WORDS
 
     def step(self, feeds):
         self.steps += 1
         if self.crash_in == "warmup":
             die(self.how)
-        if self.crash_in == "step":
-            for f in feeds:
-                if f.seq.slot["crash"] and f.seq.slot["emitted"] >= self.after:
-                    die(self.how)
-        return super().step(feeds)
+        late = [f for f in feeds if f.seq.slot["emitted"] >= self.after]
+        if self.crash_in == "step" and any(f.seq.slot["crash"] for f in late):
+            die(self.how)
+        if any("HANG" in f.seq.slot["faults"] for f in late):
+            time.sleep(3600)  # a wedged native call: the watchdog must notice
+        if any("STEPFAIL" in f.seq.slot["faults"] for f in late):
+            raise RuntimeError("the faulty engine failed this step")
+        out = super().step(feeds)
+        return [RuntimeError("the faulty engine failed this sequence")
+                if tok is not None and "SEQFAIL" in f.seq.slot["faults"] and f.seq.slot["emitted"] > self.after
+                else tok for f, tok in zip(feeds, out, strict=True)]
+
+    def token_bytes(self, token):
+        if self._pieces[token].strip() == "BYTESFAIL":
+            raise ValueError("the faulty engine cannot spell this token")
+        return super().token_bytes(token)
 
 
 class CrashyEngine(FaultyEngine):
