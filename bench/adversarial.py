@@ -10,7 +10,9 @@ get going, then the victim runs; rounds alternate "alone" and "beside" and the m
 * ``long-generation``: one 1,000-token generation (the baseline: plain batching).
 
 ``--step-stretch`` is the server's (octo serve --step-stretch: prompt chunks may stretch a step to that many
-decode-only steps while others decode). Writes bench/results/adversarial.json.
+decode-only steps while others decode, and a step carries at most about 0.25 s of prompt work; 0: whole prefill
+chunks). The price of that pacing is measured too: the long prompt's own time alone (``long_prompt_alone_s``).
+Writes bench/results/adversarial.json.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/adversarial.py
 """
@@ -72,6 +74,17 @@ async def round_beside(base: str, path: str, body: dict, bias: dict, i: int, lea
     return took
 
 
+async def timed(base: str, path: str, body: dict) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        t0 = time.perf_counter()
+        async with s.post(f"{base}{path}", json={"model": MODEL, **body}) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+        return time.perf_counter() - t0
+
+
 async def round_alone(base: str, bias: dict, i: int) -> float:
     import aiohttp
 
@@ -115,6 +128,9 @@ def main() -> None:
                               "ratio": round(statistics.median(beside) / statistics.median(alone), 2),
                               "alone_rounds": alone, "beside_rounds": beside}
                 print(f"stretch {stretch} {name}: {rows[name]['ratio']}x", file=sys.stderr, flush=True)
+            route, body = adversaries(args, bias)["long-prompt"]
+            rows["long_prompt_alone_s"] = statistics.median(
+                asyncio.run(timed(base, route, body)) for _ in range(args.rounds))
         out["results"][f"step_stretch={stretch:g}"] = rows
     Path(args.out).write_text(json.dumps(out, indent=2))
 

@@ -222,16 +222,27 @@ class EngineLoop:
             elif remaining > 1:
                 prefilling.append(t)
         budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
-        if feeds and prefilling and eng.batching != "window":
-            budget = min(budget, self._pacer.prefill_budget())  # decoders are not stalled by others' prompts
+        paced, least = budget, None
+        if prefilling and eng.batching != "window":
+            # Shortest remaining work first. A step carries at most the pacer's step time of prompt work (so that a
+            # request arriving waits one short step), and a prompt of a request with more work left than a decoding
+            # one gets only what stretches the step to --step-stretch decode steps: a long prompt never stalls a
+            # short request, and a short request's prompt is never held back for a long one's decoding.
+            prefilling.sort(key=lambda t: _work(t, n_ctx))
+            budget, paced = self._pacer.budgets(budget, decoding=bool(feeds))
+            least = min((_work(t, n_ctx) for t in owners), default=None)
         budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
         for t in prefilling:
             if budget <= 0:
                 break
             seq = t.seq
             remaining = len(seq.tokens) - seq.n_cached
-            take = min(remaining, budget)
+            cap = budget if least is None or _work(t, n_ctx) <= least else min(budget, paced)
+            if cap <= 0:
+                continue
+            take = min(remaining, cap)
             budget -= take
+            paced -= take
             feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
             owners.append(t)
         if not feeds:
@@ -428,6 +439,13 @@ class EngineLoop:
                 self._loop.call_soon_threadsafe(_fail_job, job, err)
 
 
+def _work(t: Ticket, n_ctx: int) -> int:
+    """Tokens ``t`` has left to feed and generate (its prompt's rest, and up to max_tokens)."""
+    seq = t.seq
+    limit = n_ctx if t.req.max_tokens is None else min(n_ctx, t.n_prompt + t.req.max_tokens)
+    return (len(seq.tokens) - seq.n_cached) + max(0, limit - len(seq.tokens))
+
+
 def _age(t: Ticket) -> int:
     return t.seq.id  # sequence ids grow with submission: the largest is the youngest
 
@@ -482,21 +500,31 @@ def _deliver(posts: list) -> None:
 
 
 class Pacer:
-    """How many prompt tokens a step may carry beside decoding sequences: enough to stretch the step to at most
-    ``stretch`` times a decode-only step (2.0: a long prompt arriving never slows the running streams below half
-    their speed; it still gets the other half of the machine). 0 disables the limit (full ``prefill_chunk``)."""
+    """How many prompt tokens one step may carry, from the measured cost of a decode-only step and of a prompt token:
 
-    MIN_TOKENS = 16
+    * beside decoding sequences, enough to stretch the step to at most ``stretch`` times a decode-only step
+      (2.0: a long prompt never slows the running streams below half their speed, and gets the other half);
+    * in any step, at most ``max_step_s`` seconds of prompt work, so that a request arriving during a long prompt
+      waits one short step, not a long chunk (on fast hardware this is more than ``prefill_chunk`` anyway).
 
-    def __init__(self, stretch: float = 2.0) -> None:
+    ``stretch`` 0 disables both (whole ``prefill_chunk`` steps: the most prompt throughput)."""
+
+    MIN_TOKENS = 4
+
+    def __init__(self, stretch: float = 2.0, max_step_s: float = 0.25) -> None:
         self.stretch = stretch
+        self.max_step_s = max_step_s
         self.decode_s = 0.0  # EWMA seconds of a decode-only step
         self.token_s = 0.0  # EWMA marginal seconds per prompt token in a step
 
-    def prefill_budget(self) -> int:
-        if self.stretch <= 0 or not self.decode_s or not self.token_s:
-            return 1 << 30
-        return max(self.MIN_TOKENS, int((self.stretch - 1.0) * self.decode_s / self.token_s))
+    def budgets(self, chunk: int, decoding: bool) -> tuple[int, int]:
+        """(prompt tokens this step may carry, the part of them for prompts paced beside decoders)."""
+        if self.stretch <= 0 or not self.token_s:
+            return chunk, chunk
+        step = min(chunk, max(self.MIN_TOKENS, int(self.max_step_s / self.token_s)))
+        if not decoding or not self.decode_s:
+            return step, step
+        return step, min(step, max(self.MIN_TOKENS, int((self.stretch - 1.0) * self.decode_s / self.token_s)))
 
     def observe(self, seconds: float, n_decode: int, n_prefill: int) -> None:
         if n_prefill == 0:

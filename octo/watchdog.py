@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("octo.watchdog")
 
 MIN_STEP_S = 5.0  # no step is called wedged before this
-FIRST_STEP_S = 60.0  # before any step was timed
+FIRST_STEP_S = 300.0  # before any step was timed (a big model's first prompt chunk on a slow CPU)
 CALL_S = 600.0  # embeddings and audio calls (an hour of audio on a slow host takes minutes)
 STEP_MARGIN = 20.0  # times the slowest seconds per token seen
 MAX_RESTARTS = 3  # dead loops restarted in-process before the model is declared failed
