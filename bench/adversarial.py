@@ -11,7 +11,8 @@ get going, then the victim runs; rounds alternate "alone" and "beside" and the m
 
 ``--step-stretch`` is the server's (octo serve --step-stretch: prompt chunks may stretch a step to that many
 decode-only steps while others decode, and a step carries at most about 0.25 s of prompt work; 0: whole prefill
-chunks). The price of that pacing is measured too: the long prompt's own time alone (``long_prompt_alone_s``).
+chunks). The price of that pacing is measured too: the long prompt's own time alone (``long_prompt_alone_s``), and
+the mean time to first token of 8 short streaming requests sent at once (``burst8_ttft_s``).
 Writes bench/results/adversarial.json.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/adversarial.py
@@ -85,6 +86,24 @@ async def timed(base: str, path: str, body: dict) -> float:
         return time.perf_counter() - t0
 
 
+async def burst_ttft(base: str, n: int) -> float:
+    """Mean time to the first streamed chunk of ``n`` short chat requests sent together."""
+    import aiohttp
+
+    async def one(s, i: int) -> float:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Burst request {i}, hello."}],
+                "max_tokens": 2, "stream": True}
+        t0 = time.perf_counter()
+        async with s.post(f"{base}/v1/chat/completions", json=body) as r:
+            async for raw in r.content:
+                if raw.startswith(b"data:"):
+                    return time.perf_counter() - t0
+        raise RuntimeError("no chunk")
+
+    async with aiohttp.ClientSession() as s:
+        return statistics.mean(await asyncio.gather(*(one(s, i) for i in range(n))))
+
+
 async def round_alone(base: str, bias: dict, i: int) -> float:
     import aiohttp
 
@@ -128,6 +147,7 @@ def main() -> None:
                               "ratio": round(statistics.median(beside) / statistics.median(alone), 2),
                               "alone_rounds": alone, "beside_rounds": beside}
                 print(f"stretch {stretch} {name}: {rows[name]['ratio']}x", file=sys.stderr, flush=True)
+            rows["burst8_ttft_s"] = statistics.median(asyncio.run(burst_ttft(base, 8)) for _ in range(args.rounds))
             route, body = adversaries(args, bias)["long-prompt"]
             rows["long_prompt_alone_s"] = statistics.median(
                 asyncio.run(timed(base, route, body)) for _ in range(args.rounds))
