@@ -12,10 +12,10 @@ from typing import Any
 from octo.catalog import uri_kind
 from octo.config import ServerConfig
 from octo.engine import Engine
+from octo.engine_loop import new_engine_thread
 from octo.errors import ConfigError, ModelNotFound, OctoError
 from octo.model import ModelHandle, load_engine
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
-from octo.scheduler import new_engine_thread
 from octo.selection import Candidate
 
 log = logging.getLogger("octo.loader")

@@ -17,7 +17,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from octo.engine import Engine, SamplingParams
-from octo.engine_loop import EngineLoop, Pacer, _as_octo_error, _fail_job, _set_result, new_engine_thread  # noqa: F401
+from octo.engine_loop import EngineLoop, Pacer, _fail_job, new_engine_thread
 from octo.errors import ContextLengthExceeded, InvalidRequest, Overloaded, QueueTimeout
 from octo.jobs import GenerationRequest, Ticket, _Call, _Job
 from octo.prefix_cache import PrefixCache

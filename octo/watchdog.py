@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from octo.engine_loop import _fail_job
 from octo.errors import ModelFailed
 
 if TYPE_CHECKING:
@@ -102,8 +103,6 @@ class Watchdog:
 
     def _fault(self, state: str, reason: str) -> None:
         """Fail everything the model holds with a 503 and tell the owner."""
-        from octo.scheduler import _fail_job
-
         self.state, self.reason = state, reason
         log.error("%s", reason)
         sched = self.scheduler

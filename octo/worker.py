@@ -31,10 +31,11 @@ from typing import Any
 from octo import ipc, serving
 from octo.config import ServerConfig
 from octo.engine import Engine, Task
+from octo.engine_loop import _as_octo_error, new_engine_thread
 from octo.errors import OctoError
 from octo.jobs import Ticket
 from octo.model import ModelHandle, load_engine, local_stats, run_call
-from octo.scheduler import Scheduler, _as_octo_error, new_engine_thread
+from octo.scheduler import Scheduler
 
 log = logging.getLogger("octo.worker")
 FAULT_EXIT = 70  # the worker exits with this after its engine thread was found wedged or dead
