@@ -123,6 +123,10 @@ def _keep_alive(ctx, param, value):
                    "times a decode-only step (2: running streams keep at least half their speed while a long prompt "
                    "is read); 0: no limit (whole -o prefill chunks, the most prompt throughput).",
               **_env("STEP_STRETCH"))
+@click.option("--prefix-dedup/--no-prefix-dedup", default=True, show_default=True,
+              help="A prefix several running requests share (an agent's system prompt and tools, n > 1 choices) is "
+                   "computed once and shared: the others wait for it instead of computing it again.",
+              **_env("PREFIX_DEDUP"))
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM/SIGINT: seconds running and queued requests get to finish (new ones get 503) before "
                    "what remains is cancelled.", **_env("SHUTDOWN_TIMEOUT"))
@@ -131,7 +135,7 @@ def _keep_alive(ctx, param, value):
 def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, max_queue,
           queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds, api_key,
           insecure_no_auth, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name, preempt,
-          step_stretch, shutdown_timeout, log_level):
+          step_stretch, prefix_dedup, shutdown_timeout, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -151,7 +155,8 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
                           plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench,
                           isolation=isolation, share_cores=share_cores, preempt=preempt,
-                          step_stretch=step_stretch, shutdown_timeout=shutdown_timeout)
+                          step_stretch=step_stretch, prefix_dedup=prefix_dedup,
+                          shutdown_timeout=shutdown_timeout)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
     from octo.registry import ModelSpec, load_models_file

@@ -32,4 +32,5 @@ class ServerConfig:
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)
     preempt: str = "swap"  # KV pressure: a preempted sequence's KV waits in host memory ("swap") or is recomputed
     step_stretch: float = 2.0  # prompt chunks may stretch a step to this many decode-only steps (0: no limit)
+    prefix_dedup: bool = True  # a prefix several running requests share is computed once (octo.sharing)
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish

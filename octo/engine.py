@@ -143,6 +143,7 @@ class KVHandle:
     tokens: tuple[int, ...]
     nbytes: int
     data: Any = None
+    cells: int = 0  # cells of the engine's shared KV pool this handle keeps in use (0: it lives in host memory)
 
 
 @dataclass
@@ -286,6 +287,24 @@ class Engine:
 
     def kv_free(self, handle: KVHandle) -> None:
         """Release a handle the index evicted."""
+
+    def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
+        """Preemption with ``--preempt swap``: a snapshot of ``seq``'s KV that holds no cells of a shared pool (the
+        point is to give them back). Default: ``kv_save``, for engines whose snapshots live in host memory."""
+        return self.kv_save(seq)
+
+    def kv_share(self, src: Sequence, dst: Sequence, n_tokens: int) -> None:
+        """Make ``dst`` (which holds no KV) start with the KV of ``src``'s first ``n_tokens`` tokens, equal in both;
+        set ``dst.n_cached``. In-flight prefix deduplication: a prefix several requests share is computed once.
+        Default: a snapshot of ``src`` restored into ``dst`` (a copy); engines whose sequences can share KV cells
+        (llama.cpp's unified pool) share them instead."""
+        handle = self.kv_save(src)
+        if handle is None:
+            return
+        try:
+            self.kv_restore(dst, handle, n_tokens)
+        finally:
+            self.kv_free(handle)
 
     # -- start-up benchmark (optional) -------------------------------------------------------------
     def thread_counts(self) -> list[int]:

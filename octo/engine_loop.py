@@ -28,11 +28,12 @@ from typing import Any
 from octo.engine import Feed
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
 from octo.jobs import Ticket, _Call, _Job
+from octo.sharing import PrefixSharing
 
 log = logging.getLogger("octo.scheduler")
 
 
-class EngineLoop:
+class EngineLoop(PrefixSharing):
     """Methods that run on the model's engine thread; the state they share lives on the Scheduler."""
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future:
@@ -138,6 +139,8 @@ class EngineLoop:
             if room is not None and (self._active or admitted):
                 need = len(job.seq.tokens) + 1  # its prompt, and a cell for the first decode step
                 if need > room:
+                    room += self._reclaim(need - room)  # prefix-cache entries give their pool cells back first
+                if need > room:
                     break  # waits until the running sequences give cells back (alone, it always fits)
                 room -= need
             self._pending.popleft()
@@ -200,6 +203,7 @@ class EngineLoop:
                     self.engine.remove_sequence(seq)
                     self.engine.add_sequence(seq)
                     seq.n_cached = 0
+        self._find_lead(t)
         self._active.append(t)
 
     def _step(self, posts: list) -> None:
@@ -207,6 +211,7 @@ class EngineLoop:
         n_ctx = eng.info.n_ctx if eng.info else 1 << 30
         for t in [t for t in self._active if t._cancel]:
             self._finish(t, "cancelled", posts)
+        self._join_leads()
         room = eng.kv_room()
         spare = 1 << 30 if room is None else self._fit(room)
         # decode tokens first (one per sequence), then prompt chunks within the engine's prefill budget
@@ -219,7 +224,7 @@ class EngineLoop:
             if remaining == 1:
                 feeds.append(Feed(seq, seq.tokens[-1:], True))
                 owners.append(t)
-            elif remaining > 1:
+            elif remaining > 1 and t.lead is None:  # a follower waits for its lead's prefix (octo.sharing)
                 prefilling.append(t)
         budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
         paced, least = budget, None
@@ -228,7 +233,8 @@ class EngineLoop:
             # request arriving waits one short step), and a prompt of a request with more work left than a decoding
             # one gets only what stretches the step to --step-stretch decode steps: a long prompt never stalls a
             # short request, and a short request's prompt is never held back for a long one's decoding.
-            prefilling.sort(key=lambda t: _work(t, n_ctx))
+            leads = {id(t.lead) for t in self._active if t.lead is not None}
+            prefilling.sort(key=lambda t: (id(t) not in leads, _work(t, n_ctx)))  # a shared prefix first
             alone = not feeds and len(prefilling) == 1 and not self._pending
             budget, paced = self._pacer.budgets(budget, decoding=bool(feeds), alone=alone)
             least = min((_work(t, n_ctx) for t in owners), default=None)
@@ -242,6 +248,10 @@ class EngineLoop:
             if cap <= 0:
                 continue
             take = min(remaining, cap)
+            if leads and id(t) in leads:  # end the chunk where a follower can join
+                stop = self._lead_stop(t)
+                if stop is not None:
+                    take = min(take, stop - seq.n_cached)
             budget -= take
             paced -= take
             feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
@@ -264,6 +274,8 @@ class EngineLoop:
             if len(out) != len(feeds):
                 raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
         except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
+            if self._reclaim(n_fed):
+                return
             if len(self._active) > 1:
                 log.info("%s; preempting the youngest sequence", exc.message)
                 self._preempt(max(self._active, key=_age))
@@ -326,19 +338,34 @@ class EngineLoop:
         while True:
             decoding = sum(1 for t in self._active if len(t.seq.tokens) - t.seq.n_cached == 1)
             spare = room - decoding
+            if spare < 0 or not (decoding or spare > 0):
+                room += self._reclaim(max(1, -spare))  # cached prefixes give their cells back before anyone waits
+                spare = room - decoding
             if len(self._active) <= 1 or (spare >= 0 and (decoding or spare > 0)):
                 return max(spare, 0)
-            victim = max(self._active, key=_age)
-            room += victim.seq.n_cached
-            self._preempt(victim)
+            self._preempt(max(self._active, key=_age))
+            room = self.engine.kv_room()  # shared cells stay with their other users: ask, do not add
+
+    def _reclaim(self, cells: int) -> int:
+        """Evict prefix-cache entries that hold cells of the engine's shared pool, least recently used first, until
+        ``cells`` are free again or none is left; returns the cells freed."""
+        if self.cache is None or cells <= 0:
+            return 0
+        before = self.engine.kv_room() or 0
+        freed = 0
+        while freed < cells and self.cache.evict_pool():
+            freed = (self.engine.kv_room() or 0) - before
+        return freed
 
     def _preempt(self, t: Ticket) -> None:
         """``t`` gives its KV back and waits in ``_preempted``; its tokens, text and sampler stay as they are."""
         seq = t.seq
         self._active.remove(t)
+        self._release_followers(t)  # before its KV goes
+        t.lead = None
         if self.preempt_mode == "swap" and seq.n_cached > 0:
             try:
-                t.swap = self.engine.kv_save(seq)
+                t.swap = self.engine.kv_swap_out(seq)
             except Exception:  # noqa: BLE001 - it is recomputed instead
                 log.exception("KV save for preemption failed; the sequence will be recomputed")
         self.engine.kv_drop(seq)
@@ -402,8 +429,10 @@ class EngineLoop:
     def _retire(self, t: Ticket, save: bool = True) -> None:
         """Take ``t`` out of the batch; offer its KV to the prefix cache first."""
         t.state = "done"
+        t.lead = None
         if t in self._active:
             self._active.remove(t)
+            self._release_followers(t)
         elif t in self._preempted:
             self._preempted.remove(t)
         if t.swap is not None:

@@ -53,7 +53,7 @@ class Ticket(_Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel", "swap", "preemptions")
+                 "finish", "hit_eos", "_cancel", "swap", "preemptions", "lead", "lead_n")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -74,6 +74,8 @@ class Ticket(_Job):
         self._cancel = False
         self.swap: Any = None  # the KVHandle of a sequence preempted in "swap" mode, until it resumes
         self.preemptions = 0
+        self.lead: Ticket | None = None  # the running sequence computing a prefix this one waits to share
+        self.lead_n = 0  # how many of its tokens it shares with the lead
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""

@@ -100,7 +100,7 @@ class ModelHandle(HandleInfo):
         self.cache = cache
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                        queue_timeout=config.queue_timeout, cache=cache, preempt=config.preempt,
-                                       step_stretch=config.step_stretch, **kw)
+                                       step_stretch=config.step_stretch, dedup=config.prefix_dedup, **kw)
         self.scheduler.start(engine_thread=self.engine_thread)
 
     async def activate(self, config: ServerConfig) -> None:

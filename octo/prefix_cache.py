@@ -102,6 +102,16 @@ class PrefixCache:
             self._drop(old, old_node, prune=True)
             self.evictions += 1
 
+    def evict_pool(self) -> bool:
+        """Evict the least recently used entry that holds cells of the engine's shared KV pool (``KVHandle.cells``),
+        so that running sequences get them back; False when there is none."""
+        for handle, node in self._lru.values():
+            if handle.cells:
+                self._drop(handle, node, prune=True)
+                self.evictions += 1
+                return True
+        return False
+
     def clear(self) -> None:
         for handle, node in list(self._lru.values()):
             self._drop(handle, node, prune=True)
@@ -135,4 +145,5 @@ class PrefixCache:
             "tokens_reused": self.tokens_reused,
             "tokens_looked_up": self.tokens_looked_up,
             "evictions": self.evictions,
+            "pool_cells": sum(h.cells for h, _ in self._lru.values()),
         }

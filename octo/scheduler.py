@@ -29,13 +29,16 @@ log = logging.getLogger("octo.scheduler")
 class Scheduler(EngineLoop):
     gate: Any = None  # octo.arbiter.ComputeGate of a worker sharing the cores with other models
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
-                 cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0) -> None:
+                 cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0,
+                 dedup: bool = True) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.cache = cache
         self.preempt_mode = preempt  # "swap": a preempted sequence's KV waits in host memory; "recompute"
+        self.dedup = dedup  # a prefix several running requests share is computed once (octo.sharing)
+        self.total_shared_tokens = 0
         self._pending: deque[_Job] = deque()
         self._active: list[Ticket] = []
         self._preempted: list[Ticket] = []  # gave their KV back under pressure; resume oldest first
@@ -260,5 +263,7 @@ class Scheduler(EngineLoop):
             "preempted": len(self._preempted),
             "total_preemptions": self.total_preemptions,
             "total_resumed": self.total_resumed,
+            "prefix_dedup": self.dedup,
+            "total_shared_tokens": self.total_shared_tokens,
             "engine_thread": self.watchdog.state,
         }

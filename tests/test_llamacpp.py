@@ -144,7 +144,8 @@ def test_model_info(engine):
     assert engine.tokenize("<|endoftext|>")[0] in info.eos_token_ids
     assert info.extra["threads"] == physical_cores()
     assert info.extra["file_type"] == "Q8_0"
-    assert info.extra["n_seq_max"] == 8 and info.extra["kv_unified"] is True
+    assert info.extra["kv_unified"] is True and info.extra["cache_seqs"] == 16
+    assert info.extra["n_seq_max"] == 8 + 16  # the batch's sequences, and the prefix cache's shared-cell entries
 
 
 def test_options_n_ctx_and_threads(gguf_path):

