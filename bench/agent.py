@@ -140,6 +140,29 @@ async def workload(base: str, args, system: str) -> dict:
             "requests": sorted(records, key=lambda r: (r["conversation"], r["turn"]))}
 
 
+async def burst(base: str, args) -> dict:
+    """In-flight deduplication: the time to first token of one request with a new ~2,000-token prefix, and of the last
+    of --concurrency requests that start together with another new prefix (different user turns)."""
+    import aiohttp
+
+    bias = no_eos_bias()
+    out: dict = {"single_s": [], "last_of_burst_s": []}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        async with session.get(f"{base}/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        for rep in range(args.reps):
+            system, _ = tool_prefix(args.prefix_tokens, seed=1000 + 2 * rep)
+            r = await stream(session, base, model, render(system, [(USER[0], None)]), 1, bias)
+            out["single_s"].append(round(r["ttft"], 3))
+            system, _ = tool_prefix(args.prefix_tokens, seed=1001 + 2 * rep)
+            rs = await asyncio.gather(*(stream(session, base, model, render(system, [(USER[i], None)]), 1, bias)
+                                        for i in range(args.concurrency)))
+            out["last_of_burst_s"].append(round(max(x["ttft"] for x in rs), 3))
+    out["ratio_last_of_burst_over_single"] = round(statistics.median(out["last_of_burst_s"])
+                                                   / statistics.median(out["single_s"]), 3)
+    return out
+
+
 def octo_cmd(path: str, port: int, args) -> list[str]:
     cmd = [sys.executable, "-m", "octo.cli", "serve", path, "--engine", "llamacpp", "--port", str(port),
            "-o", f"n_threads={args.threads}"]
@@ -170,12 +193,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", choices=["octo", "llama-server"], default=None)
+    ap.add_argument("--burst", action="store_true", help="measure only the burst TTFT of in-flight deduplication")
+    ap.add_argument("--reps", type=int, default=2, help="--burst repetitions")
     ap.add_argument("--octo-opt", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--octo-flag", action="append", default=[])
     ap.add_argument("--lcs-flag", action="append", default=[])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    out = Path(args.out or REPO / "bench" / "results" / f"agent-{args.prefix_tokens}.json")
+    kind = "agent-burst" if args.burst else "agent"
+    out = Path(args.out or REPO / "bench" / "results" / f"{kind}-{args.prefix_tokens}.json")
 
     from octo.engines.llamacpp.native import LogTap
 
@@ -198,10 +224,15 @@ def main() -> None:
             make, ready = contenders[name]
             port = free_port()
             with server(make(port), port, ready, name, timeout=600) as base:
-                r = asyncio.run(workload(base, args, system))
-            print(f"round {rnd} {name}: wall {r['wall_s']} s, mean TTFT {r['mean_ttft_s']} s, "
-                  f"first-turn TTFT {r['mean_first_turn_ttft_s']} s", flush=True)
+                r = asyncio.run(burst(base, args) if args.burst else workload(base, args, system))
+            print(f"round {rnd} {name}: {json.dumps({k: v for k, v in r.items() if k != 'requests'})}", flush=True)
             runs[name].append(r)
+    if args.burst:
+        result = {"summary": {n: statistics.median(r["ratio_last_of_burst_over_single"] for r in rs)
+                              for n, rs in runs.items()}, "config": vars(args), "runs": runs}
+        out.write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["summary"], indent=1))
+        return
     summary = {}
     for name, rs in runs.items():
         summary[name] = {k: round(statistics.mean(r[k] for r in rs), 3)

@@ -4,8 +4,10 @@
 
 4 sequences with --context (2,000) tokens each decode --steps tokens together, with and without 4 more idle
 prefixes of the same length held in the KV (prefix-cache entries, as an agent server keeps them), for each KV
-layout: ``kv_unified=true`` (one pool; entries are shared cells in it) and ``kv_unified=false`` (a stream per
-sequence; entries are RAM snapshots). Alternating A/B --reps times; the median decode tok/s of each is reported with
+layout: ``kv_unified=true`` (one pool; entries are shared cells in it, until the engine moves idle ones to RAM) and
+``kv_unified=false`` (a stream per sequence; entries are RAM snapshots). ``idle_cells_in_pool`` says how many cells
+of the idle entries were still in the pool while the 4 sequences decoded. Alternating A/B --reps times; the median
+decode tok/s of each is reported with
 the ratio idle-prefixes / none. Model: the synthetic Qwen2.5-0.5B-shaped GGUF, Q4_K_M, --threads (2).
 """
 
@@ -60,11 +62,12 @@ def run(path: str, unified: bool, idle: int, args) -> float:
         for _ in range(args.steps):
             e.step(feeds)
         rate = 4 * args.steps / (time.perf_counter() - t0)
+        in_pool = sum(h.cells for h in handles if h is not None)
         for s in seqs:
             e.remove_sequence(s)
         for h in handles:
             e.kv_free(h)
-        return rate
+        return rate, in_pool
     finally:
         e.unload()
 
@@ -86,17 +89,20 @@ def main() -> None:
     LogTap.install()
     path = str(build_gguf(args.shape, ftype=args.quant, threads=args.threads))
     runs: dict[str, list[float]] = {}
+    pool: dict[str, int] = {}
     for _ in range(args.reps):
         for unified in (True, False):
             for idle in (0, 4):
                 key = f"{'unified' if unified else 'streams'}_idle{idle}"
-                runs.setdefault(key, []).append(round(run(path, unified, idle, args), 2))
-                print(key, runs[key][-1], flush=True)
+                rate, pool[key] = run(path, unified, idle, args)
+                runs.setdefault(key, []).append(round(rate, 2))
+                print(key, runs[key][-1], "idle cells in the pool:", pool[key], flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     summary = {"decode_tok_s": med,
                "ratio_idle4_over_none": {lay: round(med[f"{lay}_idle4"] / med[f"{lay}_idle0"], 3)
                                          for lay in ("unified", "streams")},
-               "ratio_unified_over_streams": round(med["unified_idle0"] / med["streams_idle0"], 3)}
+               "ratio_unified_over_streams": round(med["unified_idle0"] / med["streams_idle0"], 3),
+               "idle_cells_in_pool": pool}
     out = {"summary": summary, "runs": runs, "config": vars(args)}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary, indent=1))

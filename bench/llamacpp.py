@@ -49,6 +49,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/llama_server.py
 PROMPTS = [
     "The old lighthouse stood at the edge of the harbor, and every evening the keeper",
     "A good engine answers quickly, keeps its memory small, and never forgets a request",
@@ -290,6 +291,18 @@ def octo_cmd(path: str, port: int, args, max_batch: int) -> list[str]:
     ]
 
 
+def cpp_cmd(path: str, port: int, args, n: int) -> list[str]:
+    """The C++ llama-server (bench/llama_server.py builds it once): n slots, as many as streams, flash attention as
+    for the others, --no-repack where octo's probe found the repack crashes."""
+    import llama_cpp
+    from llama_server import llama_server
+    from octo.engines.llamacpp.probe import repack_safe
+
+    cmd = [str(llama_server()), "-m", path, "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
+           "-np", str(n), "-c", str(max(4096, n * (args.long + 128))), "-fa", "on" if args.flash else "off"]
+    return cmd + ([] if repack_safe(llama_cpp.__version__) else ["--no-repack"])
+
+
 def lcp_cmd(path: str, port: int, args) -> list[str]:
     return [
         sys.executable,
@@ -443,7 +456,7 @@ def main() -> None:
         default=True,
         help="flash attention for every contender (default on: what llama.cpp's auto picks on CPU)",
     )
-    ap.add_argument("--skip", nargs="*", default=[], choices=["raw", "kv", "octo", "lcp", "ttft"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["raw", "kv", "octo", "lcp", "cpp", "ttft"])
     ap.add_argument("--octo-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra environment for octo")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "llamacpp.json"))
     args = ap.parse_args()
@@ -469,6 +482,7 @@ def main() -> None:
         raw_r.update(raw_prefill(path, args))
     octo_r: dict = {"decode_tok_s": {}, "e2e_tok_s": {}}
     lcp_r: dict = {"decode_tok_s": {}, "e2e_tok_s": {}}
+    cpp_r: dict = {"decode_tok_s": {}, "e2e_tok_s": {}}
     result["load_avg_per_level"] = {}
     with contextlib.ExitStack() as stack:
         lcp = None
@@ -476,13 +490,17 @@ def main() -> None:
             port = free_port()
             lcp = stack.enter_context(server(lcp_cmd(path, port, args), port, "/v1/models", "llama_cpp.server"))
         for n in [1, *args.streams]:
-            r_rates, o_rates, l_rates = [], [], []
+            r_rates, o_rates, l_rates, c_rates = [], [], [], []
             port = free_port()
-            octo = raw = None
+            octo = raw = cpp = None
             with contextlib.ExitStack() as per_level:
                 if "octo" not in args.skip:
                     cmd = octo_cmd(path, port, args, max(8, n))
                     octo = per_level.enter_context(server(cmd, port, "/health", "octo", env=args.octo_env))
+                if "cpp" not in args.skip:
+                    cport = free_port()
+                    cpp = per_level.enter_context(server(cpp_cmd(path, cport, args, n), cport, "/health",
+                                                         "llama-server"))
                 if "raw" not in args.skip:
                     raw = Raw(path, args.threads, n, max(4096, n * (args.long + 64)), args.flash)
                     per_level.callback(raw.close)
@@ -494,23 +512,26 @@ def main() -> None:
                         o_rates.append(decode_rate(octo, n, args, f"o{n}r{rep}"))
                     if lcp:
                         l_rates.append(decode_rate(lcp, n, args, f"l{n}r{rep}"))
+                    if cpp:
+                        c_rates.append(decode_rate(cpp, n, args, f"c{n}r{rep}"))
                 if octo and n == 1 and "ttft" not in args.skip:
                     result["ttft_2000_token_system_prompt"] = ttft(octo, args)
             if r_rates:
                 raw_r["decode_tok_s"][str(n)] = round(statistics.median(r_rates), 2)
                 raw_r.setdefault("decode_tok_s_runs", {})[str(n)] = [round(x, 1) for x in r_rates]
-            for rates, r in ((o_rates, octo_r), (l_rates, lcp_r)):
+            for rates, r in ((o_rates, octo_r), (l_rates, lcp_r), (c_rates, cpp_r)):
                 if rates:
                     r["decode_tok_s"][str(n)] = round(statistics.median(x[0] for x in rates), 2)
                     r["e2e_tok_s"][str(n)] = round(statistics.median(x[1] for x in rates), 2)
                     r.setdefault("decode_tok_s_runs", {})[str(n)] = [round(x[0], 1) for x in rates]
             print(
                 f"{n:>2} streams: raw {raw_r['decode_tok_s'].get(str(n))} octo {octo_r['decode_tok_s'].get(str(n))} "
-                f"llama_cpp.server {lcp_r['decode_tok_s'].get(str(n))} tok/s",
+                f"llama_cpp.server {lcp_r['decode_tok_s'].get(str(n))} "
+                f"llama-server {cpp_r['decode_tok_s'].get(str(n))} tok/s",
                 file=sys.stderr,
             )
     result["raw"] = raw_r
-    result["octo"], result["llama_cpp_server"] = octo_r, lcp_r
+    result["octo"], result["llama_cpp_server"], result["llama_server_cpp"] = octo_r, lcp_r, cpp_r
     result["ratios"] = ratios(result)
     result["host"]["load_avg_at_end"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -527,6 +548,10 @@ def ratios(r: dict) -> dict:
         if n in lc["decode_tok_s"]:
             out[f"octo_vs_llama_cpp_server_{n}"] = round(v / lc["decode_tok_s"][n], 2)
             out[f"octo_vs_llama_cpp_server_e2e_{n}"] = round(r["octo"]["e2e_tok_s"][n] / lc["e2e_tok_s"][n], 2)
+        cpp = r.get("llama_server_cpp", {})
+        if n in cpp.get("decode_tok_s", {}):
+            out[f"octo_vs_llama_server_{n}"] = round(v / cpp["decode_tok_s"][n], 3)
+            out[f"octo_vs_llama_server_e2e_{n}"] = round(r["octo"]["e2e_tok_s"][n] / cpp["e2e_tok_s"][n], 3)
     if "1" in raw and "8" in raw:
         out["raw_8_vs_1"] = round(raw["8"] / raw["1"], 2)
     if "ttft_2000_token_system_prompt" in r:
@@ -535,6 +560,7 @@ def ratios(r: dict) -> dict:
         "octo_vs_raw_1": ">= 0.95",
         "octo_vs_raw_8": ">= 0.9",
         "octo_vs_llama_cpp_server_8": ">= 1.6",
+        "octo_vs_llama_server_1/8/16": ">= 0.98",
         "ttft_miss_vs_hit": ">= 10",
     }
     return out

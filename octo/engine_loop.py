@@ -136,11 +136,11 @@ class EngineLoop(PrefixSharing):
                 break
             if len(self._active) + len(self._preempted) + len(admitted) >= self.max_batch or self._preempted:
                 break  # preempted sequences keep their engine slot and resume before anything new starts
-            if room is not None and (self._active or admitted):
+            if room is not None:
                 need = len(job.seq.tokens) + 1  # its prompt, and a cell for the first decode step
                 if need > room:
                     room += self._reclaim(need - room)  # prefix-cache entries give their pool cells back first
-                if need > room:
+                if need > room and (self._active or admitted):
                     break  # waits until the running sequences give cells back (alone, it always fits)
                 room -= need
             self._pending.popleft()
@@ -229,22 +229,23 @@ class EngineLoop(PrefixSharing):
         budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
         paced, least = budget, None
         if prefilling and eng.batching != "window":
-            # Shortest remaining work first. A step carries at most the pacer's step time of prompt work (so that a
-            # request arriving waits one short step), and a prompt of a request with more work left than a decoding
-            # one gets only what stretches the step to --step-stretch decode steps: a long prompt never stalls a
-            # short request, and a short request's prompt is never held back for a long one's decoding.
+            # Shortest remaining work first. A long prompt (more tokens left than the pacer's step and than the least
+            # work a decoding request has left) gets at most the pacer's step time per step (so that a request
+            # arriving waits one short step), and beside decoding requests only what stretches the step to
+            # --step-stretch decode steps: a long prompt never stalls a short request. Short prompts go in whole
+            # (many streams arriving together join the batch at once, as llama-server's would).
             leads = {id(t.lead) for t in self._active if t.lead is not None}
             prefilling.sort(key=lambda t: (id(t) not in leads, _work(t, n_ctx)))  # a shared prefix first
             alone = not feeds and len(prefilling) == 1 and not self._pending
             budget, paced = self._pacer.budgets(budget, decoding=bool(feeds), alone=alone)
-            least = min((_work(t, n_ctx) for t in owners), default=None)
+            least = max(paced, min((_work(t, n_ctx) for t in owners), default=0))
         budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
         for t in prefilling:
             if budget <= 0:
                 break
             seq = t.seq
             remaining = len(seq.tokens) - seq.n_cached
-            cap = budget if least is None or _work(t, n_ctx) <= least else min(budget, paced)
+            cap = budget if least is None or remaining <= least else min(budget, paced)
             if cap <= 0:
                 continue
             take = min(remaining, cap)
@@ -548,15 +549,15 @@ class Pacer:
         self.token_s = 0.0  # EWMA marginal seconds per prompt token in a step
 
     def budgets(self, chunk: int, decoding: bool, alone: bool = False) -> tuple[int, int]:
-        """(prompt tokens this step may carry, the part of them for prompts paced beside decoders). ``alone``: one
-        prompt and nothing else running or queued: whole chunks (0.25 s steps read a lone 1,900-token prompt 27%
-        slower on a 2-core host; the price is that a request arriving meanwhile waits for that one chunk)."""
+        """(prompt tokens this step may carry, the part of them for long prompts). ``alone``: one prompt and nothing
+        else running or queued: whole chunks (0.25 s steps read a lone 1,900-token prompt 27% slower on a 2-core host;
+        the price is that a request arriving meanwhile waits for that one chunk)."""
         if self.stretch <= 0 or not self.token_s or alone:
             return chunk, chunk
         step = min(chunk, max(self.MIN_TOKENS, int(self.max_step_s / self.token_s)))
         if not decoding or not self.decode_s:
-            return step, step
-        return step, min(step, max(self.MIN_TOKENS, int((self.stretch - 1.0) * self.decode_s / self.token_s)))
+            return chunk, step
+        return chunk, min(step, max(self.MIN_TOKENS, int((self.stretch - 1.0) * self.decode_s / self.token_s)))
 
     def observe(self, seconds: float, n_decode: int, n_prefill: int) -> None:
         if n_prefill == 0:

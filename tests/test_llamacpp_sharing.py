@@ -225,3 +225,61 @@ async def test_dedup_through_the_scheduler(gguf_path, cache):
         assert e.kv_room() == e.kv_cells  # every cell came back (the cache is cleared when the scheduler stops)
     finally:
         e.unload()
+
+
+async def test_cached_cells_are_given_back_to_a_request_that_needs_them(gguf_path):
+    """A pool full of cached prefixes: a new request with nothing in common evicts them (LRU) instead of a 503."""
+    e = load(gguf_path, n_ctx=512, kv_cells=512)
+    cache = PrefixCache(1 << 30, e.kv_free)
+    s = Scheduler(e, max_batch=4, cache=cache)
+    s.start()
+    try:
+        for i, user in enumerate(USERS[:2]):
+            toks = e.tokenize(e.render_chat([{"role": "user", "content": f"{i} {user} " * 18}]))
+            r = await s.submit(GenerationRequest(toks, max_tokens=8, sampling=SamplingParams(temperature=0)))[0].result
+            assert r.finish_reason in ("length", "stop")
+        held = cache.stats()["pool_cells"]
+        assert held > 300 and e.kv_room() < 512 - 300  # (entries may share a few header cells)
+        big = e.tokenize("Say " + "hello there friend " * 60)
+        assert len(big) + 1 > e.kv_room()
+        r = await s.submit(GenerationRequest(big, max_tokens=4, sampling=SamplingParams(temperature=0)))[0].result
+        assert r.completion_tokens >= 1
+        assert cache.stats()["evictions"] >= 1
+    finally:
+        s.stop()
+        e.unload()
+
+
+def test_idle_entries_move_to_ram_and_still_hit(gguf_path):
+    """Cells of cached prefixes nobody runs on cost every decode row a scan (unified pool), so beyond a bound the
+    oldest move to RAM snapshots; a hit on one restores it by copy, with the same tokens."""
+    e = load(gguf_path)
+    try:
+        handles, prompts = [], []
+        for i in range(3):
+            toks = e.tokenize(" ".join([f"entry {i} says the lamp is lit and the ships are safe."] * 16))
+            assert len(toks) > e.IDLE_MIN // 2
+            s = new_seq(e, i, toks)
+            e.step([Feed(s, list(toks), False)])
+            handles.append(e.kv_save(s))
+            e.remove_sequence(s)
+            prompts.append(toks)
+        assert e.demoted == 2  # nothing runs: at most IDLE_MIN idle cells stay in the pool
+        assert [h.cells for h in handles] == [0, 0, len(prompts[2])]
+        assert e.kv_room() == e.kv_cells - len(prompts[2])
+        out = {}
+        for i in (0, 2):  # a RAM entry and a pool entry
+            s = new_seq(e, 10 + i, prompts[i] + [5, 6])
+            e.kv_restore(s, handles[i], len(prompts[i]))
+            assert s.n_cached == len(prompts[i])
+            out[i] = greedy(e, s, 8)
+            e.remove_sequence(s)
+            ref = new_seq(e, 20 + i, prompts[i] + [5, 6])
+            e.step([Feed(ref, prompts[i], False)])
+            assert greedy(e, ref, 8) == out[i]
+            e.remove_sequence(ref)
+        for h in handles:
+            e.kv_free(h)
+        assert e.kv_room() == e.kv_cells
+    finally:
+        e.unload()

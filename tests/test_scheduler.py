@@ -231,8 +231,8 @@ def test_pacer_budgets_follow_measured_costs():
     p.observe(0.020, n_decode=1, n_prefill=0)  # a decode-only step: 20 ms
     p.observe(0.020 + 64 * 0.005, n_decode=1, n_prefill=64)  # 5 ms per prompt token on top of it
     assert p.decode_s == pytest.approx(0.020) and p.token_s == pytest.approx(0.005)
-    assert p.budgets(256, decoding=False) == (50, 50)  # 0.25 s of prompt work per step
+    assert p.budgets(256, decoding=False) == (256, 50)  # a long prompt: 0.25 s of prompt work per step
     assert p.budgets(256, decoding=False, alone=True) == (256, 256)  # one prompt and nothing else: whole chunks
-    assert p.budgets(256, decoding=True) == (50, 4)  # beside decoders: one more decode step's worth (min 4)
+    assert p.budgets(256, decoding=True) == (256, 4)  # beside decoders: one more decode step's worth (min 4)
     assert p.budgets(32, decoding=False) == (32, 32)  # never more than the engine's chunk
     assert Pacer(stretch=0).budgets(256, decoding=True) == (256, 256)  # 0: no pacing

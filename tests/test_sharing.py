@@ -133,7 +133,7 @@ async def test_the_lead_cancelled_mid_prefill_leaves_its_followers_what_it_compu
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 async def test_kv_pressure_with_shared_prefixes(mode):
     n = len(prompt(engine(), USERS[0]))
-    e = engine(kv_cells=2 * n + 40, n_ctx=n + 40)
+    e = engine(kv_cells=2 * n + 4, n_ctx=n + 40)  # two prompts fit; their replies (5 tokens each) do not
     s = Scheduler(e, max_batch=4, preempt=mode)
     s.start()
     try:

@@ -72,6 +72,14 @@ class CellBook:
         else:
             del self._segs[seq_id]
 
+    def blocks(self, seq_ids) -> set[int]:
+        """The blocks the given sequence ids hold cells of."""
+        return {id(b) for sid in seq_ids for b, _ in self._segs.get(sid, ())}
+
+    def cells_outside(self, seq_id: int, blocks: set[int]) -> int:
+        """Cells ``seq_id`` holds in blocks other than ``blocks``."""
+        return sum(k for b, k in self._segs.get(seq_id, ()) if id(b) not in blocks)
+
     def used(self) -> int:
         live: dict[int, int] = {}
         for segs in self._segs.values():

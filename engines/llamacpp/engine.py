@@ -270,6 +270,8 @@ class LlamaCppEngine(Engine):
         self.free_ids = list(range(max_batch - 1, -1, -1))
         self.cache_ids = list(range(max_batch + n_cache - 1, max_batch - 1, -1))
         self.n_cache_seqs = n_cache
+        self._entries: dict[int, KVHandle] = {}  # cache sequence id -> its handle, oldest first
+        self.demoted = 0
         self.book = CellBook()
         self.active: dict[int, Sequence] = {}
         self.kv_cells = L.llama_n_ctx(self.ctx)
@@ -435,6 +437,7 @@ class LlamaCppEngine(Engine):
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
         seq.slot = None
+        self._demote_idle()
 
     # -- KV cells ----------------------------------------------------------------------------------
     def _seq_rm(self, seq_id: int, keep: int) -> bool:
@@ -474,6 +477,13 @@ class LlamaCppEngine(Engine):
             dst.n_cached = n
 
     # -- prefix cache ------------------------------------------------------------------------------
+    # Idle cached cells cost attention: every decode row of a unified pool scans all cells up to the last one in use
+    # (bench/attention.py: 4 sequences of 2,000 tokens decode 15% slower beside 4 idle cached prefixes). So cells of
+    # entries that no running sequence shares are moved to RAM snapshots (copied back on a hit) once they exceed
+    # IDLE_SHARE of the cells running sequences use, or IDLE_MIN when the pool is otherwise empty.
+    IDLE_SHARE = 0.1
+    IDLE_MIN = 512
+
     def kv_save(self, seq: Sequence) -> KVHandle | None:
         slot: Slot | None = seq.slot
         if slot is None or seq.n_cached <= 0 or self.is_embedding:
@@ -483,19 +493,48 @@ class LlamaCppEngine(Engine):
         cid = self.cache_ids.pop()
         self._seq_cp(slot.seq_id, cid, seq.n_cached)
         n = seq.n_cached
-        return KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.cell_bytes, data=cid, cells=n)
+        handle = KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.cell_bytes, data=cid, cells=n)
+        self._entries[cid] = handle
+        return handle
+
+    def _demote_idle(self) -> None:
+        """Move the oldest cache entries whose cells no running sequence shares to RAM, down to the idle bound."""
+        if not self._entries:
+            return
+        live = self.book.blocks(s.slot.seq_id for s in self.active.values())
+        idle = {cid: self.book.cells_outside(cid, live) for cid in self._entries}
+        total = sum(idle.values())
+        bound = max(self.IDLE_MIN, int(self.IDLE_SHARE * (self.book.used() - total)))
+        for cid in list(self._entries):
+            if total <= bound:
+                break
+            if not idle[cid]:
+                continue
+            handle = self._entries.pop(cid)
+            snap = self._snapshot_id(cid, len(handle.tokens))
+            self._seq_rm(cid, 0)
+            self.cache_ids.append(cid)
+            handle.data, handle.cells = (snap.data if snap is not None else None), 0  # nbytes: as the index counted
+            total -= idle[cid]
+            self.demoted += 1
 
     def _snapshot(self, seq: Sequence) -> KVHandle | None:
         slot: Slot | None = seq.slot
         if slot is None or seq.n_cached <= 0 or self.is_embedding:
             return None
+        snap = self._snapshot_id(slot.seq_id, seq.n_cached)
+        if snap is not None:
+            snap.tokens = tuple(seq.tokens[: seq.n_cached])
+        return snap
+
+    def _snapshot_id(self, seq_id: int, n: int) -> KVHandle | None:
         L = self._L
-        size = L.llama_state_seq_get_size(self.ctx, slot.seq_id)
+        size = L.llama_state_seq_get_size(self.ctx, seq_id)
         buf = (ctypes.c_uint8 * size)()
-        written = L.llama_state_seq_get_data(self.ctx, buf, size, slot.seq_id)
+        written = L.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
         if written == 0:
             return None
-        return KVHandle(tokens=tuple(seq.tokens[: seq.n_cached]), nbytes=written, data=(buf, written))
+        return KVHandle(tokens=(), nbytes=written, data=(buf, written))
 
     def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
         """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
@@ -509,6 +548,8 @@ class LlamaCppEngine(Engine):
             self._seq_cp(handle.data, slot.seq_id, n_tokens)
             seq.n_cached = n_tokens
             return
+        if handle.data is None:  # an entry whose RAM copy failed: a miss
+            return
         buf, size = handle.data
         if L.llama_state_seq_set_data(self.ctx, buf, size, slot.seq_id) == 0:
             log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
@@ -521,6 +562,7 @@ class LlamaCppEngine(Engine):
 
     def kv_free(self, handle: KVHandle) -> None:
         if isinstance(handle.data, int):  # the cells stay while a running sequence shares them
+            self._entries.pop(handle.data, None)
             self._seq_rm(handle.data, 0)
             self.cache_ids.append(handle.data)
         handle.data = None  # a snapshot's ctypes buffer is released with the last reference

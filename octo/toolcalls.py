@@ -1,0 +1,655 @@
+"""Tool-call formats of the chat-template families: detection, parsing (whole and streaming), wrapper text, fallback.
+
+A model calls tools by writing text in the format its chat template taught it. Five families:
+
+- hermes (Qwen2.5/3, Hermes 2/3, and unknown templates): ``<tool_call>\n{"name": "f", "arguments": {...}}\n
+  </tool_call>``, one block per call, blocks separated by a newline.
+- llama3 (Llama 3.1/3.2/3.3): ``{"name": "f", "parameters": {...}}`` at the start of the answer (several:
+  ``; ``-separated), or ``<|python_tag|>`` followed by that JSON or by a builtin ``brave_search.call(query="x")``.
+- mistral (7B v0.3, Nemo, Small): ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``, or
+  ``[TOOL_CALLS]f[ARGS]{...}``.
+- phi4 (Phi-4-mini): ``<|tool_call|>[{"name": "f", "arguments": {...}}, ...]<|/tool_call|>``, or ``functools[...]``.
+- gemma (Gemma 2/3, no native tools): a ```` ```tool_code ```` block of ``{"name": "f", "parameters": {...}}`` lines
+  or of Python calls ``f(k="v")``.
+
+:func:`detect_format` picks the family from the template source as llama.cpp's ``common/chat.cpp`` does (an explicit
+name wins). :class:`ToolFormat` holds the wrapper text (``octo.constrain`` builds the grammar of valid calls from
+it), renders calls and says how the template takes tools; :func:`prepare_chat` adapts OpenAI messages + tools to the
+template, and for templates without tool support renders them into a system prompt (:func:`tool_system_prompt`).
+:class:`ToolCallParser` turns text deltas into :class:`ContentDelta`, :class:`ToolCallStart` and
+:class:`ToolCallArguments` events (:func:`to_openai_delta`: Chat Completions chunk deltas). A call is emitted once its
+block is complete and parses, so streamed text is never taken back; text that might open a call is held until
+decided. :func:`parse_tool_calls` runs the same machine over a whole text, so streamed and whole results are equal
+by construction. Malformed calls stay in the content; whitespace around calls is dropped. Special-token markers
+(``[TOOL_CALLS]``, ``<|python_tag|>``, ``<|tool_call|>``) are invisible when an engine decodes special tokens to b"",
+so the JSON forms also count at the start of an answer without their marker, if they name offered tools.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import secrets
+import string
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from octo.errors import InvalidRequest
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(style: str = "openai") -> str:
+    """``call_`` + 24 random alphanumerics (OpenAI style), or 9 alphanumerics (Mistral's templates require them)."""
+    n = 9 if style == "mistral" else 24
+    body = "".join(secrets.choice(_ALNUM) for _ in range(n))
+    return body if style == "mistral" else "call_" + body
+
+
+# -- events -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallArguments:
+    index: int
+    delta: str
+
+
+Event = ContentDelta | ToolCallStart | ToolCallArguments
+
+
+def to_openai_delta(event: Event) -> dict[str, Any]:
+    """The Chat Completions ``choices[].delta`` of one event."""
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, ToolCallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.delta}}]}
+
+
+@dataclass
+class ParsedMessage:
+    """The assistant message: text outside calls, and OpenAI ``tool_calls`` entries."""
+
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def assemble(events: Iterable[Event]) -> ParsedMessage:
+    """Reassemble streamed events into the message (what a client does with the chunks)."""
+    out = ParsedMessage()
+    for ev in events:
+        if isinstance(ev, ContentDelta):
+            out.content += ev.text
+        elif isinstance(ev, ToolCallStart):
+            out.tool_calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
+        else:
+            out.tool_calls[ev.index]["function"]["arguments"] += ev.delta
+    return out
+
+
+# -- formats ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolFormat:
+    """A family's tool-call text. Calls render as ``begin + (call_open + BODY + call_close) joined by separator +
+    end``, BODY being ``{"name": NAME, "<args_key>": ARGS}``. ``markers`` are the parts of that text that are one
+    special token in the family's vocabulary (a grammar emits them as that token, or leaves them out when the
+    vocabulary has no such token, which the parser tolerates). ``tools_in`` says how the template takes tools:
+    "template" (its ``tools`` variable), "system_field" (Phi-4-mini: a JSON string in the system message's ``tools``
+    field) or "prompt" (no tool support: :func:`tool_system_prompt`)."""
+
+    name: str
+    begin: str
+    call_open: str
+    call_close: str
+    separator: str
+    end: str
+    args_key: str
+    markers: tuple[str, ...] = ()
+    tools_in: str = "template"
+    id_style: str = "openai"
+
+    def render_calls(self, tool_calls: list[dict[str, Any]]) -> str:
+        """The text the model would have written for these OpenAI ``tool_calls``."""
+        bodies = [json.dumps({"name": c["function"]["name"], self.args_key: _args_obj(c)}, ensure_ascii=False)
+                  for c in tool_calls]
+        return self.begin + self.separator.join(self.call_open + b + self.call_close for b in bodies) + self.end
+
+    def new_id(self) -> str:
+        return new_call_id(self.id_style)
+
+    def parse(self, text: str, tool_names: Iterable[str] | None = None,
+              new_id: Callable[[], str] | None = None) -> ParsedMessage:
+        return parse_tool_calls(text, self, tool_names, new_id)
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
+    ToolFormat("hermes", "", "<tool_call>\n", "\n</tool_call>", "\n", "", "arguments"),
+    ToolFormat("llama3", "", "", "", "; ", "", "parameters"),
+    ToolFormat("mistral", "[TOOL_CALLS][", "", "", ", ", "]", "arguments", ("[TOOL_CALLS]",), id_style="mistral"),
+    ToolFormat("phi4", "<|tool_call|>[", "", "", ", ", "]<|/tool_call|>", "arguments",
+               ("<|tool_call|>", "<|/tool_call|>"), tools_in="system_field"),
+    ToolFormat("gemma", "```tool_code\n", "", "", "\n", "\n```", "parameters", tools_in="prompt"),
+)}
+
+
+def get_format(name: str | ToolFormat) -> ToolFormat:
+    if isinstance(name, ToolFormat):
+        return name
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise InvalidRequest(f"Unknown tool-call format {name!r}; known formats: {', '.join(FORMATS)}.",
+                             param="tool_format") from None
+
+
+def detect_format(template: str | None, override: str | None = None) -> ToolFormat:
+    """The family of a chat template (its Jinja source), or ``override`` when given. Unknown templates get the
+    Hermes format, with tools in the system prompt when the template does not mention tools at all."""
+    if override:
+        return get_format(override)
+    src = template or ""
+    if "<tool_call>" in src:
+        fmt = FORMATS["hermes"]
+    elif "[TOOL_CALLS]" in src:
+        fmt = FORMATS["mistral"]
+    elif "<|start_header_id|>" in src and ("ipython" in src or "<|python_tag|>" in src or '"parameters"' in src):
+        fmt = FORMATS["llama3"]
+    elif "<|tool_call|>" in src or "<|tool|>" in src:
+        return FORMATS["phi4"]
+    elif "<start_of_turn>" in src:
+        return FORMATS["gemma"]
+    else:
+        fmt = FORMATS["hermes"]
+    if "tools" not in src:  # the template cannot show tools: describe them in the system prompt
+        fmt = replace(fmt, tools_in="prompt")
+    return fmt
+
+
+# -- JSON / Python-call scanning --------------------------------------------------------------------------------
+MORE = "more"  # the text so far cannot decide: wait for more (or, at the end, it is not a call)
+BAD = "bad"    # decided: not a call here
+_WS = " \t\r\n"
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+_SIGNIFICANT = re.compile(r'["\\{}\[\]]')
+
+
+class _Scanner:
+    """Finds where a JSON object/array ends, resuming where the previous call stopped: the parser's buffer only
+    grows at its end while a call is pending, so a long call is scanned once, not once per delta."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[int, list[str], bool]] = {}
+
+    def __call__(self, s: str, i: int) -> int | str:
+        """End of the JSON object/array starting at ``s[i]``, MORE when unfinished, BAD when broken."""
+        j, stack, in_str = self.saved.pop(i, (i, [], False))
+        for m in _SIGNIFICANT.finditer(s, j):
+            k = m.start()
+            if k < j:  # the character after a backslash
+                continue
+            c, j = s[k], k + 1
+            if in_str:
+                if c == "\\":
+                    j = k + 2
+                in_str = c != '"'
+            elif c == '"':
+                in_str = True
+            elif c in "{[":
+                stack.append("}" if c == "{" else "]")
+            elif not stack or stack.pop() != c:
+                return BAD
+            elif not stack:
+                return j
+        self.saved[i] = (max(j, len(s)), stack, in_str)  # past len(s) when the text ends in a backslash
+        return MORE
+
+
+def _load(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except (ValueError, RecursionError):
+        return BAD
+
+
+def _call_from_obj(obj: Any) -> tuple[str, str] | str:
+    """(name, arguments JSON) of a ``{"name", "arguments"|"parameters"}`` object, else BAD."""
+    if isinstance(obj, dict) and "name" not in obj and isinstance(obj.get("function"), dict):
+        return _call_from_obj(obj["function"])  # {"type": "function", "function": {...}}
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return BAD
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = _load(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        return BAD
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _py_value(node: ast.AST) -> Any:
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.Dict):
+        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True)}
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_py_value(v) for v in node.elts]
+    return ast.literal_eval(node)
+
+
+def _python_calls(src: str) -> list[tuple[str, str]] | str:
+    """Calls written as Python: ``f(a=1)`` per line, ``[f(a=1), g()]``, or ``tool.call(query="x")``."""
+    try:
+        tree = ast.parse(src.strip(), mode="exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return BAD
+    nodes: list[ast.AST] = []
+    for stmt in tree.body:
+        if not isinstance(stmt, ast.Expr):
+            return BAD
+        nodes.extend(stmt.value.elts if isinstance(stmt.value, ast.List) else [stmt.value])
+    calls = []
+    for node in nodes:
+        if not isinstance(node, ast.Call) or node.args:
+            return BAD
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "call" and isinstance(func.value, ast.Name):
+            name = func.value.id  # Llama's builtin tools: brave_search.call(query="...")
+        elif isinstance(func, ast.Name):
+            name = func.id
+        else:
+            return BAD
+        try:
+            args = {kw.arg: _py_value(kw.value) for kw in node.keywords if kw.arg}
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return BAD
+        calls.append((name, json.dumps(args, ensure_ascii=False)))
+    return calls or BAD
+
+
+# -- block parsers: (text from the opener, final) -> MORE | BAD | (calls, consumed) ----------------------------
+Block = str | tuple[list[tuple[str, str]], int]
+Scan = Callable[[str, int], int | str]
+
+
+def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[str, str]], int] | str:
+    """One JSON object or an array of objects at ``s[i]``, each a call."""
+    j = i
+    for want in ("[{" if s[i:i + 1] == "[" else "{") + '"':  # decide early: "[ {" / "{ \"" must open a call
+        j = _skip_ws(s, j) if j > i else j
+        if j >= len(s):
+            return BAD if final else MORE
+        if s[j] != want:
+            return BAD
+        j += 1
+    end = scan(s, i)
+    if end == MORE:
+        return BAD if final else MORE
+    if end == BAD:
+        return BAD
+    value = _load(s[i:end])
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_from_obj(o) for o in items]
+    if not calls or BAD in calls:
+        return BAD
+    return calls, end
+
+
+def _close_tag(s: str, i: int, tag: str, final: bool, optional: bool) -> int | str:
+    """Consume whitespace + ``tag`` after a call. A missing tag is tolerated at the end of the text, and anywhere
+    when ``optional`` (vLLM's ``functools[...]`` has no closing marker; Phi-4's is a special token)."""
+    j = _skip_ws(s, i)
+    if s.startswith(tag, j):
+        return j + len(tag)
+    if tag.startswith(s[j:]):  # the text ends inside the tag (or before it)
+        return i if final else MORE
+    return i if optional else BAD
+
+
+def _wrapped_block(openers: tuple[str, ...], close: str, optional: bool) -> Callable[[str, bool, Scan], Block]:
+    """Parser of ``opener`` + JSON call(s) + ``close`` blocks (Hermes, Phi-4)."""
+
+    def parse(s: str, final: bool, scan: Scan) -> Block:
+        i = next((_skip_ws(s, len(o)) for o in openers if s.startswith(o)), 0)
+        found = _json_calls_at(s, i, final, scan)
+        if isinstance(found, str):
+            return found
+        end = _close_tag(s, found[1], close, final, optional)
+        return end if isinstance(end, str) else (found[0], end)
+
+    return parse
+
+
+def _llama_block(s: str, final: bool, scan: Scan) -> Block:
+    i = _skip_ws(s, len("<|python_tag|>")) if s.startswith("<|python_tag|>") else 0
+    if s.startswith("<|python_tag|>") and i < len(s) and s[i] not in "{[":
+        # builtin tool: name.call(k=v); complete at a line end or at the end of the text
+        nl = s.find("\n", i)
+        if nl < 0 and not final:
+            return MORE
+        stop = len(s) if nl < 0 else nl
+        calls = _python_calls(s[i:stop])
+        return BAD if calls == BAD else (calls, stop)
+    calls: list[tuple[str, str]] = []
+    i_done = 0
+    while True:  # calls separated by ";" or whitespace
+        found = _json_calls_at(s, i, final, scan)
+        if found == MORE:
+            return MORE
+        if isinstance(found, str):
+            return (calls, i_done) if calls else BAD
+        calls += found[0]
+        i_done = found[1]
+        j = _skip_ws(s, i_done)
+        if j < len(s) and s[j] == ";":
+            j = _skip_ws(s, j + 1)
+        if j >= len(s):
+            return (calls, i_done) if final else MORE
+        if s[j] != "{":
+            return calls, i_done
+        i = j
+
+
+_ARGS_CALL = re.compile(r"([A-Za-z0-9_.\-]+)\[ARGS\]")
+_ARGS_CALL_PART = re.compile(r"[A-Za-z0-9_.\-]*(\[(A(R(G(S)?)?)?)?)?")
+
+
+def _mistral_block(s: str, final: bool, scan: Scan) -> Block:
+    i = _skip_ws(s, len("[TOOL_CALLS]")) if s.startswith("[TOOL_CALLS]") else 0
+    if i >= len(s):
+        return BAD if final else MORE
+    if s[i] in "[{":
+        return _json_calls_at(s, i, final, scan)
+    m = _ARGS_CALL.match(s, i)  # [TOOL_CALLS]name[ARGS]{...}
+    if m is None:
+        return MORE if _ARGS_CALL_PART.fullmatch(s, i) and not final else BAD
+    start = m.end()
+    if start >= len(s):
+        return BAD if final else MORE
+    end = scan(s, start) if s[start] == "{" else BAD
+    if end == MORE:
+        return BAD if final else MORE
+    obj = _load(s[start:end]) if end != BAD else BAD
+    if not isinstance(obj, dict):
+        return BAD
+    return [(m.group(1), json.dumps(obj, ensure_ascii=False))], end
+
+
+def _gemma_block(s: str, final: bool, scan: Scan) -> Block:
+    head = "```tool_code" if s.startswith("```tool_code") else "```json" if s.startswith("```json") else ""
+    if not head:
+        return _json_calls_at(s, 0, final, scan)  # bare JSON at the start of the answer
+    close = s.find("```", len(head))
+    if close < 0 and not final:
+        return MORE
+    body = s[len(head):close if close >= 0 else len(s)]
+    end = close + 3 if close >= 0 else len(s)
+    stripped = body.strip()
+    calls = _json_lines(stripped) if stripped.startswith(("{", "[")) else BAD
+    if calls == BAD:
+        calls = _python_calls(stripped)
+    return BAD if calls == BAD else (calls, end)
+
+
+def _json_lines(s: str) -> list[tuple[str, str]] | str:
+    """Calls written as JSON objects or arrays one after the other (a complete text)."""
+    calls: list[tuple[str, str]] = []
+    i = 0
+    while (i := _skip_ws(s, i)) < len(s):
+        found = _json_calls_at(s, i, True, _Scanner())
+        if isinstance(found, str):
+            return BAD
+        calls += found[0]
+        i = found[1]
+    return calls or BAD
+
+
+# Per family: (opener, only at the start of the answer, block parser)
+_OPENERS: dict[str, list[tuple[str, bool, Callable[[str, bool, Scan], Block]]]] = {
+    "hermes": [("<tool_call>", False, _wrapped_block(("<tool_call>",), "</tool_call>", False))],
+    "llama3": [("<|python_tag|>", False, _llama_block), ("{", True, _llama_block)],
+    "mistral": [("[TOOL_CALLS]", False, _mistral_block), ("[", True, _mistral_block)],
+    "phi4": [(o, o == "[", _wrapped_block(("<|tool_call|>", "functools"), "<|/tool_call|>", True))
+             for o in ("<|tool_call|>", "functools[", "[")],
+    "gemma": [("```tool_code", False, _gemma_block), ("```json", True, _gemma_block), ("{", True, _gemma_block)],
+}
+
+
+class ToolCallParser:
+    """Incremental parser of one generated message: ``feed(delta)`` and ``finish()`` return events.
+
+    ``tool_names`` (the offered functions) guards openers that are not markers (a bare ``{`` or ``[`` at the
+    start): such a block is a call only if every name in it is offered. One parser per sequence; not thread-safe.
+    """
+
+    def __init__(self, fmt: ToolFormat | str, tool_names: Iterable[str] | None = None,
+                 new_id: Callable[[], str] | None = None) -> None:
+        self.fmt = get_format(fmt)
+        self.tool_names = frozenset(tool_names) if tool_names is not None else None
+        self._new_id = new_id or self.fmt.new_id
+        self._openers = _OPENERS.get(self.fmt.name, _OPENERS["hermes"])
+        self._buf = ""          # undecided text
+        self._held_ws = ""      # trailing whitespace of the content, held until we know what follows it
+        self._started = False   # any non-whitespace content emitted yet
+        self._last_was_call = False
+        self._n_calls = 0
+        self._done = False
+        self._scan = _Scanner()
+
+    def feed(self, delta: str) -> list[Event]:
+        if self._done:
+            raise RuntimeError("feed() after finish()")
+        self._buf += delta
+        return self._run(final=False)
+
+    def finish(self) -> list[Event]:
+        """Decide what is left: unfinished calls become content."""
+        events = self._run(final=True)
+        if self._held_ws and not self._last_was_call:
+            events.append(ContentDelta(self._held_ws))
+        self._held_ws = ""
+        self._done = True
+        return events
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _content(self, text: str, out: list[Event]) -> None:
+        if self._last_was_call:
+            text = text.lstrip(_WS)
+        if not text:
+            return
+        body = text.rstrip(_WS)
+        if body:
+            out.append(ContentDelta(self._held_ws + body))
+            self._held_ws = ""
+            self._started = True
+            self._last_was_call = False
+        self._held_ws += text[len(body):]
+
+    def _find(self, s: str) -> tuple[int, bool]:
+        """Earliest position where an opener starts (complete=True) or may start (complete=False, s ends there)."""
+        best = (len(s), False)
+        for opener, at_start, _ in self._openers:
+            if at_start:
+                if self._started:
+                    continue
+                i = _skip_ws(s, 0)
+                if i < best[0] and i < len(s) and (s.startswith(opener, i) or opener.startswith(s[i:])):
+                    best = (i, s.startswith(opener, i))
+                continue
+            i = s.find(opener)
+            if 0 <= i < best[0]:
+                best = (i, True)
+            for k in range(max(0, len(s) - len(opener) + 1), len(s)):  # a partial opener at the end
+                if k < best[0] and opener.startswith(s[k:]):
+                    best = (k, False)
+                    break
+        return best
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while self._buf:
+            pos, complete = self._find(self._buf)
+            if pos:
+                self._content(self._buf[:pos], out)
+                self._buf = self._buf[pos:]
+                self._scan.saved.clear()
+            if not self._buf:
+                break
+            result = self._block(self._buf, final) if complete else MORE if not final else BAD
+            if result == MORE:
+                break
+            if result == BAD:  # no call starts here: its first character is text, look again after it
+                self._content(self._buf[:1], out)
+                self._buf = self._buf[1:]
+                self._scan.saved.clear()
+                continue
+            calls, consumed = result
+            self._held_ws = ""
+            for name, arguments in calls:
+                out.append(ToolCallStart(self._n_calls, self._new_id(), name))
+                out.append(ToolCallArguments(self._n_calls, arguments))
+                self._n_calls += 1
+            self._last_was_call = True
+            self._buf = self._buf[consumed:]
+            self._scan.saved.clear()
+        return out
+
+    def _block(self, s: str, final: bool) -> Block:
+        for opener, at_start, parse in self._openers:
+            if s.startswith(opener) and not (at_start and self._started):
+                result = parse(s, final, self._scan)
+                if isinstance(result, tuple) and at_start and self.tool_names is not None:
+                    if any(name not in self.tool_names for name, _ in result[0]):
+                        return BAD
+                if result != BAD:
+                    return result
+        return BAD
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat | str, tool_names: Iterable[str] | None = None,
+                     new_id: Callable[[], str] | None = None) -> ParsedMessage:
+    """Content and tool calls of a complete generated text (the streaming parser run over all of it)."""
+    parser = ToolCallParser(fmt, tool_names, new_id)
+    return assemble(parser.feed(text) + parser.finish())
+
+
+# -- prompts for templates ----------------------------------------------------------------------------------------
+def _functions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [t["function"] if t.get("type", "function") == "function" and "function" in t else t for t in tools]
+
+
+def tool_system_prompt(tools: list[dict[str, Any]], fmt: ToolFormat | str, tool_choice: Any = "auto") -> str:
+    """A system prompt describing ``tools`` and how to call them in ``fmt``, for templates without tool support."""
+    fmt = get_format(fmt)
+    funcs = _functions(tools)
+    example = fmt.render_calls([{"function": {"name": funcs[0]["name"] if funcs else "function_name",
+                                              "arguments": {"argument": "value"}}}])
+    lines = [
+        "You can call the following functions. Their definitions (JSON Schema parameters):",
+        json.dumps(funcs, ensure_ascii=False, indent=2),
+        "",
+        f"To call a function, answer with exactly this format (one call per block; {fmt.args_key} must follow the "
+        "function's parameters schema):",
+        example,
+        "Call a function only when it helps; otherwise answer normally. Function results come back in "
+        "<tool_response></tool_response> tags.",
+    ]
+    if tool_choice == "required":
+        lines.append("You must call at least one function now.")
+    elif isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        lines.append(f"You must call the function {name} now.")
+    return "\n".join(lines)
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):  # content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+@dataclass
+class ChatInput:
+    """What to hand the chat template: messages (and ``tools`` for templates that render them)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def prepare_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat | str,
+                 tool_choice: Any = "auto") -> ChatInput:
+    """Adapt OpenAI messages (assistant ``tool_calls``, ``tool`` results) and tools to the family's template.
+
+    - "template": tools go to the template's ``tools`` variable; call arguments become objects (templates apply
+      ``tojson`` to them).
+    - "system_field" (Phi-4-mini): the tool list is a JSON string in the system message's ``tools`` field.
+    - "prompt": :func:`tool_system_prompt` is prepended to the system message, earlier calls become the family's
+      text, tool results become user turns, and consecutive turns of one role are merged (Gemma's template
+      requires alternating roles).
+    """
+    fmt = get_format(fmt)
+    if fmt.tools_in == "template":
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _args_obj(c)}}
+                                         for c in m["tool_calls"]]}
+            out.append(m)
+        return ChatInput(out, tools or None)
+    names = {c.get("id"): c["function"]["name"] for m in messages for c in (m.get("tool_calls") or [])}
+    rendered: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m.get("role"), _text(m.get("content"))
+        if role == "tool":
+            body = json.dumps({"name": names.get(m.get("tool_call_id"), m.get("name")), "content": content},
+                              ensure_ascii=False)
+            role, content = "user", f"<tool_response>\n{body}\n</tool_response>"
+        elif role == "assistant" and m.get("tool_calls"):
+            content = (content + "\n" if content else "") + fmt.render_calls(m["tool_calls"])
+        if role == "developer":
+            role = "system"
+        if rendered and rendered[-1]["role"] == role and role != "system":
+            rendered[-1]["content"] += "\n\n" + content
+        else:
+            rendered.append({"role": role, "content": content})
+    if tools:
+        if not rendered or rendered[0]["role"] != "system":
+            rendered.insert(0, {"role": "system", "content": ""})
+        if fmt.tools_in == "system_field":
+            rendered[0]["tools"] = json.dumps(_functions(tools), ensure_ascii=False)
+        else:
+            prompt = tool_system_prompt(tools, fmt, tool_choice)
+            rendered[0]["content"] = (rendered[0]["content"] + "\n\n" if rendered[0]["content"] else "") + prompt
+    return ChatInput(rendered, None)
+
+
+def _args_obj(call: dict[str, Any]) -> Any:
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        loaded = _load(args) if args.strip() else {}
+        return args if loaded == BAD else loaded
+    return args if args is not None else {}
