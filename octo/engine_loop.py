@@ -227,18 +227,19 @@ class EngineLoop(PrefixSharing):
             elif remaining > 1 and t.lead is None:  # a follower waits for its lead's prefix (octo.sharing)
                 prefilling.append(t)
         budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
-        paced, least = budget, None
+        paced, least, leads = budget, None, set()
         if prefilling and eng.batching != "window":
-            # Shortest remaining work first. A long prompt (more tokens left than the pacer's step and than the least
-            # work a decoding request has left) gets at most the pacer's step time per step (so that a request
-            # arriving waits one short step), and beside decoding requests only what stretches the step to
-            # --step-stretch decode steps: a long prompt never stalls a short request. Short prompts go in whole
-            # (many streams arriving together join the batch at once, as llama-server's would).
+            # Shortest remaining work first. A long prompt (see `least`) gets at most the pacer's step time per step
+            # (so that a request arriving waits one short step), and beside decoding requests only what stretches
+            # the step to --step-stretch decode steps: a long prompt never stalls a short request. Short prompts go
+            # in whole (many streams arriving together join the batch at once, as llama-server's would).
             leads = {id(t.lead) for t in self._active if t.lead is not None}
             prefilling.sort(key=lambda t: (id(t) not in leads, _work(t, n_ctx)))  # a shared prefix first
             alone = not feeds and len(prefilling) == 1 and not self._pending
             budget, paced = self._pacer.budgets(budget, decoding=bool(feeds), alone=alone)
-            least = max(paced, min((_work(t, n_ctx) for t in owners), default=0))
+            # short: a prompt that fits one chunk while nothing decodes (nobody waits on it), or beside decoders one no
+            # longer than the pacer's share or the least work a decoding request has left
+            least = max(paced, min(_work(t, n_ctx) for t in owners)) if owners else budget
         budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
         for t in prefilling:
             if budget <= 0:
