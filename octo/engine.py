@@ -188,6 +188,9 @@ class Engine:
     # "continuous": sequences join a running batch between steps; "window": the backend cannot add a
     # sequence to a running batch, so the scheduler starts a new batch only when the current one is done.
     batching: ClassVar[str] = "continuous"
+    # Whether kv_share makes sequences share KV cells (no new cells for the shared part: admission counts only the
+    # rest of a prompt that shares a running sequence's prefix); False: kv_share copies.
+    kv_shares_cells: bool = False
     # SamplingParams fields this engine honours; a request that sets any other one is refused (400).
     sampling_params: ClassVar[frozenset[str]] = frozenset({"temperature"})
     # Greatest prompt chunk the scheduler feeds in one step (prefill chunking).

@@ -28,7 +28,7 @@ from typing import Any
 from octo.engine import Feed
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
 from octo.jobs import Ticket, _Call, _Job
-from octo.sharing import PrefixSharing
+from octo.sharing import PrefixSharing, common_prefix
 
 log = logging.getLogger("octo.scheduler")
 
@@ -138,6 +138,9 @@ class EngineLoop(PrefixSharing):
                 break  # preempted sequences keep their engine slot and resume before anything new starts
             if room is not None:
                 need = len(job.seq.tokens) + 1  # its prompt, and a cell for the first decode step
+                if self.dedup and self.engine.kv_shares_cells:  # a prefix it will share with a running one is free
+                    need -= max((common_prefix(t.seq.tokens, job.seq.tokens, len(job.seq.tokens) - 1)
+                                 for t in [*self._active, *admitted]), default=0)
                 if need > room:
                     room += self._reclaim(need - room)  # prefix-cache entries give their pool cells back first
                 if need > room and (self._active or admitted):

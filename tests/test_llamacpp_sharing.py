@@ -283,3 +283,25 @@ def test_idle_entries_move_to_ram_and_still_hit(gguf_path):
         assert e.kv_room() == e.kv_cells
     finally:
         e.unload()
+
+
+async def test_admission_counts_only_the_cells_a_follower_adds(gguf_path):
+    """Three requests whose 400-token prefix is shared fit a 512-cell pool together: the followers need cells only
+    for their own suffixes (before, each waited for the previous one to finish)."""
+    e = load(gguf_path, n_ctx=512, kv_cells=512)
+    s = Scheduler(e, max_batch=4)
+    s.start()
+    try:
+        system = " ".join(["The keeper lights the lamp at dusk and watches the ships."] * 21)
+        prompts = [e.tokenize(e.render_chat([{"role": "system", "content": system}, {"role": "user", "content": u}]))
+                   for u in USERS[:3]]
+        assert 3 * len(prompts[0]) > 512 and len(prompts[0]) > 400
+        tickets = [s.submit(GenerationRequest(p, max_tokens=4, sampling=SamplingParams(temperature=0)))[0]
+                   for p in prompts]
+        results = [await t.result for t in tickets]
+        assert all(r.completion_tokens >= 1 for r in results)
+        assert [t.preemptions for t in tickets] == [0, 0, 0]
+        assert s.stats()["total_shared_tokens"] >= 2 * 400  # both followers shared the prefix in flight
+    finally:
+        s.stop()
+        e.unload()

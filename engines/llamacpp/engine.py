@@ -275,6 +275,7 @@ class LlamaCppEngine(Engine):
         self.book = CellBook()
         self.active: dict[int, Sequence] = {}
         self.kv_cells = L.llama_n_ctx(self.ctx)
+        self.kv_shares_cells = self.kv_unified
         head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
         self.cell_bytes = L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim * 2
 
