@@ -251,8 +251,8 @@ async def test_cached_cells_are_given_back_to_a_request_that_needs_them(gguf_pat
 
 
 def test_idle_entries_move_to_ram_and_still_hit(gguf_path):
-    """Cells of cached prefixes nobody runs on cost every decode row a scan (unified pool), so beyond a bound the
-    oldest move to RAM snapshots; a hit on one restores it by copy, with the same tokens."""
+    """Cells of cached prefixes nobody runs on cost every decode row a scan (unified pool), so once sequences decode,
+    beyond a bound the oldest move to RAM snapshots; a hit on one restores it by copy, with the same tokens."""
     e = load(gguf_path)
     try:
         handles, prompts = [], []
@@ -264,7 +264,10 @@ def test_idle_entries_move_to_ram_and_still_hit(gguf_path):
             handles.append(e.kv_save(s))
             e.remove_sequence(s)
             prompts.append(toks)
-        assert e.demoted == 2  # nothing runs: at most IDLE_MIN idle cells stay in the pool
+        other = new_seq(e, 50, [7, 8, 9, 10])
+        e.step([Feed(other, list(other.tokens), True)])  # decoding starts: at most IDLE_MIN idle cells stay
+        e.remove_sequence(other)
+        assert e.demoted == 2
         assert [h.cells for h in handles] == [0, 0, len(prompts[2])]
         assert e.kv_room() == e.kv_cells - len(prompts[2])
         out = {}

@@ -15,6 +15,21 @@ covers. Used cells = the sum over blocks of that maximum.
 from __future__ import annotations
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (bisecting on slice compares, which run at C speed)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class _Block:
     __slots__ = ()
 

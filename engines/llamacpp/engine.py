@@ -33,7 +33,7 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
-from .cells import CellBook
+from .cells import CellBook, common_prefix
 from .grammar import grammar_for
 from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores
 from .sampling import SamplerChain
@@ -272,6 +272,7 @@ class LlamaCppEngine(Engine):
         self.n_cache_seqs = n_cache
         self._entries: dict[int, KVHandle] = {}  # cache sequence id -> its handle, oldest first
         self.demoted = 0
+        self._members_changed = False  # sequences came or went since the last step's idle check
         self.book = CellBook()
         self.active: dict[int, Sequence] = {}
         self.kv_cells = L.llama_n_ctx(self.ctx)
@@ -363,9 +364,9 @@ class LlamaCppEngine(Engine):
             )
         if not self.free_ids:
             raise EngineError(f"All {self.config.max_batch} llama.cpp sequence slots are in use.")
-        if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences
-            used = self.book.used()
-            if used + len(seq.tokens) + 1 > self.kv_cells:
+        if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences (the prefix it
+            used = self.book.used()  # may share with one of them or a cached entry in the pool takes no new cell)
+            if used + len(seq.tokens) + 1 - self._shareable(seq.tokens) > self.kv_cells:
                 raise Overloaded(
                     f"The KV cache is full ({used} of {self.kv_cells} cells in use by {len(self.active)} "
                     f"sequences); retry shortly.",
@@ -376,6 +377,7 @@ class LlamaCppEngine(Engine):
         chain = SamplerChain(self.vocab, self.n_vocab, p, gbnf, self.opts.get("penalty_last_n", 64), seq.tokens)
         seq_id = self.free_ids.pop()
         self._seq_rm(seq_id, 0)
+        self._members_changed = True
         seq.slot = Slot(seq_id, chain)
         seq.n_cached = 0
         self.active[seq_id] = seq
@@ -383,6 +385,9 @@ class LlamaCppEngine(Engine):
     def step(self, feeds: list[Feed]) -> list[int | None]:
         if not feeds:
             return []
+        if self._members_changed and self._entries:  # decoding now: idle cached cells would be scanned every row
+            self._members_changed = False
+            self._demote_idle()
         b = self.batch
         n = 0
         outputs: list[int] = []
@@ -438,9 +443,14 @@ class LlamaCppEngine(Engine):
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
         seq.slot = None
-        self._demote_idle()
+        self._members_changed = True
 
     # -- KV cells ----------------------------------------------------------------------------------
+    def _shareable(self, tokens: list[int]) -> int:
+        """The longest prefix of ``tokens`` already in the pool's cells (a running sequence's or a cached entry's)."""
+        held = [*(s.tokens[:s.n_cached] for s in self.active.values()), *(h.tokens for h in self._entries.values())]
+        return max((common_prefix(list(h), tokens) for h in held), default=0)
+
     def _seq_rm(self, seq_id: int, keep: int) -> bool:
         """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
         ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1) if keep else \
