@@ -223,23 +223,31 @@ def main() -> None:
         for name in order:
             make, ready = contenders[name]
             port = free_port()
-            with server(make(port), port, ready, name, timeout=600) as base:
-                r = asyncio.run(burst(base, args) if args.burst else workload(base, args, system))
+            try:
+                with server(make(port), port, ready, name, timeout=600) as base:
+                    r = asyncio.run(burst(base, args) if args.burst else workload(base, args, system))
+            except RuntimeError as e:  # a server that fails the workload (an HTTP error, a stream ended early)
+                print(f"round {rnd} {name}: FAILED: {e}", flush=True)
+                runs[name].append({"error": str(e)})
+                continue
             print(f"round {rnd} {name}: {json.dumps({k: v for k, v in r.items() if k != 'requests'})}", flush=True)
             runs[name].append(r)
     if args.burst:
-        result = {"summary": {n: statistics.median(r["ratio_last_of_burst_over_single"] for r in rs)
-                              for n, rs in runs.items()}, "config": vars(args), "runs": runs}
+        result = {"summary": {n: statistics.median(r["ratio_last_of_burst_over_single"] for r in rs if "error" not in r)
+                              if any("error" not in r for r in rs) else "failed" for n, rs in runs.items()},
+                  "config": vars(args), "runs": runs}
         out.write_text(json.dumps(result, indent=1))
         print(json.dumps(result["summary"], indent=1))
         return
     summary = {}
     for name, rs in runs.items():
-        summary[name] = {k: round(statistics.mean(r[k] for r in rs), 3)
-                         for k in ("wall_s", "mean_ttft_s", "max_ttft_s", "mean_first_turn_ttft_s")}
-    if len(summary) == 2:
+        ok = [r for r in rs if "error" not in r]
+        summary[name] = {k: round(statistics.mean(r[k] for r in ok), 3)
+                         for k in ("wall_s", "mean_ttft_s", "max_ttft_s", "mean_first_turn_ttft_s")} if ok else {}
+        summary[name]["failed_rounds"] = len(rs) - len(ok)
+    if len(summary) == 2 and all("wall_s" in v for v in summary.values()):
         o, s = summary["octo"], summary["llama-server"]
-        summary["ratio_octo_over_llama_server"] = {k: round(o[k] / s[k], 3) for k in o}
+        summary["ratio_octo_over_llama_server"] = {k: round(o[k] / s[k], 3) for k in o if k != "failed_rounds"}
     result = {"summary": summary, "model": {"path": path, "shape": args.shape, "quant": args.quant},
               "host": host_info(args), "config": {k: v for k, v in vars(args).items() if k != "out"},
               "prefix_tokens": n_system, "llama_server": str(binary), "runs": runs}
