@@ -108,6 +108,22 @@ class SamplingParams:
                                      param="logit_bias")
 
 
+def common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the common prefix of two token lists, at most ``limit`` (bisecting on slice compares, which run at C
+    speed). Shared by the scheduler (in-flight prefix deduplication) and engines that count shared KV cells."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 _SAMPLING_DEFAULTS = tuple((f.name, getattr(SamplingParams(), f.name)) for f in fields(SamplingParams))
 
 

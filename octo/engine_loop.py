@@ -25,10 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from octo.engine import Feed
+from octo.engine import Feed, common_prefix
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
 from octo.jobs import Ticket, _Call, _Job
-from octo.sharing import PrefixSharing, common_prefix
+from octo.sharing import PrefixSharing
 
 log = logging.getLogger("octo.scheduler")
 

@@ -14,27 +14,14 @@ from __future__ import annotations
 
 import logging
 
+from octo.engine import common_prefix
 from octo.jobs import Ticket
 
 log = logging.getLogger("octo.scheduler")
+__all__ = ["MIN_SHARE", "PrefixSharing", "common_prefix"]
 
 # Fewer shared tokens than this are computed rather than waited for.
 MIN_SHARE = 32
-
-
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the common prefix of ``a[:limit]`` and ``b[:limit]``."""
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slices (C-speed compares)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class PrefixSharing:

@@ -15,19 +15,15 @@ covers. Used cells = the sum over blocks of that maximum.
 from __future__ import annotations
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (bisecting on slice compares, which run at C speed)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _head(segs, n: int) -> list[list]:
+    """The segments covering the first ``n`` positions of ``segs`` (new lists: the blocks themselves are shared)."""
+    out: list[list] = []
+    for block, k in segs:
+        if n <= 0:
+            break
+        out.append([block, min(k, n)])
+        n -= k
+    return out
 
 
 class _Block:
@@ -59,33 +55,15 @@ class CellBook:
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """``llama_memory_seq_cp(src, dst, 0, n)`` into an empty ``dst``."""
-        out: list[list] = []
-        left = n
-        for block, k in self._segs.get(src, ()):
-            if left <= 0:
-                break
-            take = min(k, left)
-            out.append([block, take])
-            left -= take
-        self._segs[dst] = out
+        self._segs[dst] = _head(self._segs.get(src, ()), n)
 
     def truncate(self, seq_id: int, n: int) -> None:
         """``llama_memory_seq_rm(seq_id, n, -1)``: keep the first ``n`` positions (0: all gone)."""
-        segs = self._segs.get(seq_id)
-        if not segs:
-            return
-        out: list[list] = []
-        left = n
-        for block, k in segs:
-            if left <= 0:
-                break
-            take = min(k, left)
-            out.append([block, take])
-            left -= take
+        out = _head(self._segs.get(seq_id, ()), n)
         if out:
             self._segs[seq_id] = out
         else:
-            del self._segs[seq_id]
+            self._segs.pop(seq_id, None)
 
     def blocks(self, seq_ids) -> set[int]:
         """The blocks the given sequence ids hold cells of."""

@@ -30,10 +30,11 @@ from octo.engine import (
     ModelInfo,
     Sequence,
     Task,
+    common_prefix,
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
-from .cells import CellBook, common_prefix
+from .cells import CellBook
 from .grammar import grammar_for
 from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores
 from .sampling import SamplerChain
@@ -453,11 +454,10 @@ class LlamaCppEngine(Engine):
 
     def _seq_rm(self, seq_id: int, keep: int) -> bool:
         """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
-        ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1) if keep else \
+        ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1)
+        if not ok:  # a partial removal the memory cannot do: drop it all
             self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
         self.book.truncate(seq_id, keep if ok else 0)
-        if not ok and keep:
-            self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
         return bool(ok)
 
     def _seq_cp(self, src: int, dst: int, n: int) -> None:
