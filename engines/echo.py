@@ -44,6 +44,7 @@ class EchoEngine(Engine):
     tasks = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
     formats = frozenset({"any"})
     sampling_params = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
+    supports_logprobs = True  # a point mass: the echoed token has logprob 0 and is the only possible one
     prefill_chunk = 4096
     isolation = "thread"  # pure Python: nothing native to contain
 
@@ -98,7 +99,8 @@ class EchoEngine(Engine):
     def token_bytes(self, token: int) -> bytes:
         return self._bytes[token]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         parts = [f"<|{m['role']}|> {m.get('content') or ''} <|end|>" for m in messages]
         if add_generation_prompt:
             parts.append("<|assistant|>")
@@ -149,7 +151,10 @@ class EchoEngine(Engine):
                 slot["reply"] = self._reply(seq.tokens[: seq.n_cached])
             reply, k = slot["reply"], slot["emitted"]
             slot["emitted"] = k + 1
-            out.append(reply[k] if k < len(reply) else EOS)
+            tok = reply[k] if k < len(reply) else EOS
+            if feed.logprobs >= 0:
+                feed.logprob = (0.0, [(tok, 0.0)][:feed.logprobs])
+            out.append(tok)
         return out
 
     def remove_sequence(self, seq: Sequence) -> None:

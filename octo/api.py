@@ -22,7 +22,6 @@ from octo.engine import Task
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.jobs import Result
 from octo.protocol import (
-    AnthropicRequest,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -70,22 +69,32 @@ async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[tuple[int,
 
 
 async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
-                        text_chunk: Callable[[int, str], bytes],
-                        finish_chunk: Callable[[int, str], bytes]) -> list[Result | None]:
+                        text_chunk: Callable[[int, str, list | None], bytes],
+                        finish_chunk: Callable[[int, str, list | None], bytes],
+                        tool_chunk: Callable[[int, dict, list | None], bytes] | None = None) -> list[Result | None]:
     """Write the events of ``n`` sequences as SSE chunks until all are done; their results by choice index
-    (None for one that failed: its error went out as an error event)."""
+    (None for one that failed: its error went out as an error event). A token's logprobs ride on the next chunk of
+    its choice."""
     results: list[Result | None] = [None] * n
+    pending: dict[int, list] = {}
     async for batch in _events(queue, n):
         out = []
         for index, kind, value in batch:
+            if kind == "lp":
+                pending.setdefault(index, []).append(value)
+                continue
+            lps = pending.pop(index, None)
             if kind == "text":
-                out.append(text_chunk(index, value))
+                out.append(text_chunk(index, value, lps))
+            elif kind == "tool" and tool_chunk is not None:
+                out.append(tool_chunk(index, value, lps))
             elif isinstance(value, Result):
                 results[index] = value
-                out.append(finish_chunk(index, value.finish_reason))
-            else:
+                out.append(finish_chunk(index, value.finish_reason, lps))
+            elif kind == "done":
                 out.append(_error_event(value))
-        await resp.write(b"".join(out))
+        if out:
+            await resp.write(b"".join(out))
     return results
 
 
@@ -111,12 +120,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             resp = await _sse(request)
             extra = {"usage": None} if include_usage else {}
 
-            def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
-                return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish), **extra})
+            def chunk(index: int, delta: dict, finish: str | None = None, lps: list | None = None) -> bytes:
+                return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish, lps), **extra})
 
             await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
-            results = await _write_events(resp, events, req.n, lambda i, text: chunk(i, {"content": text}),
-                                          lambda i, finish: chunk(i, {}, finish))
+            results = await _write_events(resp, events, req.n,
+                                          lambda i, text, lps: chunk(i, {"content": text}, None, lps),
+                                          lambda i, finish, lps: chunk(i, {}, finish, lps),
+                                          lambda i, delta, lps: chunk(i, delta, None, lps))
             if include_usage and all(results):
                 usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
@@ -147,10 +158,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             resp = await _sse(request)
 
-            def chunk(index: int, text: str, finish: str | None = None) -> bytes:
-                return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish))
+            offsets: dict[int, int] = {}
 
-            results = await _write_events(resp, queue, len(tickets), chunk, lambda i, finish: chunk(i, "", finish))
+            def chunk(index: int, text: str, lps: list | None, finish: str | None = None) -> bytes:
+                logprobs = None
+                if lps is not None:
+                    logprobs = serving.completion_logprobs(lps, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish, logprobs))
+
+            results = await _write_events(resp, queue, len(tickets), chunk,
+                                          lambda i, finish, lps: chunk(i, "", lps, finish))
             if include_usage and all(results):
                 u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
                 await resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -183,56 +201,3 @@ async def embeddings(request: web.Request) -> web.Response:
             data.append({"object": "embedding", "index": i, "embedding": emb})
         return json_response({"object": "list", "data": data, "model": req.model or handle.name,
                               "usage": {"prompt_tokens": result.n_tokens, "total_tokens": result.n_tokens}})
-
-
-# -- /v1/messages (Anthropic) --------------------------------------------------------------------------
-def _event(name: str, obj: dict) -> bytes:
-    return b"event: " + name.encode() + b"\n" + _data(obj)
-
-
-async def messages(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
-    req = parse(AnthropicRequest, body)
-    async with _model(request, req) as handle:
-        tickets, events = await handle.submit("messages", req, len(body))
-        mid, model = serving.new_id("msg"), req.model or handle.name
-        try:
-            await handle.wait_admitted(tickets)
-            if not req.stream:
-                return json_response(serving.anthropic_response(mid, model, await tickets[0].result))
-            resp = await _sse(request)
-            start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                     "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": tickets[0].n_prompt, "output_tokens": 0}}
-            await resp.write(_event("message_start", {"type": "message_start", "message": start})
-                             + _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                              "content_block": {"type": "text", "text": ""}})
-                             + _event("ping", {"type": "ping"}))
-            async for batch in _events(events, 1):
-                out = []
-                for _, kind, value in batch:
-                    if kind == "text":
-                        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                                  "delta": {"type": "text_delta", "text": value}}))
-                    elif isinstance(value, Result):
-                        reason, seq = serving.anthropic_stop(value)
-                        out.append(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
-                        out.append(_event("message_delta", {"type": "message_delta",
-                                                            "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                            "usage": {"output_tokens": value.completion_tokens}}))
-                        out.append(_event("message_stop", {"type": "message_stop"}))
-                    else:
-                        out.append(_event("error", anthropic_error_body(value)))
-                await resp.write(b"".join(out))
-            return resp
-        finally:
-            handle.abandon(tickets)
-
-
-def anthropic_error_body(exc: Any) -> dict[str, Any]:
-    if isinstance(exc, OctoError):
-        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}.get(
-            exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": exc.message}}
-    return {"type": "error", "error": {"type": "api_error", "message": str(exc)}}

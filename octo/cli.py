@@ -46,6 +46,24 @@ def _env(name: str) -> dict:
     return {"envvar": f"OCTO_{name}", "show_envvar": True}
 
 
+def _cors_origins(ctx, param, value):
+    """``--cors-origins``: comma-separated origins (scheme://host[:port]) or ``*``, as a tuple of lower-case origins
+    (the form browsers send in ``Origin``); empty: no CORS."""
+    from urllib.parse import urlsplit
+
+    out: list[str] = []
+    for item in (value or "").split(","):
+        origin = item.strip().rstrip("/").lower()
+        if not origin:
+            continue
+        parts = urlsplit(origin)
+        if origin not in ("*", "null") and not (parts.scheme and parts.netloc and not parts.path
+                                                and not parts.query and not parts.fragment):
+            raise click.BadParameter(f"expected an origin like http://localhost:3000 (or *), got '{item.strip()}'")
+        out.append(origin)
+    return tuple(dict.fromkeys(out))
+
+
 def _keep_alive(ctx, param, value):
     if value is None:
         return None
@@ -97,6 +115,10 @@ def _keep_alive(ctx, param, value):
               **_env("API_KEY"))
 @click.option("--insecure-no-auth", is_flag=True,
               help="Allow binding a non-loopback address without --api-key.", **_env("INSECURE_NO_AUTH"))
+@click.option("--cors-origins", default="", callback=_cors_origins, metavar="ORIGINS",
+              help="Let web pages from these origins call the API from a browser (CORS): comma-separated, e.g. "
+                   "http://localhost:3000,https://app.example.com, or * for any; default: none.",
+              **_env("CORS_ORIGINS"))
 @click.option("--plugins-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Load plugin modules (*.py) from this folder.", **_env("PLUGINS_DIR"))
 @click.option("--bench-seconds", default=3.0, show_default=True, type=click.FloatRange(0.2),
@@ -127,6 +149,10 @@ def _keep_alive(ctx, param, value):
               help="A prefix several running requests share (an agent's system prompt and tools, n > 1 choices) is "
                    "computed once and shared: the others wait for it instead of computing it again.",
               **_env("PREFIX_DEDUP"))
+@click.option("--tool-format", default="auto", show_default=True,
+              type=click.Choice(["auto", "hermes", "llama3", "mistral", "phi4", "gemma"]),
+              help="How models write tool calls: auto detects the family from each model's chat template (as "
+                   "llama.cpp does); a family name overrides it for every model.", **_env("TOOL_FORMAT"))
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM/SIGINT: seconds running and queued requests get to finish (new ones get 503) before "
                    "what remains is cancelled.", **_env("SHUTDOWN_TIMEOUT"))
@@ -134,8 +160,8 @@ def _keep_alive(ctx, param, value):
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
 def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, max_queue,
           queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds, api_key,
-          insecure_no_auth, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name, preempt,
-          step_stretch, prefix_dedup, shutdown_timeout, log_level):
+          insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name,
+          preempt, step_stretch, prefix_dedup, tool_format, shutdown_timeout, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -154,8 +180,10 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
                           plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench,
+                          cors_origins=cors_origins,
                           isolation=isolation, share_cores=share_cores, preempt=preempt,
                           step_stretch=step_stretch, prefix_dedup=prefix_dedup,
+                          tool_format=None if tool_format == "auto" else tool_format,
                           shutdown_timeout=shutdown_timeout)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.

@@ -24,7 +24,7 @@ class ServerConfig:
     bench_seconds: float = 3.0
     rebench: bool = False
     plugins_dir: str | None = None
-    cors: bool = False
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); (): no CORS headers
     keep_alive: float | None = 300.0  # idle seconds before a model loaded on demand unloads (None: never)
     max_loaded: int = 0  # models loaded at once (0: no limit)
     memory_budget_gb: float = 0.0  # estimated memory of the loaded models (0: no limit)
@@ -33,4 +33,5 @@ class ServerConfig:
     preempt: str = "swap"  # KV pressure: a preempted sequence's KV waits in host memory ("swap") or is recomputed
     step_stretch: float = 2.0  # prompt chunks may stretch a step to this many decode-only steps (0: no limit)
     prefix_dedup: bool = True  # a prefix several running requests share is computed once (octo.sharing)
+    tool_format: str | None = None  # tool-call family for every model (None: detected from each chat template)
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish

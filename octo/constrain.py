@@ -50,12 +50,13 @@ from typing import Any
 import numpy as np
 
 from octo.errors import InvalidRequest
+from octo.logits import apply_bitmask  # noqa: F401 - re-exported: the engine-side half
 from octo.toolcalls import ToolFormat, get_format
 
-# JSON whitespace allowed at each place JSON allows it: a few spaces, or one line break and an indentation (as
-# llama.cpp's JSON grammars), so a model cannot loop on blank lines. A schema's own "x-guidance" options win.
-JSON_WHITESPACE = r"(?:[\x20\x09]{1,8}|[\x20\x09]{0,8}\x0D?\x0A[\x20\x09]{0,40})"
-_NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
+# JSON whitespace allowed at each place JSON allows it: nothing, one space, or one line break and up to 20 spaces or
+# tabs of indentation: llama.cpp's rule for its JSON grammars (`ws ::= | " " | "\n" [ \t]{0,20}`), so pretty-printed
+# JSON is fine and a model cannot spend its tokens on blank runs. A schema's own "x-guidance" options win.
+JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 
 
 def available() -> tuple[bool, str]:
@@ -139,6 +140,7 @@ class Vocab:
 _VOCABS: OrderedDict[bytes, Vocab] = OrderedDict()
 _VOCAB_LOCK = threading.Lock()
 _ENGINE_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BUILD_LOCK = threading.Lock()
 
 
 def build_vocab(token_bytes: Callable[[int], bytes] | Sequence[bytes], n_vocab: int, eos_ids: Sequence[int],
@@ -172,9 +174,13 @@ def vocab_for(engine: Any) -> Vocab:
     cached = _ENGINE_VOCABS.get(engine)
     if cached is not None and cached[0] is info:
         return cached[1]
-    special = engine.special_tokens() if callable(getattr(engine, "special_tokens", None)) else None
-    vocab = build_vocab(engine.token_bytes, info.n_vocab, sorted(info.eos_token_ids), special)
-    _ENGINE_VOCABS[engine] = (info, vocab)
+    with _BUILD_LOCK:  # a background build at load and a first request: one builds, the other waits for it
+        cached = _ENGINE_VOCABS.get(engine)
+        if cached is not None and cached[0] is info:
+            return cached[1]
+        special = engine.special_tokens() if callable(getattr(engine, "special_tokens", None)) else None
+        vocab = build_vocab(engine.token_bytes, info.n_vocab, sorted(info.eos_token_ids), special)
+        _ENGINE_VOCABS[engine] = (info, vocab)
     return vocab
 
 
@@ -254,15 +260,6 @@ class Constraint:
         raise InvalidRequest(f"Unsupported {param}.type {kind!r} (expected 'text', 'json_object' or 'json_schema').",
                              param=f"{param}.type")
 
-    @classmethod
-    def from_sampling(cls, params: Any) -> Constraint | None:
-        """From the engine contract's ``SamplingParams.grammar`` (GBNF) / ``json_schema`` ({} means json_object)."""
-        if getattr(params, "grammar", None):
-            return cls.gbnf(params.grammar)
-        schema = getattr(params, "json_schema", None)
-        if schema is None:
-            return None
-        return cls.json_object() if not schema else cls.json_schema(schema, param="response_format")
 
 
 # -- checks -----------------------------------------------------------------------------------------------------
@@ -318,7 +315,34 @@ def _check_json_schema(schema: Any, param: str) -> None:
 
 def _with_whitespace(schema: dict[str, Any]) -> dict[str, Any]:
     guidance = {"whitespace_pattern": JSON_WHITESPACE, **(schema.get("x-guidance") or {})}
-    return {**schema, "x-guidance": guidance}
+    return {**_closed(schema), "x-guidance": guidance}
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists its properties and does not
+    say: what llama.cpp's and xgrammar's JSON-schema grammars do, so generated objects have exactly the properties
+    the schema names (an open object lets a model write keys forever). ``{"type": "object"}`` alone stays open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(v) for v in out[key]]
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _lit(text: str) -> str:
@@ -635,28 +659,3 @@ def fill_masks(matchers: Sequence[Matcher | None], out: np.ndarray | None = None
         for i, m in live:
             m.fill(out[i])
     return out
-
-
-def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> None:
-    """Set forbidden logits to -inf in place: ``logits`` ``(n,)`` or ``(batch, n)``, ``bitmask`` ``(words,)`` or
-    ``(batch, words)``. Columns past the bitmask's tokens are forbidden too."""
-    rows = logits if logits.ndim == 2 else logits[None, :]
-    masks = bitmask if bitmask.ndim == 2 else bitmask[None, :]
-    if rows.shape[0] != masks.shape[0]:
-        raise ValueError(f"logits batch {rows.shape[0]} != bitmask batch {masks.shape[0]}")
-    n = min(rows.shape[1], masks.shape[1] * 32)
-    if rows.shape[1] > n:
-        rows[:, n:] = -np.inf
-    for row, words in zip(rows, masks, strict=True):
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=n)
-        if row.dtype == np.float32 and row.flags.c_contiguous:
-            keep = bits.astype(np.int32)
-            np.negative(keep, out=keep)  # 0xFFFFFFFF where allowed, 0 where forbidden
-            u = row[:n].view(np.uint32)
-            keep_u = keep.view(np.uint32)
-            u &= keep_u
-            np.invert(keep_u, out=keep_u)
-            keep_u &= _NEG_INF_BITS
-            u |= keep_u
-        else:
-            np.putmask(row[:n], ~bits.view(bool), -np.inf)

@@ -76,8 +76,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
-    grammar: str | None = None  # GBNF text
-    json_schema: dict | None = None  # response_format: {} for json_object, the schema for json_schema
 
     def changed(self) -> set[str]:
         """Names of the fields that differ from their defaults."""
@@ -145,11 +143,30 @@ class Sequence:
 
 @dataclass(eq=False, slots=True)
 class Feed:
-    """Append ``tokens`` to ``seq``'s KV; when ``sample`` is true, sample the next token afterwards."""
+    """Append ``tokens`` to ``seq``'s KV; when ``sample`` is true, sample the next token afterwards.
+
+    Constrained decoding and logprobs (engines that declare ``supports_masks`` / ``supports_logprobs``):
+
+    * ``mask`` (sampling feeds only): the allowed next tokens as an int32 bitmask of ``ceil(n_vocab / 32)`` words, bit
+      ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (``octo.logits.apply_bitmask``); the engine
+      samples only an allowed token. None: no constraint.
+    * ``logprobs`` >= 0 (sampling feeds only): the engine sets ``logprob`` to ``(logprob of the sampled token,
+      [(token, logprob), ...] the top `logprobs` tokens, most likely first)``. A logprob is the log-softmax, in at
+      least float32, of the logits after the sampler's logit bias and penalties, before temperature, top-k/p and the
+      mask (``octo.logits.top_logprobs``).
+    * ``prompt_logprobs`` >= 0: the engine sets ``prompt_out`` to one ``(logprob, top)`` pair per fed position whose
+      next token is already in ``seq.tokens`` (the logprob of that next token; for a prompt, what OpenAI's
+      completions ``echo`` + ``logprobs`` reports), from the raw logits (no penalties).
+    """
 
     seq: Sequence
     tokens: list[int]
     sample: bool
+    mask: Any = None
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+    logprob: Any = None
+    prompt_out: Any = None
 
 
 @dataclass(eq=False)
@@ -209,6 +226,12 @@ class Engine:
     kv_shares_cells: bool = False
     # SamplingParams fields this engine honours; a request that sets any other one is refused (400).
     sampling_params: ClassVar[frozenset[str]] = frozenset({"temperature"})
+    # Constrained decoding (response_format, tool_choice): the engine applies ``Feed.mask`` before sampling, and
+    # its vocabulary is fixed at load (``token_bytes`` of 0..n_vocab-1), so the shared layer can compile grammars.
+    supports_masks: ClassVar[bool] = False
+    # ``Feed.logprobs`` (chat/completions logprobs) and ``Feed.prompt_logprobs`` (completions echo + logprobs).
+    supports_logprobs: ClassVar[bool] = False
+    supports_prompt_logprobs: ClassVar[bool] = False
     # Greatest prompt chunk the scheduler feeds in one step (prefill chunking).
     prefill_chunk: ClassVar[int] = 512
     # Where a loaded model runs by default: "process" (its own worker process, so a native crash costs only its
@@ -260,9 +283,21 @@ class Engine:
         """The bytes a generated token stands for (special tokens: b"")."""
         raise NotImplementedError
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The model's chat template applied to OpenAI-style ``messages`` (content as plain text)."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The model's chat template applied to OpenAI-style ``messages`` (content as plain text; assistant
+        messages may carry ``tool_calls`` with arguments as objects, ``tool`` messages a ``tool_call_id``), with
+        ``tools`` (OpenAI function tools) in the template's ``tools`` variable when given, as Hugging Face's
+        ``apply_chat_template`` passes them."""
         raise NotImplementedError
+
+    def chat_template(self) -> str | None:
+        """The Jinja source of the model's chat template (the tool-call format is detected from it), or None."""
+        return None
+
+    def special_tokens(self) -> dict[str, int]:
+        """Control tokens by their text (``{"<tool_call>": 151657}``), for grammars that must emit one; optional."""
+        return {}
 
     def add_sequence(self, seq: Sequence) -> None:
         """Give ``seq`` a slot (KV sequence, sampler) before its first feed."""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from octo.emission import Emission, _put
 from octo.engine import Feed, common_prefix
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
 from octo.jobs import Ticket, _Call, _Job
@@ -33,7 +34,7 @@ from octo.sharing import PrefixSharing
 log = logging.getLogger("octo.scheduler")
 
 
-class EngineLoop(PrefixSharing):
+class EngineLoop(PrefixSharing, Emission):
     """Methods that run on the model's engine thread; the state they share lives on the Scheduler."""
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future:
@@ -192,7 +193,7 @@ class EngineLoop(PrefixSharing):
         except BaseException as exc:  # noqa: BLE001
             self._fail(t, exc, posts, remove=False)
             return
-        if self.cache is not None:
+        if self.cache is not None and t.prompt_lps is None:  # prompt logprobs need every prompt position computed
             handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1)
             if handle is not None:
                 try:
@@ -206,7 +207,10 @@ class EngineLoop(PrefixSharing):
                     self.engine.remove_sequence(seq)
                     self.engine.add_sequence(seq)
                     seq.n_cached = 0
-        self._find_lead(t)
+            if t.cached and t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
+                posts.append((_put, t.events, (t.index, "cached", t.cached)))
+        if t.prompt_lps is None:
+            self._find_lead(t)
         self._active.append(t)
 
     def _step(self, posts: list) -> None:
@@ -263,6 +267,9 @@ class EngineLoop(PrefixSharing):
             owners.append(t)
         if not feeds:
             return
+        for f, t in zip(feeds, owners, strict=True):
+            if t.extra:
+                self._dress(f, t)
         gate = self.gate
         n_decode = sum(1 for f in feeds if len(f.tokens) == 1 and f.sample)
         n_fed = sum(len(f.tokens) for f in feeds)
@@ -299,11 +306,15 @@ class EngineLoop(PrefixSharing):
         self._pacer.observe(time.perf_counter() - started, n_decode, n_fed - n_decode)
         eos = eng.info.eos_token_ids if eng.info else frozenset()
         token_bytes = eng.token_bytes
-        for t, tok in zip(owners, out, strict=True):
+        for f, t, tok in zip(feeds, owners, out, strict=True):
+            if t.extra and t.prompt_lps is not None:
+                self._prompt_logprobs(f, t)
             if tok is None:
                 continue
             if isinstance(tok, BaseException):  # the engine failed this sequence alone
                 self._fail(t, tok, posts)
+                continue
+            if t.extra and not self._accept(f, t, tok, eos, posts):
                 continue
             tokens = t.seq.tokens
             tokens.append(tok)
@@ -319,11 +330,11 @@ class EngineLoop(PrefixSharing):
                 self._fail(t, exc, posts)
                 continue
             if piece:
-                t.text.append(piece)
-                if t.req.stream:
-                    posts.append((_put, t.events, (t.index, "text", piece)))
+                self._emit(t, piece, posts)
             if stopped:
                 self._finish(t, "stop", posts, flush=False)
+            elif t.matcher is not None and t.matcher.is_done():  # nothing but the end can follow
+                self._finish(t, "stop", posts)
             elif (t.req.max_tokens is not None and len(tokens) - t.n_prompt >= t.req.max_tokens) \
                     or len(tokens) >= n_ctx:
                 self._finish(t, "length", posts)
@@ -409,9 +420,9 @@ class EngineLoop(PrefixSharing):
         t.finish = reason
         tail = t.stream.flush() if flush and reason != "cancelled" else ""
         if tail:
-            t.text.append(tail)
-            if t.req.stream:
-                posts.append((_put, t.events, (t.index, "text", tail)))
+            self._emit(t, tail, posts)
+        if reason != "cancelled":
+            self._end_output(t, posts)
         self._retire(t)
         if reason == "cancelled":
             self.total_cancelled += 1
@@ -501,10 +512,6 @@ def _fail_job(job: _Job, err: OctoError) -> None:
     if job.admitted is not None:
         _set_exception(job.admitted, err)
     _set_exception(job.result if isinstance(job, Ticket) else job.future, err)
-
-
-def _put(queue: asyncio.Queue, item: Any) -> None:
-    queue.put_nowait(item)
 
 
 def _outcome(fut: asyncio.Future, result: Any) -> tuple:

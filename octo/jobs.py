@@ -13,8 +13,17 @@ from typing import Any
 from octo.engine import SamplingParams, Sequence
 from octo.errors import OctoError
 from octo.textstream import TextStream
+from octo.toolcalls import ToolCallParser, parse_tool_calls
 
 _ids = itertools.count(1)
+
+
+@dataclass
+class ToolSpec:
+    """How to read tool calls out of a sequence's text: the template family's format and the offered functions."""
+
+    format: Any  # octo.toolcalls.ToolFormat
+    names: tuple[str, ...]
 
 
 @dataclass
@@ -24,6 +33,10 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    grammar: Any = None  # octo.constrain.Grammar: every sequence's output must match it (a matcher per sequence)
+    logprobs: int = -1  # >= 0: report each generated token's logprob and this many alternatives
+    prompt_logprobs: int = -1  # >= 0: the same for every prompt token after the first (completions echo)
+    tools: ToolSpec | None = None  # parse tool calls out of the output
 
 
 @dataclass
@@ -35,6 +48,9 @@ class Result:
     cached_tokens: int
     token_ids: list[int]
     stop_sequence: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool_calls entries (``text`` is then the other content)
+    logprobs: list[tuple[bytes, float, list[tuple[bytes, float]]]] | None = None  # per generated token
+    prompt_logprobs: list[tuple[bytes, float | None, list[tuple[bytes, float]]]] | None = None  # per prompt token
 
 
 class _Job:
@@ -53,7 +69,8 @@ class Ticket(_Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel", "swap", "preemptions", "lead", "lead_n")
+                 "finish", "hit_eos", "_cancel", "swap", "preemptions", "lead", "lead_n", "matcher", "parser",
+                 "calls", "lps", "prompt_lps", "extra")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -76,6 +93,14 @@ class Ticket(_Job):
         self.preemptions = 0
         self.lead: Ticket | None = None  # the running sequence computing a prefix this one waits to share
         self.lead_n = 0  # how many of its tokens it shares with the lead
+        self.matcher = req.grammar.matcher() if req.grammar is not None else None  # octo.constrain.Matcher
+        # streamed tool calls: an incremental parser (octo.toolcalls); whole results are parsed at the end
+        self.parser = ToolCallParser(req.tools.format, req.tools.names) if req.tools and req.stream else None
+        self.calls: list[dict[str, Any]] | None = None  # tool calls found (streaming: as they complete)
+        self.lps: list | None = [] if req.logprobs >= 0 else None
+        self.prompt_lps: list | None = [] if req.prompt_logprobs >= 0 else None
+        # anything the engine step must be told beyond tokens (a mask, logprobs)
+        self.extra = self.matcher is not None or req.logprobs >= 0 or req.prompt_logprobs >= 0
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""
@@ -92,8 +117,16 @@ class Ticket(_Job):
 
     def _result(self) -> Result:
         gen = self.seq.tokens[self.n_prompt:len(self.seq.tokens) - self.hit_eos]
-        return Result("".join(self.text), self.finish or "stop", self.n_prompt, len(gen), self.cached, gen,
-                      self.stream.matched)
+        text, calls = "".join(self.text), self.calls
+        tools = self.req.tools
+        if tools is not None and self.parser is None:  # not streamed: parse the whole text once
+            parsed = parse_tool_calls(text, tools.format, tools.names)
+            text, calls = parsed.content, parsed.tool_calls or None
+        finish = self.finish or "stop"
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return Result(text, finish, self.n_prompt, len(gen), self.cached, gen, self.stream.matched, calls,
+                      self.lps, self.prompt_lps)
 
 
 class _Call(_Job):

@@ -6,7 +6,7 @@ the same async surface, so the route handlers never know where a model lives:
     submit(kind, req, size)             -> (tickets, events): queue the sequences of a chat/completion/messages request
     wait_admitted(tickets), abandon(tickets)
     call(op, payload)                   "embed" or "transcribe", through the model's admission queue
-    prompt_texts(req), stats()
+    prompt_texts(req), count_tokens(kind, req), tokenize(text, ...), detokenize(tokens), stats()
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ class ModelHandle(HandleInfo):
     selection: dict[str, Any] = field(default_factory=dict)  # how the engine was chosen (/v1/engines)
     benchmarks: dict[str, Any] = field(default_factory=dict)  # engine name -> benchmark result
     engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
+    tool_format: str | None = None  # --tool-format (None: detected from the chat template)
     isolation = "thread"
 
     @property
@@ -98,6 +99,9 @@ class ModelHandle(HandleInfo):
         if not config.no_cache and config.cache_size_mb > 0 and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
             cache = PrefixCache(int(config.cache_size_mb * 2**20), self.engine.kv_free)
         self.cache = cache
+        self.tool_format = config.tool_format
+        if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
+            _prepare_vocab(self.engine)
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                        queue_timeout=config.queue_timeout, cache=cache, preempt=config.preempt,
                                        step_stretch=config.step_stretch, dedup=config.prefix_dedup, **kw)
@@ -145,6 +149,28 @@ class ModelHandle(HandleInfo):
 
     async def prompt_texts(self, req: Any) -> list[str]:
         return serving.prompt_texts(self, req)
+
+    async def count_tokens(self, kind: str, req: Any) -> int:
+        """The prompt tokens of a request of ``kind`` ("messages"), rendered as a real one (off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(None, serving.count_tokens, self, kind, req)
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
+        """POST /tokenize's answer (octo.api_tokens); a long text is tokenized off the event loop."""
+        from octo import api_tokens
+
+        work = functools.partial(api_tokens.tokenize, self, text, add_special, parse_special, with_pieces)
+        if len(text) > _OFFLOAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(None, work)
+        return work()
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """POST /detokenize's text (octo.api_tokens): 400 naming ``tokens`` for an id outside the vocabulary."""
+        from octo import api_tokens
+
+        work = functools.partial(api_tokens.detokenize, self, tokens)
+        if len(tokens) > _OFFLOAD_BYTES // 4:
+            return await asyncio.get_running_loop().run_in_executor(None, work)
+        return work()
 
     async def stats(self) -> dict[str, Any]:
         return local_stats(self)
@@ -209,6 +235,22 @@ def local_stats(handle: ModelHandle) -> dict[str, Any]:
     sched = handle.scheduler
     return {"queue": sched.stats() if sched is not None else None,
             "cache": handle.cache.stats() if handle.cache is not None else None}
+
+
+def _prepare_vocab(engine: Engine) -> None:
+    """Build the engine's constrained-decoding vocabulary in the background (0.5-1 s for a 150k-token vocabulary),
+    so the first request with response_format or tool_choice does not wait for it."""
+    import threading
+
+    from octo.constrain import vocab_for
+
+    def build() -> None:
+        try:
+            vocab_for(engine)
+        except Exception:  # noqa: BLE001 - the first constrained request builds it again and reports the error
+            log.exception("building the constrained-decoding vocabulary failed")
+
+    threading.Thread(target=build, name="octo-vocab", daemon=True).start()
 
 
 def make_engine(cls: type[Engine], config: ServerConfig) -> Engine:

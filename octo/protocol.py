@@ -61,11 +61,43 @@ ContentPart = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[OtherP
                         Discriminator(_part_kind)]
 
 
+class CalledFunction(_Model):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Model):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None
@@ -152,8 +184,8 @@ class ChatCompletionRequest(_Sampling):
     safety_identifier: str | None = None
     service_tier: str | None = None
     store: bool | None = None
-    tool_choice: Any = None
-    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[FunctionTool] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
@@ -166,6 +198,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    response_format: ResponseFormat | None = None  # an extension (vLLM's): structured output on completions
     suffix: str | None = None
 
 
@@ -176,58 +209,6 @@ class EmbeddingRequest(_Model):
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
     keep_alive: float | str | None = None
-
-
-def _block_kind(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "text-block" if kind == "text" else "other-block"
-
-
-class TextBlock(_Model):
-    type: Literal["text"]
-    text: str
-    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here (the prefix cache)
-    citations: list[Any] | None = None
-
-
-class OtherBlock(_Other):
-    pass
-
-
-ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[OtherBlock, Tag("other-block")],
-                         Discriminator(_block_kind)]
-
-
-class AnthropicMessage(_Model):
-    role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
-
-
-class AnthropicRequest(_Model):
-    model: str | None = None
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
-    container: Any = None
-    mcp_servers: list[Any] | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    system: str | list[ContentBlock] | None = None
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    thinking: dict[str, Any] | None = None
-    tool_choice: Any = None
-    tools: list[Any] | None = None
-    top_k: int | None = Field(None, ge=0, le=_INT32)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    keep_alive: float | str | None = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _stop(cls, v):
-        if v is not None:
-            _check_stops(v, "stop_sequences")
-        return v
 
 
 def parse(model: type[_Model], body: bytes) -> Any:
@@ -265,7 +246,9 @@ def _check_unknown(value: Any, path: str) -> None:
 
 # -- errors -------------------------------------------------------------------------------------------
 _UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "none", "function-after", "function-before",
-               "text-part", "other-part", "text-block", "other-block"}
+               "text-part", "other-part", "text-block", "other-block", "NamedToolChoice", "text-content",
+               "other-content", "message-item", "call-item", "output-item", "other-item", "function-tool",
+               "other-tool", "FunctionChoice"}
 _EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
              "list_type": "an array", "dict_type": "an object", "model_type": "an object",
              "model_attributes_type": "an object", "literal_error": None}

@@ -448,6 +448,8 @@ class RemoteHandle(HandleInfo):
                 continue  # abandoned by its client
             if kind == "t":
                 req.events.put_nowait((index, "text", value))
+            elif kind in ("tool", "lp", "cached"):
+                req.events.put_nowait((index, kind, value))
             elif kind == "a":
                 t = req.tickets[index]
                 t.n_prompt = value
@@ -496,6 +498,15 @@ class RemoteHandle(HandleInfo):
 
     async def prompt_texts(self, req: Any) -> list[str]:
         return await self._request("prompt_texts", req)
+
+    async def count_tokens(self, kind: str, req: Any) -> int:
+        return await self._request("count_tokens", kind, req)
+
+    async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
+        return await self._request("tokenize", text, add_special, parse_special, with_pieces)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self._request("detokenize", tokens)
 
     async def stats(self) -> dict[str, Any]:
         if self.state != "ready":  # no worker to ask: nothing is queued or running for this model

@@ -1,4 +1,5 @@
-"""The aiohttp application: one middleware (request id, auth, errors, metrics), routes, start-up."""
+"""The aiohttp application: one middleware (auth, errors, metrics, OPTIONS), response headers (request id, CORS),
+routes (each /v1 route also without /v1), start-up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from octo import api
+from octo import api, api_anthropic
 from octo.config import ServerConfig
 from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
 from octo.metrics import CONTENT_TYPE, Metrics
@@ -25,11 +26,22 @@ _OPEN_PATHS = frozenset({"/health"})
 # upstream keep-alive is 60 s, so a proxy never reuses a connection octo is closing); header lines and fields are
 # aiohttp's defaults (8,190 bytes, 128 headers: 400 above)
 HANDLER_ARGS = {"auto_decompress": False, "keepalive_timeout": 75.0}
+# CORS (--cors-origins): what a browser page from an allowed origin may send and read. A preflight is allowed the
+# headers it asks for (the SDKs send openai-*/x-stainless-*/anthropic-* headers); these are the ones named when it
+# asks for none. Max-Age: Chromium caps it at 2 hours.
+CORS_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, OpenAI-Organization, " \
+               "OpenAI-Project, X-Request-Id"
+CORS_EXPOSE = "Retry-After, X-Request-Id"
+CORS_MAX_AGE = "7200"
+# the /v1 route each prefix-less alias stands for (its metrics label): see _add_unprefixed
+V1_OF = web.AppKey("octo_v1_of", dict)
 
 
 def _error_response(request: web.Request, err: OctoError) -> web.Response:
-    if request.path.startswith("/v1/messages"):
-        body = api.anthropic_error_body(err)
+    path = request.path
+    if (path[3:] if path.startswith("/v1/") else path).startswith("/messages"):  # /v1/messages and /messages
+        body = api_anthropic.anthropic_error_body(err)
     else:
         body = err.body()
     return api.json_response(body, status=err.status, headers=err.headers or None)
@@ -54,15 +66,22 @@ def _from_http(exc: web.HTTPException) -> OctoError:
 async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
     state: AppState = request.app[STATE]
     started = time.perf_counter()
+    if request.method == "OPTIONS":
+        # Every path, before the API key (browsers send CORS preflights without credentials): 204, and the CORS
+        # headers (_on_prepare) for an allowed origin only; never the 405 of a route that has no OPTIONS
+        if state.metrics is not None:
+            state.metrics.observe("OPTIONS", 204, time.perf_counter() - started)
+        return web.Response(status=204)
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
+    endpoint = request.app[V1_OF].get(endpoint, endpoint)  # /chat/completions counts as /v1/chat/completions
     status = 500
     counted = request.path not in _OPEN_PATHS
     if counted:
         state.inflight += 1
     try:
         key = state.config.api_key
-        if key and counted:  # every method (OPTIONS, HEAD too): there is no CORS preflight
+        if key and counted:  # every method but OPTIONS (answered above), HEAD too
             _check_key(request, key)
         if state.draining and counted:
             raise Overloaded("The server is shutting down; retry on another instance or after it restarts.",
@@ -91,8 +110,30 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
             state.inflight -= 1
         if state.metrics is not None:
             state.metrics.observe(endpoint, status, time.perf_counter() - started)
-    resp.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or new_id("req")
     return resp
+
+
+async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
+    """Headers every response gets just before its headers go out (a stream's too, which the middleware only sees
+    after they were sent): the request id, and CORS for an allowed origin."""
+    resp.headers.setdefault("X-Request-Id", request.headers.get("X-Request-Id") or new_id("req"))
+    allowed = request.app[STATE].config.cors_origins
+    if not allowed:
+        return
+    resp.headers.add("Vary", "Origin")
+    origin = request.headers.get("Origin")
+    if origin is None or ("*" not in allowed and origin.lower() not in allowed):
+        return
+    h = resp.headers
+    h["Access-Control-Allow-Origin"] = origin  # the origin itself, also for "*" (Vary: Origin above)
+    h["Access-Control-Expose-Headers"] = CORS_EXPOSE
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:  # a preflight
+        h["Access-Control-Allow-Methods"] = CORS_METHODS
+        h["Access-Control-Allow-Headers"] = request.headers.get("Access-Control-Request-Headers") or CORS_HEADERS
+        h["Access-Control-Max-Age"] = CORS_MAX_AGE
+        h.add("Vary", "Access-Control-Request-Method, Access-Control-Request-Headers")
+        if request.headers.get("Access-Control-Request-Private-Network") == "true":  # a public page calling localhost
+            h["Access-Control-Allow-Private-Network"] = "true"
 
 
 def _check_key(request: web.Request, key: str) -> None:
@@ -277,6 +318,23 @@ def _audio_handlers() -> tuple[Any, Any]:
     return audio.transcriptions, audio.translations
 
 
+def _add_unprefixed(router: web.UrlDispatcher) -> dict[str, str]:
+    """Every /v1 route registered so far also without the prefix (/chat/completions, /models/{name}...: clients
+    whose base URL lacks /v1, llama-server's bare paths), same handler, unless that path is taken; a route added
+    after this call gets no alias. Returns alias -> /v1 path (for the metrics label)."""
+    taken = {res.canonical for res in router.resources()}
+    aliases: dict[str, str] = {}
+    for res in list(router.resources()):
+        v1 = res.canonical
+        if not v1.startswith("/v1/") or v1[3:] in taken:
+            continue
+        path = getattr(res, "_orig_path", None) or v1  # a DynamicResource's path keeps its patterns ({name:.+})
+        for route in res:
+            router.add_route(route.method, path[3:], route.handler)
+        aliases[v1[3:]] = v1
+    return aliases
+
+
 def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, Any]] | None = None,
                plugin_manager: Any = None) -> web.Application:
     """The application. ``models`` is a started ``Registry``, or one loaded handle (with its /v1/engines rows),
@@ -307,11 +365,20 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     r.add_post("/v1/chat/completions", api.chat_completions)
     r.add_post("/v1/completions", api.completions)
     r.add_post("/v1/embeddings", api.embeddings)
-    r.add_post("/v1/messages", api.messages)
+    r.add_post("/v1/messages", api_anthropic.messages)
+    r.add_post("/v1/messages/count_tokens", api_anthropic.count_tokens)
     r.add_post("/v1/audio/transcriptions", transcriptions)
     r.add_post("/v1/audio/translations", translations)
+    from octo import api_responses
+
+    api_responses.add_routes(r)
+    from octo import api_tokens
+
+    api_tokens.add_routes(r)
     if plugin_manager is not None:
         plugin_manager.hook.register_routes(app=app)
+    app[V1_OF] = _add_unprefixed(r)  # last: the /v1 routes registered above (plugins' too) get their alias
+    app.on_response_prepare.append(_on_prepare)
 
     async def on_startup(app: web.Application) -> None:
         await registry.activate_all()

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+from octo import chatprep
 from octo.engine import SamplingParams, Task
 from octo.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
 from octo.jobs import GenerationRequest, Result
@@ -18,15 +19,14 @@ from octo.protocol import (
     MAX_EMBEDDING_CHARS,
     MAX_EMBEDDING_INPUTS,
     MAX_EMBEDDING_TOKENS,
-    AnthropicRequest,
     ChatCompletionRequest,
     CompletionRequest,
-    TextBlock,
+    NamedToolChoice,
     TextPart,
 )
 
 # SamplingParams field -> the request parameter a user would recognise
-_PARAM_NAMES = {"json_schema": "response_format", "repetition_penalty": "repetition_penalty"}
+_PARAM_NAMES = {"repetition_penalty": "repetition_penalty"}
 
 
 _ID_PREFIX = uuid.uuid4().hex[:12]
@@ -47,7 +47,7 @@ def _unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:
 
 _PLAIN_SAMPLING = ("top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # every request field sampling_params reads: a request that sets none of them gets the defaults at once
-_SAMPLING_FIELDS = frozenset({"temperature", "top_p", *_PLAIN_SAMPLING, "logit_bias", "response_format"})
+_SAMPLING_FIELDS = frozenset({"temperature", "top_p", *_PLAIN_SAMPLING, "logit_bias"})
 
 
 def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
@@ -74,16 +74,6 @@ def sampling_params(req: Any, engine: Any, n_vocab: int = 0) -> SamplingParams:
                                      param="logit_bias")
             bias[tok] = float(value)
         sp.logit_bias = bias
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
-            sp.json_schema = {}
-        else:
-            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
-            if not isinstance(schema, dict):
-                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object.",
-                                     param="response_format.json_schema.schema")
-            sp.json_schema = schema
     for name in sorted(sp.changed()):
         if name not in engine.sampling_params:
             raise UnsupportedParameter(_PARAM_NAMES.get(name, name), f"the {engine.name} engine cannot honour it")
@@ -110,12 +100,17 @@ def _require(handle: Any, task: Task) -> None:
 
 # -- chat ----------------------------------------------------------------------------------------------
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """OpenAI messages -> plain {role, content[, name]} dicts for a chat template."""
+    """OpenAI messages -> plain {role, content[, name, tool_calls, tool_call_id]} dicts for a chat template."""
     out = []
     for i, msg in enumerate(req.messages):
-        if msg.role in ("tool", "function") or msg.tool_calls or msg.function_call:
-            raise UnsupportedParameter(f"messages[{i}]", "tool and function messages need tool support, "
-                                       "which this server does not have")
+        if msg.role == "function" or msg.function_call:
+            raise UnsupportedParameter(f"messages[{i}]", "the deprecated function-call messages are not supported; "
+                                       "use tool_calls and tool messages")
+        if msg.tool_calls and msg.role != "assistant":
+            raise InvalidRequest("Only assistant messages can have tool_calls.", param=f"messages[{i}].tool_calls")
+        if msg.role == "tool" and not msg.tool_call_id:
+            raise InvalidRequest("A tool message needs the tool_call_id of the call it answers.",
+                                 param=f"messages[{i}].tool_call_id")
         if msg.audio is not None:
             raise UnsupportedParameter(f"messages[{i}].audio")
         content = msg.content
@@ -130,6 +125,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         item = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
         if msg.name:
             item["name"] = msg.name
+        if msg.tool_calls:
+            item["tool_calls"] = [c.model_dump() for c in msg.tool_calls]
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
         out.append(item)
     return out
 
@@ -138,20 +137,28 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
     _require(handle, Task.CHAT)
     _check_stream_options(req)
     _unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options",
-                          "reasoning_effort", "verbosity", "logprobs", "top_logprobs", "store"))
-    if req.tools:
-        raise UnsupportedParameter("tools", "tool calling is not supported by this server")
-    if req.tool_choice not in (None, "none"):
-        raise UnsupportedParameter("tool_choice")
+                          "reasoning_effort", "verbosity", "store"))
     if req.modalities not in (None, ["text"]):
         raise UnsupportedParameter("modalities", "only text output is supported")
     if req.service_tier not in (None, "auto", "default"):
         raise UnsupportedParameter("service_tier")
-    sampling = sampling_params(req, handle.engine, handle.info.n_vocab)
-    prompt = handle.engine.render_chat(chat_messages(req), add_generation_prompt=True)
-    tokens = handle.engine.tokenize(prompt, special=True)
+    engine = handle.engine
+    sampling = sampling_params(req, engine, handle.info.n_vocab)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    logprobs = chatprep.logprobs_count(engine, (req.top_logprobs or 0) if req.logprobs else None)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    names = chatprep.check_tools(tools) if tools else []
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    chatprep.check_tool_choice(choice, names, bool(tools))
+    fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
+    rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
+    grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, tools, choice, req.parallel_tool_calls, fmt))
+    prompt = chatprep.render(engine, chat_messages(req), tools, fmt, choice)
+    tokens = engine.tokenize(prompt, special=True)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return GenerationRequest(tokens, sampling, max_tokens, _stops(req.stop), req.stream)
+    return GenerationRequest(tokens, sampling, max_tokens, _stops(req.stop), req.stream, grammar=grammar,
+                             logprobs=logprobs, tools=chatprep.tool_spec(fmt, names, choice))
 
 
 def usage(results: list[Result]) -> dict[str, Any]:
@@ -161,21 +168,43 @@ def usage(results: list[Result]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results), default=0)}}
 
 
+def _token(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+def chat_logprobs(entries: list | None) -> dict[str, Any] | None:
+    """Chat Completions' ``logprobs`` object of (token bytes, logprob, [(bytes, logprob)]) entries."""
+    if entries is None:
+        return None
+    return {"content": [{"token": _token(b), "logprob": lp, "bytes": list(b),
+                         "top_logprobs": [{"token": _token(tb), "logprob": tlp, "bytes": list(tb)} for tb, tlp in top]}
+                        for b, lp, top in entries], "refusal": None}
+
+
+def chat_message(r: Result) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+    if r.tool_calls:
+        msg["content"] = r.text or None
+        msg["tool_calls"] = r.tool_calls
+    return msg
+
+
 def chat_response(rid: str, model: str, fingerprint: str, results: list[Result]) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "system_fingerprint": fingerprint,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                     "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)],
+        "choices": [{"index": i, "message": chat_message(r), "logprobs": chat_logprobs(r.logprobs),
+                     "finish_reason": r.finish_reason} for i, r in enumerate(results)],
         "usage": usage(results),
     }
 
 
 def chat_chunk(rid: str, model: str, fingerprint: str, created: int, index: int, delta: dict,
-               finish: str | None = None) -> dict[str, Any]:
+               finish: str | None = None, logprobs: list | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": fingerprint,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                         "finish_reason": finish}]}
 
 
 # -- completions ---------------------------------------------------------------------------------------
@@ -184,11 +213,21 @@ def completion_generations(handle: Any, req: CompletionRequest) -> list[Generati
     _require(handle, Task.COMPLETION)
     _check_stream_options(req)
     _unsupported_if(req, ("suffix",))
-    if req.logprobs is not None:
-        raise UnsupportedParameter("logprobs")
     if req.best_of not in (None, req.n):
         raise UnsupportedParameter("best_of", "only best_of == n is supported")
-    sampling = sampling_params(req, handle.engine, handle.info.n_vocab)
+    engine = handle.engine
+    sampling = sampling_params(req, engine, handle.info.n_vocab)
+    logprobs = chatprep.logprobs_count(engine, req.logprobs)
+    prompt_logprobs = -1
+    if req.echo and logprobs >= 0:
+        if not getattr(engine, "supports_prompt_logprobs", False):
+            raise UnsupportedParameter("echo", f"the {engine.name} engine does not report prompt-token logprobs "
+                                       "(echo with logprobs)")
+        prompt_logprobs = logprobs
+    grammar = None
+    if req.response_format is not None:
+        rf = req.response_format.model_dump(by_alias=True, exclude_none=True)
+        grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, None, None, None, None))
     prompt = req.prompt
     if not prompt:
         raise InvalidRequest("prompt must not be empty.", param="prompt")
@@ -209,7 +248,8 @@ def completion_generations(handle: Any, req: CompletionRequest) -> list[Generati
         if n_ctx and len(toks) >= n_ctx:
             raise ContextLengthExceeded(f"This model's maximum context length is {n_ctx} tokens, but "
                                         f"{where[0].lower() + where[1:]} has {len(toks)} tokens.", param="prompt")
-    return [GenerationRequest(t, sampling, req.max_tokens, _stops(req.stop), req.stream) for t in token_lists]
+    return [GenerationRequest(t, sampling, req.max_tokens, _stops(req.stop), req.stream, grammar=grammar,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs) for t in token_lists]
 
 
 def prompt_is_text(prompt: Any) -> bool:
@@ -287,7 +327,9 @@ def _detok(handle: Any, tokens: list[int], param: str = "input") -> str:
 def completion_response(rid: str, model: str, fingerprint: str, results: list[Result],
                         prefixes: list[str], n: int) -> dict[str, Any]:
     """``results`` are prompt-major (prompt i, choice j at i*n + j); ``prefixes`` one per result (echo)."""
-    choices = [{"index": i, "text": prefixes[i] + r.text, "logprobs": None, "finish_reason": r.finish_reason}
+    choices = [{"index": i, "text": prefixes[i] + r.text,
+                "logprobs": completion_logprobs((r.prompt_logprobs or []) + r.logprobs)
+                if r.logprobs is not None else None, "finish_reason": r.finish_reason}
                for i, r in enumerate(results)]
     total_prompt = sum(r.prompt_tokens for r in results[::n])
     u = usage(results)
@@ -297,11 +339,25 @@ def completion_response(rid: str, model: str, fingerprint: str, results: list[Re
             "system_fingerprint": fingerprint, "choices": choices, "usage": u}
 
 
+def completion_logprobs(entries: list, offset: int = 0) -> dict[str, Any]:
+    """Completions' legacy ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset); ``offset``: the
+    text position of the first token."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for b, lp, top in entries:
+        tok = _token(b)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({_token(tb): tlp for tb, tlp in top} if lp is not None else None)
+        out["text_offset"].append(offset)
+        offset += len(tok)
+    return out
+
+
 def completion_chunk(rid: str, model: str, fingerprint: str, created: int, index: int, text: str,
-                     finish: str | None = None) -> dict[str, Any]:
+                     finish: str | None = None, logprobs: dict | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": fingerprint,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 # -- any generation kind ---------------------------------------------------------------------------------
@@ -313,8 +369,19 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[GenerationRequest], 
     if kind == "completion":
         return completion_generations(handle, req), req.n
     if kind == "messages":
-        return [anthropic_generation(handle, req)], 1
+        from octo import anthropic  # it builds on this module
+
+        return [anthropic.generation(handle, req)], 1
     raise ValueError(f"unknown generation kind {kind!r}")
+
+
+def count_tokens(handle: Any, kind: str, req: Any) -> int:
+    """The prompt tokens of an API request of ``kind`` (rendered as a real request would be): "messages"."""
+    if kind == "messages":
+        from octo import anthropic
+
+        return anthropic.count_tokens(handle, req)
+    raise ValueError(f"unknown kind {kind!r} to count tokens of")
 
 
 def sequence_count(kind: str, req: Any) -> int:
@@ -324,56 +391,3 @@ def sequence_count(kind: str, req: Any) -> int:
     p = req.prompt
     prompts = len(p) if isinstance(p, list) and p and not all(isinstance(x, int) for x in p) else 1
     return max(1, prompts) * req.n
-
-
-# -- Anthropic messages ------------------------------------------------------------------------------
-_ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
-
-
-def anthropic_generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
-    _require(handle, Task.CHAT)
-    _unsupported_if(req, ("tools", "thinking", "container", "mcp_servers"))
-    if req.tool_choice is not None:
-        raise UnsupportedParameter("tool_choice")
-    messages: list[dict[str, Any]] = []
-    if req.system:
-        messages.append({"role": "system", "content": _anthropic_text(req.system, "system")})
-    for i, m in enumerate(req.messages):
-        messages.append({"role": m.role, "content": _anthropic_text(m.content, f"messages[{i}].content")})
-    sp = SamplingParams()
-    if req.temperature is not None:
-        sp.temperature = req.temperature
-    if req.top_p is not None:
-        sp.top_p = req.top_p
-    if req.top_k is not None:
-        sp.top_k = req.top_k
-    for name in sorted(sp.changed()):
-        if name not in handle.engine.sampling_params:
-            raise UnsupportedParameter(name, f"the {handle.engine.name} engine cannot honour it")
-    tokens = handle.engine.tokenize(handle.engine.render_chat(messages, True), special=True)
-    return GenerationRequest(tokens, sp, req.max_tokens, list(req.stop_sequences or []), req.stream)
-
-
-def _anthropic_text(content: str | list[Any], where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, TextBlock):
-            raise UnsupportedParameter(f"{where}[{j}]", f"content blocks of type '{block.type}' are not supported")
-        parts.append(block.text)
-    return "".join(parts)
-
-
-def anthropic_stop(result: Result) -> tuple[str, str | None]:
-    if result.stop_sequence is not None:
-        return "stop_sequence", result.stop_sequence
-    return _ANTHROPIC_STOP.get(result.finish_reason, "end_turn"), None
-
-
-def anthropic_response(mid: str, model: str, result: Result) -> dict[str, Any]:
-    reason, seq = anthropic_stop(result)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": result.text}], "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens,
-                      "cache_read_input_tokens": result.cached_tokens}}

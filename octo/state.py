@@ -18,6 +18,7 @@ class AppState:
     started: float = 0.0
     draining: bool = False  # SIGTERM: new requests get 503 while the running ones finish (--shutdown-timeout)
     inflight: int = 0  # requests being handled (not counting /health and /metrics)
+    store: Any = None  # octo.store.ResponseStore, opened on the first Responses API request
 
     @property
     def handle(self) -> Any:

@@ -12,7 +12,8 @@ The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies w
 Messages down (gateway -> worker): ``("gen", rid, kind, req)``, ``("cancel", rid)``, and requests
 ``(op, cid, *args)`` answered by ``("r", cid, ok, value)``: load, bench, serve, call, prompt_texts, stats, stop.
 Up: ``("ev", [(rid, index, kind, value), ...])`` with kind "a" (admitted: prompt tokens), "t" (text),
-"r" (Result), "e" (error; index -1: every sequence of the request).
+"tool" (a tool-call delta), "lp" (a token's logprobs), "cached" (prompt tokens restored from the prefix cache,
+streams only), "r" (Result), "e" (error; index -1: every sequence of the request).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class WireQueue:
         index, kind, value = item
         if kind == "text":
             self._outbox.add(self.rid, index, "t", value)
+        elif kind in ("tool", "lp", "cached"):
+            self._outbox.add(self.rid, index, kind, value)
 
 
 _WIRE = (WireFuture, WireQueue)
@@ -308,6 +311,15 @@ class Worker:
 
     def op_prompt_texts(self, req: Any) -> list[str]:
         return serving.prompt_texts(self.handle, req)
+
+    def op_count_tokens(self, kind: str, req: Any) -> int:
+        return serving.count_tokens(self.handle, kind, req)
+
+    async def op_tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
+        return await self.handle.tokenize(text, add_special, parse_special, with_pieces)
+
+    async def op_detokenize(self, tokens: list[int]) -> str:
+        return await self.handle.detokenize(tokens)
 
     def op_stats(self) -> dict[str, Any]:
         return local_stats(self.handle) if self.handle is not None else {"queue": None, "cache": None}

@@ -24,21 +24,6 @@ def chat_messages(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
-def check_unsupported_parameters_are_400(server: OctoServer, model: str) -> None:
-    """For engines that honour neither: response_format and logit_bias get a 400 naming them."""
-    import openai
-    import pytest
-
-    client = server.openai()
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=chat_messages("hi"),
-                                       response_format={"type": "json_object"})
-    assert "response_format" in str(e.value)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=chat_messages("hi"), logit_bias={"999999": 5})
-    assert "logit_bias" in str(e.value)
-
-
 def check_stop_string_and_max_tokens(server: OctoServer, model: str) -> None:
     """max_tokens ends with "length"; a stop string taken from that text cuts it just before the string."""
     client = server.openai()

@@ -135,8 +135,16 @@ CASES = [
          param="messages[0].content[0]", code="unsupported_parameter"),
     Case("chat-message-extra-key", CHAT, {"messages": [{"role": "user", "content": "x", "zz": 1}]},
          param="messages[0].zz", code="unknown_parameter"),
-    Case("chat-tool-message", CHAT, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
-         param="messages[0]"),
+    Case("chat-tool-message-no-id", CHAT, {"messages": [{"role": "tool", "content": "x"}]},
+         param="messages[0].tool_call_id"),
+    Case("chat-function-message", CHAT, {"messages": [{"role": "function", "content": "x", "name": "f"}]},
+         param="messages[0]", code="unsupported_parameter"),
+    Case("chat-tool-calls-on-user", CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         param="messages[0].tool_calls"),
+    Case("chat-tool-call-args-object", CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}]}]},
+         param="messages[0].tool_calls[0].function.arguments", code="invalid_type"),
     Case("chat-name-int", CHAT, {"messages": [{"role": "user", "content": "x", "name": 5}]},
          param="messages[0].name", code="invalid_type"),
     Case("chat-prompt-beyond-context", CHAT, chat(messages=[{"role": "user", "content": "w " * 9000}]),
@@ -199,7 +207,35 @@ CASES = [
     Case("chat-logit-bias-out-of-range", CHAT, chat(logit_bias={"5": 1000}), param="logit_bias"),
     Case("chat-logit-bias-outside-vocab", CHAT, chat(logit_bias={"99999999": 1}), param="logit_bias"),
     Case("chat-unknown-param", CHAT, chat(unknown_field=1), param="unknown_field", code="unknown_parameter"),
-    Case("chat-tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
+    Case("chat-tools-not-list", CHAT, chat(tools={"type": "function"}), param="tools", code="invalid_type"),
+    Case("chat-tools-web-search", CHAT, chat(tools=[{"type": "web_search"}]), param="tools[0].type"),
+    Case("chat-tools-bad-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+         param="tools[0].function.name"),
+    Case("chat-tools-duplicate", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
+         param="tools[1].function.name"),
+    Case("chat-tools-unknown-key", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "foo": 1}}]),
+         param="tools[0].function.foo", code="unknown_parameter"),
+    Case("chat-tools-params-list", CHAT, chat(tools=[{"type": "function", "function": {"name": "f",
+                                                                                       "parameters": []}}]),
+         param="tools[0].function.parameters", code="invalid_type"),
+    Case("chat-tool-choice-without-tools", CHAT, chat(tool_choice="required"), param="tool_choice"),
+    Case("chat-tool-choice-word", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                             tool_choice="always"), param="tool_choice"),
+    Case("chat-tool-choice-unknown-function", CHAT,
+         chat(tools=[{"type": "function", "function": {"name": "f"}}],
+              tool_choice={"type": "function", "function": {"name": "g"}}), param="tool_choice.function.name"),
+    Case("chat-tool-choice-extra-key", CHAT,
+         chat(tools=[{"type": "function", "function": {"name": "f"}}],
+              tool_choice={"type": "function", "function": {"name": "f"}, "x": 1}), param="tool_choice.x",
+         code="unknown_parameter"),
+    Case("chat-top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), param="top_logprobs"),
+    Case("chat-top-logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), param="top_logprobs"),
+    Case("chat-json-schema-remote-ref", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "$ref": "http://example.com/x"}}}),
+         param={"echo": "response_format", "llamacpp": "response_format.json_schema.schema"}),
+    Case("chat-json-schema-strict-open", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}}),
+         param={"echo": "response_format", "llamacpp": "response_format.json_schema.schema"}),
     Case("chat-keep-alive-bool", CHAT, chat(keep_alive=True), param="keep_alive", code="invalid_type"),
     Case("chat-keep-alive-word", CHAT, chat(keep_alive="later"), param="keep_alive"),
     Case("chat-model-int", CHAT, chat(model=5), param="model", code="invalid_type"),
@@ -235,7 +271,7 @@ CASES = [
     Case("cmpl-echo-string", CMPL, cmpl(prompt="x", echo="yes"), param="echo", code="invalid_type"),
     Case("cmpl-echo-stream", CMPL, cmpl(prompt="x", echo=True, stream=True), param="echo"),
     Case("cmpl-best-of", CMPL, cmpl(prompt="x", best_of=2), param="best_of"),
-    Case("cmpl-logprobs", CMPL, cmpl(prompt="x", logprobs=3), param="logprobs"),
+    Case("cmpl-logprobs-6", CMPL, cmpl(prompt="x", logprobs=6), param="logprobs"),
     Case("cmpl-too-many-prompts", CMPL, cmpl(prompt=["x"] * 100), param="prompt"),
     Case("cmpl-nul-in-prompt", CMPL, cmpl(prompt="a\u0000b c"), status={200, 400}),
     Case("cmpl-max-tokens-string", CMPL, cmpl(prompt="x", max_tokens="8"), param="max_tokens", code="invalid_type"),
@@ -282,7 +318,8 @@ CASES = [
     Case("msg-stream-string", MSG, anth(stream="yes")),
     Case("msg-unknown", MSG, anth(foo=1)),
     Case("msg-model-unknown", MSG, anth(model="nope"), status=404),
-    Case("msg-count-tokens-unknown-endpoint", "/v1/messages/count_tokens", anth(), status=404),
+    Case("msg-count-tokens-max-tokens", "/v1/messages/count_tokens", anth()),  # not a count_tokens field
+    Case("msg-count-tokens-no-messages", "/v1/messages/count_tokens", {"model": "test-model"}),
     Case("msg-wrong-method", MSG, None, status=405, method="GET"),
     # -- audio (text models here: bad forms are refused before the model is asked) --------------------------------
     Case("audio-json-body", AUDIO, {"file": "x"}, param="file"),
@@ -317,7 +354,7 @@ CASES = [
     Case("queue-stats-put", "/v1/queue/stats", {}, status=405, method="PUT"),
     Case("chat-get", CHAT, None, status=405, method="GET"),
     Case("chat-head", CHAT, None, status=405, method="HEAD"),
-    Case("chat-options", CHAT, None, status=405, method="OPTIONS"),
+    Case("chat-options", CHAT, None, status=204, method="OPTIONS"),  # always answered (CORS preflights)
     Case("cmpl-put", CMPL, chat(), status=405, method="PUT"),
     Case("emb-delete", EMB, None, status=405, method="DELETE"),
     Case("msg-patch", MSG, anth(), status=405, method="PATCH"),
@@ -584,6 +621,9 @@ def test_every_method_of_every_protected_route_needs_the_key():
             for method in METHODS:
                 for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"},
                                 {"Authorization": "Basic s3cret"}):
+                    if method == "OPTIONS":  # a preflight never carries credentials: always answered, 204
+                        assert send(server, method, path, None, headers)[0] == 204
+                        continue
                     status, _, body = send(server, method, path, b"{}" if method in ("POST", "PUT", "PATCH") else None,
                                            {**JSON, **headers})
                     assert status == 401, (method, path, headers, status, body[:200])
@@ -594,5 +634,5 @@ def test_every_method_of_every_protected_route_needs_the_key():
         key = {"Authorization": "Bearer s3cret"}
         assert send(server, "GET", "/health")[0] == 200  # open
         assert send(server, "GET", "/v1/models", None, key)[0] == 200
-        assert send(server, "OPTIONS", CHAT, None, key)[0] == 405  # with the key: the route's own answer
+        assert send(server, "OPTIONS", CHAT, None, key)[0] == 204
         assert send(server, "POST", CHAT, chat(), {**JSON, "x-api-key": "s3cret"})[0] == 200

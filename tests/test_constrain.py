@@ -27,6 +27,7 @@ os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".c
 from octo.constrain import (  # noqa: E402
     Constraint,
     Vocab,
+    _closed,
     apply_bitmask,
     build_vocab,
     compile_constraint,
@@ -224,12 +225,25 @@ def test_json_object_and_non_strict_schema(small, table):
         text, _, finished = walk(grammar, table, rng, stop_p=0.5)
         if finished:
             assert isinstance(json.loads(text), dict)
-    # non-strict: the schema as given (additional properties allowed, optional properties optional)
-    loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    grammar = compile_constraint(Constraint.json_schema(loose), small)
-    m = grammar.matcher()
-    assert m.accept_tokens(small.ll.tokenize_str('{"a": 1, "b": [true]}')) > 0
+    # non-strict: optional properties optional; an object that lists its properties gets no others unless it says
+    # so (llama.cpp's and xgrammar's rule: an open object lets a model write keys forever)
+    loose = {"type": "object", "properties": {"a": {"type": "integer"}, "c": {"type": "string"}}, "required": ["a"]}
+    m = compile_constraint(Constraint.json_schema(loose), small).matcher()
+    text = '{"a": 1, "b": [true]}'
+    assert m.accept_tokens(small.ll.tokenize_str(text)) < len(small.ll.tokenize_str(text))
+    m = compile_constraint(Constraint.json_schema(loose), small).matcher()
+    assert m.accept_tokens(small.ll.tokenize_str('{"a": 1}')) == len(small.ll.tokenize_str('{"a": 1}'))
     assert m.accepting() and m.is_done()
+    opened = {**loose, "additionalProperties": True}
+    m = compile_constraint(Constraint.json_schema(opened), small).matcher()
+    assert m.accept_tokens(small.ll.tokenize_str(text)) == len(small.ll.tokenize_str(text))
+    assert m.accepting() and m.is_done()
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    nested = {"type": "object", "properties": {"properties": inner}}
+    closed = _closed(nested)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]  # a property named "properties" is not a schema key
 
 
 def test_dense_vocab_walks_and_timing(dense, dense_table):
@@ -499,11 +513,7 @@ def test_response_format_mapping(small):
     with pytest.raises(InvalidRequest) as info:
         Constraint.from_response_format({"type": "yaml"})
     assert info.value.param == "response_format.type"
-    from octo.engine import SamplingParams
 
-    assert Constraint.from_sampling(SamplingParams(json_schema={})).kind == "json_object"
-    assert Constraint.from_sampling(SamplingParams(grammar='root ::= "a"')).kind == "gbnf"
-    assert Constraint.from_sampling(SamplingParams()) is None
 
 
 def test_bad_tools_and_grammars(small):

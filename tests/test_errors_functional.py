@@ -54,8 +54,9 @@ OK = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}
     ({**OK, "logit_bias": {"-3": 1}}, 400, "logit_bias"),
     ({**OK, "n": 73}, 400, "n"),  # more than --max-queue + --max-batch can ever admit: 400, never a 503 to retry
     ({**OK, "keep_alive": "later"}, 400, "keep_alive"),
-    ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ({**OK, "logprobs": True}, 400, "logprobs"),
+    ({**OK, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400,
+     "tool_choice"),  # echo cannot constrain its output
+    ({**OK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({**OK, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"model": "test-model", "messages": [{"role": "user", "content": [{"type": "image_url",

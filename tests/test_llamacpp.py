@@ -1,5 +1,6 @@
 """The llama.cpp engine driven directly (no server): loading, tokenizer and template, batched greedy decoding
-against bare llama-cpp-python, sampling, prefix-cache KV reuse, JSON grammars, embeddings, errors.
+against bare llama-cpp-python, sampling, prefix-cache KV reuse, embeddings, errors. Output constraints (masks from
+the shared layer) and logprobs: tests/test_llamacpp_logits.py.
 
 Uses the tiny synthetic GGUF (qwen2 architecture, 64 hidden, 2 layers, 4k vocab), built once and cached under
 ``$OCTO_HOME/synth``.
@@ -7,7 +8,6 @@ Uses the tiny synthetic GGUF (qwen2 architecture, 64 hidden, 2 layers, 4k vocab)
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -349,9 +349,10 @@ def test_declared_sampling_params():
         "frequency_penalty",
         "repetition_penalty",
         "logit_bias",
-        "grammar",
-        "json_schema",
     }
+    # constraints come as masks from the shared layer (octo.constrain), not as sampling parameters
+    assert LlamaCppEngine.supports_masks and LlamaCppEngine.supports_logprobs
+    assert LlamaCppEngine.supports_prompt_logprobs
 
 
 # -- prefix cache --------------------------------------------------------------------------------------------
@@ -414,74 +415,6 @@ def test_restore_of_a_longer_handle_is_truncated(engine):
     mem = engine.mem
     assert llama_cpp.llama_memory_seq_pos_max(mem, b.slot.seq_id) == 9
     engine.remove_sequence(b)
-
-
-# -- JSON mode ------------------------------------------------------------------------------------------------
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "integer"},
-        "ok": {"type": "boolean"},
-        "color": {"type": "string", "enum": ["red", "green", "blue"]},
-    },
-    "required": ["answer", "ok", "color"],
-    "additionalProperties": False,
-}
-
-
-def _validate(obj, schema):
-    assert isinstance(obj, dict) and set(obj) == set(schema["required"])
-    assert isinstance(obj["answer"], int) and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
-
-
-@pytest.mark.parametrize("seed", [None, 1, 2])
-def test_json_schema_output_parses_and_validates(engine, seed):
-    p = engine.tokenize(engine.render_chat([{"role": "user", "content": "Give me JSON."}]))
-    sp = SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, json_schema=SCHEMA)
-    out = generate(engine, [p], 120, [sp])[0]
-    assert out[-1] in engine.info.eos_token_ids  # the grammar completed and allowed the end
-    _validate(json.loads(text_of(engine, out)), SCHEMA)
-
-
-def test_json_object_mode_gives_an_object(engine):
-    """A random model rarely closes a free JSON string, so favour "}": the grammar must still open an object
-    first, and then it may end."""
-    p = engine.tokenize(engine.render_chat([{"role": "user", "content": "Give me JSON."}]))
-    close = engine.tokenize("}", special=False)[0]
-    out = generate(engine, [p], 50, [SamplingParams(temperature=0, json_schema={}, logit_bias={close: 30.0})])[0]
-    assert out[-1] in engine.info.eos_token_ids
-    assert json.loads(text_of(engine, out)) == {}
-    assert generate(engine, [p], 1, [SamplingParams(temperature=0, logit_bias={close: 30.0})])[0] == [close]
-    # a sampled run with a bounded free string still ends in valid JSON
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}},
-        "required": ["name"],
-        "additionalProperties": False,
-    }
-    out = generate(engine, [p], 60, [SamplingParams(temperature=0.7, seed=4, json_schema=schema)])[0]
-    obj = json.loads(text_of(engine, out))
-    assert list(obj) == ["name"] and len(obj["name"]) <= 12
-
-
-def test_grammar_overrides_a_banned_eos_instead_of_aborting(engine):
-    """Banning EOS (-100) while the JSON grammar allows only EOS must not leave every logit at -inf: greedy would
-    pick a grammar-rejected token and llama.cpp would abort the process (std::terminate)."""
-    p = engine.tokenize("x")
-    sp = SamplingParams(temperature=0, json_schema=SCHEMA, logit_bias={t: -100.0 for t in engine.info.eos_token_ids})
-    out = generate(engine, [p], 80, [sp])[0]
-    assert out[-1] in engine.info.eos_token_ids
-    _validate(json.loads(text_of(engine, out)), SCHEMA)
-
-
-def test_bad_grammar_and_schema_are_400(engine):
-    p = engine.tokenize("x")
-    with pytest.raises(InvalidRequest) as e1:
-        generate(engine, [p], 1, [SamplingParams(grammar="root ::= (")])
-    assert e1.value.param == "grammar"
-    with pytest.raises(InvalidRequest) as e2:
-        generate(engine, [p], 1, [SamplingParams(json_schema={"type": "object", "$ref": "http://x/y"})])
-    assert e2.value.param == "response_format"
 
 
 # -- embeddings -----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """`octo serve FOLDER --engine mlx` as a real process, driven by the official openai SDK: streaming equals
-non-streaming, batched requests equal single ones, the prefix cache hits on a shared system prompt, unsupported
-parameters are 400s naming them. Uses the tiny synthetic MLX folder."""
+non-streaming, batched requests equal single ones, the prefix cache hits on a shared system prompt, response_format
+and logprobs work (a bad logit_bias is a 400 naming it). Uses the tiny synthetic MLX folder."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from serverproc import (  # noqa: E402
     QUESTIONS,
     SYSTEM,
     check_stop_string_and_max_tokens,
-    check_unsupported_parameters_are_400,
     run_octo,
 )
 from serverproc import chat_messages as _msgs  # noqa: E402
@@ -38,8 +37,6 @@ def server(folder):
 @pytest.fixture(scope="module")
 def model(server) -> str:
     return server.openai().models.list().data[0].id
-
-
 
 
 def test_engine_is_mlx(server):
@@ -120,8 +117,39 @@ def test_prefix_cache_hit_on_shared_system_prompt(server, model, folder):
     assert r.choices[0].message.content == b"".join(e.token_bytes(t) for t in want).decode("utf-8", "replace")
 
 
-def test_unsupported_parameters_are_400(server, model):
-    check_unsupported_parameters_are_400(server, model)
+def test_response_format_logprobs_echo_and_bad_logit_bias(server, model):
+    """Constrained output (the shared llguidance layer hands the engine a mask), with logprobs; completions echo +
+    logprobs (prompt logprobs); a logit_bias outside the vocabulary is a 400 naming it."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    client = server.openai()
+    r = client.chat.completions.create(
+        model=model,
+        messages=_msgs("hi"),
+        max_tokens=300,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}},
+    )
+    reply = json.loads(r.choices[0].message.content)
+    assert set(reply) == {"name", "ok"} and isinstance(reply["ok"], bool) and len(reply["name"]) <= 8
+    content = r.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    c = client.completions.create(
+        model=model, prompt="The old lighthouse stood", max_tokens=3, echo=True, logprobs=2, temperature=0
+    )
+    lps = c.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and all(v is not None and v <= 0 for v in lps[1:]) and len(lps) >= 5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=_msgs("hi"), logit_bias={"999999": 5})
+    assert "logit_bias" in str(e.value)
 
 
 def test_stop_string_and_max_tokens(server, model):

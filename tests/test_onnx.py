@@ -191,9 +191,9 @@ def test_cancelled_sequence_leaves_the_batch(int4_dir):
     runs: list[int] = []
     run = engine.backend.runner.run
 
-    def counting_run(row0, n_rows, tokens, lengths):
+    def counting_run(row0, n_rows, tokens, lengths, every=False):
         runs.append(n_rows)
-        return run(row0, n_rows, tokens, lengths)
+        return run(row0, n_rows, tokens, lengths, every)
 
     engine.backend.runner.run = counting_run
     # 3 rows: sequence 1 is cancelled after 3 tokens and 3 takes its row while 0 and 2 decode on; 4 joins

@@ -1,6 +1,6 @@
 """llama.cpp engine (llama-cpp-python's low-level API): GGUF models, continuous batching, native sampling,
-KV prefix reuse, JSON grammars and embeddings. ``llama_cpp`` is imported lazily, so this package imports
-without it and ``detect()`` says why the engine is unavailable."""
+KV prefix reuse, output constraints (masks from octo's shared layer), logprobs and embeddings. ``llama_cpp`` is
+imported lazily, so this package imports without it and ``detect()`` says why the engine is unavailable."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 One ``llama_context`` holds every active sequence (``n_seq_max = max_batch``, one llama.cpp sequence id per
 request, a unified KV pool by default). Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and
 decode tokens) into one ``llama_batch`` and runs a single ``llama_decode``; each sequence then samples from its
-own logits row with its own native sampler chain.
+own logits row with its own native sampler chain. Output constraints (``Feed.mask``) and logprobs work on that row
+in place before the chain samples (:mod:`.logits`); feeds without them take the plain native path.
 
 Shared prefixes (unified pool): a prefix-cache entry is the cells of a cache sequence id (``llama_memory_seq_cp``
 adds an id to cells, no data is copied), a new sequence that matches it joins those cells, and so do sequences
@@ -34,9 +35,10 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
+from . import logits as lg
 from .cells import CellBook
-from .grammar import grammar_for
-from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores
+from .embeddings import embed_texts
+from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores, read_metadata
 from .sampling import SamplerChain
 from .template import ChatTemplate
 
@@ -63,21 +65,14 @@ class LlamaCppEngine(Engine):
     tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
     batching: ClassVar[str] = "continuous"
-    sampling_params: ClassVar[frozenset[str]] = frozenset(
-        {
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-            "grammar",
-            "json_schema",
-        }
-    )
+    sampling_params: ClassVar[frozenset[str]] = frozenset({
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias",
+    })
+    # the mask and logprobs work on llama.cpp's logits rows (.logits); prompt logprobs ask logits of every position
+    supports_masks: ClassVar[bool] = True
+    supports_logprobs: ClassVar[bool] = True
+    supports_prompt_logprobs: ClassVar[bool] = True
     prefill_chunk: ClassVar[int] = 256
     fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = (
         ({"repack": "false"}, "the AMX/CPU weight repack crashed on this host"),
@@ -143,7 +138,7 @@ class LlamaCppEngine(Engine):
             )
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.metadata = self._metadata()
+        self.metadata = read_metadata(L, self.model)
         arch = self.metadata.get("general.architecture", "?")
         pooling = int(self.metadata.get(f"{arch}.pooling_type", "-1"))
         self.is_embedding = pooling > 0
@@ -152,16 +147,20 @@ class LlamaCppEngine(Engine):
         except BaseException:
             self.unload()
             raise
+        last_n = self.opts.get("penalty_last_n", 64)
+        self.penalty_last_n = self.n_ctx_seq if last_n < 0 else last_n  # -1: the whole context, as llama-server
         eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self._pieces: dict[int, bytes] = {}
+        self._special: dict[str, int] | None = None
         self._piece_buf = ctypes.create_string_buffer(256)
         self._tok_buf = (L.llama_token * 4096)()
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.bos = L.llama_vocab_bos(self.vocab)
         tmpl = L.llama_model_chat_template(self.model, None)
         self.template_source = "gguf" if tmpl else "chatml (default: no tokenizer.chat_template)"
+        self.gguf_template = tmpl.decode() if tmpl else None
         self.template = ChatTemplate(
-            tmpl.decode() if tmpl else CHATML, self._text(self.bos), self._text(L.llama_vocab_eos(self.vocab))
+            self.gguf_template or CHATML, self._text(self.bos), self._text(L.llama_vocab_eos(self.vocab))
         )
         ftype = L.llama_ftype_name(L.llama_model_ftype(self.model))
         self.info = ModelInfo(
@@ -303,18 +302,6 @@ class LlamaCppEngine(Engine):
         self.ctx = self.model = self.mem = self.vocab = None
         super().unload()
 
-    def _metadata(self) -> dict[str, str]:
-        L = self._L
-        out = {}
-        buf = ctypes.create_string_buffer(1 << 16)
-        for i in range(L.llama_model_meta_count(self.model)):
-            if L.llama_model_meta_key_by_index(self.model, i, buf, len(buf)) < 0:
-                continue
-            key = buf.value.decode("utf-8", "replace")
-            if L.llama_model_meta_val_str_by_index(self.model, i, buf, len(buf)) >= 0:
-                out[key] = buf.value.decode("utf-8", "replace")
-        return out
-
     # -- text --------------------------------------------------------------------------------------
     def _text(self, token: int) -> str | None:
         if token < 0:
@@ -347,8 +334,25 @@ class LlamaCppEngine(Engine):
             piece = self._pieces[token] = buf.raw[:n]
         return piece
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        extra = {} if tools is None else {"tools": tools}
+        return self.template.render(messages, add_generation_prompt, **extra)
+
+    def chat_template(self) -> str | None:
+        return self.gguf_template
+
+    def special_tokens(self) -> dict[str, int]:
+        """Control and user-defined tokens by their text (llama.cpp's token attributes; the first id of a text)."""
+        if self._special is None:
+            L = self._L
+            flags = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+            found: dict[str, int] = {}
+            for t in range(self.n_vocab):
+                if L.llama_vocab_get_attr(self.vocab, t) & flags and (text := self._text(t)):
+                    found.setdefault(text, t)
+            self._special = found
+        return dict(self._special)
 
     # -- generation --------------------------------------------------------------------------------
     def _require_generative(self) -> None:
@@ -373,9 +377,7 @@ class LlamaCppEngine(Engine):
                     f"sequences); retry shortly.",
                     headers={"Retry-After": "2"},
                 )
-        p = seq.sampling
-        gbnf = grammar_for(p.grammar, p.json_schema)
-        chain = SamplerChain(self.vocab, self.n_vocab, p, gbnf, self.opts.get("penalty_last_n", 64), seq.tokens)
+        chain = SamplerChain(self.n_vocab, seq.sampling, self.penalty_last_n, seq.tokens)
         seq_id = self.free_ids.pop()
         self._seq_rm(seq_id, 0)
         self._members_changed = True
@@ -383,7 +385,7 @@ class LlamaCppEngine(Engine):
         seq.n_cached = 0
         self.active[seq_id] = seq
 
-    def step(self, feeds: list[Feed]) -> list[int | None]:
+    def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         if not feeds:
             return []
         if self._members_changed and self._entries:  # decoding now: idle cached cells would be scanned every row
@@ -391,7 +393,7 @@ class LlamaCppEngine(Engine):
             self._demote_idle()
         b = self.batch
         n = 0
-        outputs: list[int] = []
+        starts: list[int] = []  # each feed's first batch position
         for f in feeds:
             k = len(f.tokens)
             if f.seq.n_cached + k > self.n_ctx_seq:
@@ -405,21 +407,29 @@ class LlamaCppEngine(Engine):
             b.token[n : n + k] = f.tokens
             b.pos[n : n + k] = range(f.seq.n_cached, f.seq.n_cached + k)
             b.seq[n : n + k] = f.seq.slot.seq_id
-            b.logits[n : n + k] = 0
+            b.logits[n : n + k] = f.prompt_logprobs >= 0  # prompt logprobs: logits of every position
             if f.sample and k:
                 b.logits[n + k - 1] = 1
+            starts.append(n)
             n += k
-            outputs.append(n - 1 if f.sample and k else -1)
         b.struct.n_tokens = n
         rc = self._L.llama_decode(self.ctx, b.struct)
         if rc != 0:
             self._decode_failed(rc, feeds)
-        result: list[int | None] = []
+        result: list[int | BaseException | None] = []
         append = self.book.append
-        for f, idx in zip(feeds, outputs, strict=True):
-            f.seq.n_cached += len(f.tokens)
-            append(f.seq.slot.seq_id, len(f.tokens))
-            result.append(f.seq.slot.chain.sample(self.ctx, idx) if idx >= 0 else None)
+        for f, start in zip(feeds, starts, strict=True):
+            seq, k = f.seq, len(f.tokens)
+            if f.prompt_logprobs >= 0:  # before the mask touches the last row
+                f.prompt_out = lg.prompt_entries(self._L, self.ctx, self.n_vocab, f, start, seq.n_cached)
+            seq.n_cached += k
+            append(seq.slot.seq_id, k)
+            if not (f.sample and k):
+                result.append(None)
+            elif f.mask is None and f.logprobs < 0:  # the plain path: the native chain alone
+                result.append(seq.slot.chain.sample(self.ctx, start + k - 1))
+            else:
+                result.append(lg.sample(self._L, self.ctx, self.n_vocab, f, start + k - 1, self.penalty_last_n))
         return result
 
     def _decode_failed(self, rc: int, feeds: list[Feed]) -> None:
@@ -584,51 +594,4 @@ class LlamaCppEngine(Engine):
             raise InvalidRequest(
                 f"Model '{self.info.name}' is not an embedding model (its GGUF has no pooling_type).", param="model"
             )
-        import numpy as np
-
-        L = self._L
-        inputs = [self.tokenize(t, special=False) for t in texts]
-        for i, toks in enumerate(inputs):
-            if not toks:
-                raise InvalidRequest(f"Input {i} is empty.", param="input")
-            if len(toks) > min(self.n_ctx_seq, self.n_batch):
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {min(self.n_ctx_seq, self.n_batch)} tokens; "
-                    f"input {i} has {len(toks)} tokens.",
-                    param="input",
-                )
-        n_embd = self.info.embedding_dim
-        vectors: list[list[float]] = [[] for _ in texts]
-        b, start = self.batch, 0
-        while start < len(inputs):  # pack as many inputs as fit one llama_decode call
-            group, n = [], 0
-            while (
-                start + len(group) < len(inputs)
-                and len(group) < self.config.max_batch
-                and n + len(inputs[start + len(group)]) <= b.capacity
-            ):
-                n += len(inputs[start + len(group)])
-                group.append(start + len(group))
-            n = 0
-            for sid, i in enumerate(group):
-                k = len(inputs[i])
-                b.token[n : n + k] = inputs[i]
-                b.pos[n : n + k] = range(k)
-                b.seq[n : n + k] = sid
-                b.logits[n : n + k] = 1
-                n += k
-            b.struct.n_tokens = n
-            if self.mem:
-                L.llama_memory_clear(self.mem, True)
-            rc = L.llama_decode(self.ctx, b.struct)
-            if rc != 0:
-                raise EngineError(f"llama_decode failed with code {rc} while embedding: {LogTap.tail()}")
-            for sid, i in enumerate(group):
-                ptr = L.llama_get_embeddings_seq(self.ctx, sid)
-                if not ptr:
-                    raise EngineError("llama.cpp returned no pooled embedding")
-                v = np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
-                norm = float(np.linalg.norm(v))
-                vectors[i] = (v / norm if norm > 0 else v).tolist()
-            start += len(group)
-        return Embeddings(vectors=vectors, n_tokens=sum(len(t) for t in inputs))
+        return embed_texts(self, texts)

@@ -1,4 +1,4 @@
-"""Thin helpers over llama-cpp-python's ctypes bindings: options, the log hook, GGUF checks and a batch.
+"""Thin helpers over llama-cpp-python's ctypes bindings: options, the log hook, GGUF checks and metadata, a batch.
 
 Everything here imports ``llama_cpp`` lazily, inside functions, so the engine package imports without it.
 """
@@ -148,6 +148,19 @@ class LogTap:
     def tail(cls, n: int = 6) -> str:
         lines = [s.strip() for s in list(cls.recent) if s.strip()]
         return " | ".join(lines[-n:])
+
+
+def read_metadata(L, model) -> dict[str, str]:
+    """A loaded model's GGUF key/value metadata as strings."""
+    out = {}
+    buf = ctypes.create_string_buffer(1 << 16)
+    for i in range(L.llama_model_meta_count(model)):
+        if L.llama_model_meta_key_by_index(model, i, buf, len(buf)) < 0:
+            continue
+        key = buf.value.decode("utf-8", "replace")
+        if L.llama_model_meta_val_str_by_index(model, i, buf, len(buf)) >= 0:
+            out[key] = buf.value.decode("utf-8", "replace")
+    return out
 
 
 def check_gguf(path: str) -> Path:

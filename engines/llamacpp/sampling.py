@@ -1,8 +1,9 @@
 """One native llama.cpp sampler chain per sequence, built from the request's SamplingParams.
 
-Order as in llama.cpp's common sampler: logit bias, penalties, grammar (applied to the full distribution,
-i.e. "grammar first"), then top-k, top-p, min-p, temperature and the final pick (greedy or seeded dist).
-Samplers left at their "off" value are not added, so a plain greedy chain is just ``greedy``.
+Order as in llama.cpp's common sampler: logit bias, penalties, then top-k, top-p, min-p, temperature and the final
+pick (greedy or seeded dist). Samplers left at their "off" value are not added, so a plain greedy chain is just
+``greedy``. Output constraints are not the chain's business: the engine sets the forbidden logits to -inf before
+the chain runs (``Feed.mask``, :mod:`.logits`), and every sampler here keeps -inf at -inf.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ class SamplerChain:
 
     def __init__(
         self,
-        vocab,
         n_vocab: int,
         p: SamplingParams,
-        grammar: str | None,
         penalty_last_n: int = 64,
         history: list[int] | None = None,
     ) -> None:
@@ -30,7 +29,7 @@ class SamplerChain:
         self._L = L
         self.ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         try:
-            self._build(vocab, n_vocab, p, grammar, penalty_last_n, history or [])
+            self._build(n_vocab, p, penalty_last_n, history or [])
         except BaseException:
             self.close()
             raise
@@ -39,7 +38,7 @@ class SamplerChain:
         self._L.llama_sampler_chain_add(self.ptr, sampler)
         return self._L.llama_sampler_chain_n(self.ptr) - 1
 
-    def _build(self, vocab, n_vocab, p, grammar, penalty_last_n, history) -> None:
+    def _build(self, n_vocab, p, penalty_last_n, history) -> None:
         L = self._L
         if p.logit_bias:
             arr = (L.llama_logit_bias * len(p.logit_bias))()
@@ -50,8 +49,8 @@ class SamplerChain:
                         f"logit_bias token {tok} is outside the vocabulary (0..{n_vocab - 1}).", param="logit_bias"
                     )
                 arr[i].token = tok
-                # finite on purpose: a ban that a grammar overrides (e.g. EOS when the JSON is complete) must
-                # leave a finite logit, or greedy picks a grammar-rejected token and llama.cpp aborts
+                # finite on purpose: a ban that the output constraint overrides (e.g. EOS when the JSON is
+                # complete, every other token masked to -inf) must leave a finite logit to pick
                 arr[i].bias = float(bias)
             self._add(L.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), arr))
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
@@ -65,11 +64,6 @@ class SamplerChain:
             penalties = L.llama_sampler_chain_get(self.ptr, idx)
             for tok in history[-penalty_last_n:] if penalty_last_n > 0 else []:
                 L.llama_sampler_accept(penalties, tok)  # the prompt counts, as in llama-server
-        if grammar is not None:
-            g = L.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-            if not g:
-                raise InvalidRequest("The grammar could not be parsed (GBNF).", param="grammar")
-            self._add(g)
         if p.greedy:
             self._add(L.llama_sampler_init_greedy())
             return

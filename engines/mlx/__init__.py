@@ -12,6 +12,11 @@ step is one batched forward pass over every decoding sequence. ``BatchGenerator.
 called because it returns a sequence's first token only two calls after it joins and applies its own stop
 and length rules, while the scheduler needs the token in the step that asks for it.
 
+Constrained decoding and logprobs (:mod:`.sampling`): a feed's ``mask`` is applied to its row after the logits
+processors (a masked or logprobs row never takes the batch's shared argmax); ``logprobs`` come from the processed row
+(bias and penalties, before the mask and temperature); a chunk that asks for ``prompt_logprobs`` runs the output
+layer for every position and reports the raw logits' log-softmax.
+
 Prefix cache: ``kv_save`` snapshots a sequence's KV as an mlx-lm prompt cache (a list of ``KVCache``, sized
 in bytes for the shared index); ``kv_restore`` gives a new sequence the first ``n`` tokens of one (the
 ``trim_prompt_cache`` operation, done by slicing so the saved entry stays intact).
@@ -40,7 +45,7 @@ from octo.hookspecs import hookimpl
 
 from . import runtime
 from .batch import DecodeBatch, cache_nbytes, copy_prompt_cache, prefix_view
-from .sampling import SAMPLING_PARAMS, RowSampler, sample_rows
+from .sampling import SAMPLING_PARAMS, RowSampler, prompt_entries, sample_rows, set_logprobs
 
 log = logging.getLogger("octo.engines.mlx")
 _OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int, "kv_cells": int}
@@ -65,6 +70,9 @@ class MLXEngine(Engine):
     formats = frozenset({"mlx"})
     batching = "continuous"
     sampling_params = SAMPLING_PARAMS
+    supports_masks = True
+    supports_logprobs = True
+    supports_prompt_logprobs = True
     prefill_chunk = 512
 
     def __init__(self, config=None) -> None:
@@ -222,8 +230,19 @@ class MLXEngine(Engine):
     def token_bytes(self, token: int) -> bytes:
         return self.codec.token_bytes(token)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.codec.render_chat(messages, add_generation_prompt)
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        return self.codec.render_chat(messages, add_generation_prompt, tools)
+
+    def chat_template(self) -> str | None:
+        return self.codec.chat_template() if self.codec is not None else None
+
+    def special_tokens(self) -> dict[str, int]:
+        return self.codec.special_tokens() if self.codec is not None else {}
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -266,13 +285,17 @@ class MLXEngine(Engine):
             seq.slot.cache = batch.leave(seq, keep=True)
         for f in feeds:
             f.seq.n_cached += len(f.tokens)
-        pending: list[tuple[list[int], Any]] = []
+        pending: list[tuple[list[int], Any, list]] = []  # (feed indexes, sampled tokens, rows kept for logprobs)
+        prompts: list[tuple[Feed, int, Any]] = []  # (feed, its first position, raw logits) for prompt logprobs
         if batch.rows:
             idx = [decoding[s.id] for s in batch.rows]
             logits = batch.forward([feeds[i].tokens[0] for i in idx])
-            tokens = sample_rows(batch.rows, logits)
+            tokens, kept = sample_rows([feeds[i] for i in idx], logits)
             mx.async_eval(tokens)
-            pending.append((idx, tokens))
+            pending.append((idx, tokens, kept))
+            for i in idx:
+                if feeds[i].prompt_logprobs >= 0:
+                    feeds[i].prompt_out = []  # a decode feed: its next token is not known yet
         joining: list[Sequence] = []
         for i, f in enumerate(feeds):
             if f.seq.id in decoding:
@@ -281,26 +304,36 @@ class MLXEngine(Engine):
             if slot.cache is None:
                 slot.cache = make_prompt_cache(model)
             toks = f.tokens
-            if f.sample and len(toks) > 1:  # the output layer runs for the last position only
-                model(mx.array(toks[:-1], dtype=mx.uint32)[None], cache=slot.cache)
-                toks = toks[-1:]
+            if f.prompt_logprobs >= 0:  # the output layer runs for every position of the chunk
+                first = f.seq.n_cached - len(toks)
+                every = model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)
+                prompts.append((f, first, every[0, : max(0, min(len(toks), len(f.seq.tokens) - 1 - first))]))
+                logits = every[:, -1, :]
+            else:
+                if f.sample and len(toks) > 1:  # the output layer runs for the last position only
+                    model(mx.array(toks[:-1], dtype=mx.uint32)[None], cache=slot.cache)
+                    toks = toks[-1:]
+                logits = model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)[:, -1, :]
             if not f.sample:
-                model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)
                 mx.async_eval([c.state for c in slot.cache])
                 continue
-            logits = model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)[:, -1, :]
-            tok = sample_rows([f.seq], logits)
+            tok, kept = sample_rows([f], logits)
             mx.async_eval(tok)
-            pending.append(([i], tok))
+            pending.append(([i], tok, kept))
             joining.append(f.seq)
         out: list[int | None] = [None] * len(feeds)
         if pending:
-            mx.eval([t for _, t in pending])
-            for idx, tokens in pending:
-                for i, tok in zip(idx, tokens.tolist(), strict=True):
+            mx.eval([t for _, t, _ in pending])
+            for idx, tokens, kept in pending:
+                toks = tokens.tolist()
+                for i, tok in zip(idx, toks, strict=True):
                     out[i] = int(tok)
+                if kept:
+                    set_logprobs([feeds[i] for i in idx], kept, toks)
         else:
             mx.eval([[c.state for c in f.seq.slot.cache] for f in feeds if f.seq.slot.cache])
+        for f, first, rows in prompts:
+            f.prompt_out = prompt_entries(f, first, rows)
         for seq in joining:
             batch.join(seq, seq.slot.cache)
             seq.slot.cache = None

@@ -2,9 +2,11 @@
 
 Logits processors (``mlx_lm.sample_utils.make_logits_processors``): logit bias (OpenAI's -100 bans the token),
 repetition, presence and frequency penalties over the last ``penalty_last_n`` tokens (prompt included, as in
-llama.cpp). Then, as in ``mlx_lm.sample_utils.make_sampler``: top_p, min_p and top_k filters on the
-log-probabilities, and a categorical draw at ``temperature`` (0: argmax). The draw uses a per-sequence key
-derived from (seed, draw number), so a seeded sequence samples the same tokens whatever else is in the batch.
+llama.cpp); the same rules as ``octo.logits.penalise``. Logprobs (``Feed.logprobs``) are the log-softmax of that
+row. Then the output constraint (``Feed.mask``: forbidden tokens get -inf) and, as in
+``mlx_lm.sample_utils.make_sampler``: top_p, min_p and top_k filters on the log-probabilities, and a categorical draw
+at ``temperature`` (0: argmax). The draw uses a per-sequence key derived from (seed, draw number), so a seeded
+sequence samples the same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import math
 import secrets
 
+import numpy as np
+
 from octo.engine import SamplingParams
+from octo.logits import top_logprobs
 
 SAMPLING_PARAMS = frozenset(
     {
@@ -69,14 +74,20 @@ class RowSampler:
         """Argmax of the raw logits: rows like this are sampled together in one call."""
         return self.greedy and not self.processors
 
-    def __call__(self, logits, tokens: list[int], n: int):
-        """One token (a shape-(1,) array) from ``logits`` of shape (1, vocab) after ``tokens[:n]``."""
+    def process(self, logits, tokens: list[int], n: int):
+        """``logits`` (1, vocab) after logit bias and penalties over ``tokens[:n]``."""
         import mlx.core as mx
 
         if self.processors and n > 0:
             context = mx.array(tokens[max(0, n - self.context) : n])
             for proc in self.processors:
                 logits = proc(context, logits)
+        return logits
+
+    def draw(self, logits):
+        """One token (a shape-(1,) array) from processed (and masked) ``logits`` of shape (1, vocab)."""
+        import mlx.core as mx
+
         if self.greedy:
             return mx.argmax(logits, axis=-1)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -86,13 +97,60 @@ class RowSampler:
         self.draws += 1
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=key)
 
+    def __call__(self, logits, tokens: list[int], n: int):
+        """One token (a shape-(1,) array) from ``logits`` of shape (1, vocab) after ``tokens[:n]``."""
+        return self.draw(self.process(logits, tokens, n))
 
-def sample_rows(seqs: list, logits):
-    """Tokens (shape (B,)) for a batch of ``logits`` (B, vocab), one :class:`octo.engine.Sequence` per row
-    (its ``slot.sampler`` samples it; its tokens up to ``n_cached`` are the penalties' history)."""
+
+def apply_mask(logits, mask):
+    """``logits`` (1, vocab) with the tokens an int32 allowed-token bitmask (``Feed.mask``) forbids at -inf (and every
+    column past the bitmask's tokens)."""
     import mlx.core as mx
 
-    if all(s.slot.sampler.plain_greedy for s in seqs):
-        return mx.argmax(logits, axis=-1)
-    rows = [seq.slot.sampler(logits[i : i + 1], seq.tokens, seq.n_cached) for i, seq in enumerate(seqs)]
-    return mx.concatenate(rows) if len(rows) > 1 else rows[0]
+    width = logits.shape[-1]
+    words = np.ascontiguousarray(mask, dtype=np.int32)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=min(width, words.size * 32))
+    if bits.size < width:
+        bits = np.concatenate([bits, np.zeros(width - bits.size, np.uint8)])
+    return mx.where(mx.array(bits.view(np.bool_)), logits, mx.array(-math.inf, dtype=logits.dtype))
+
+
+def sample_rows(feeds: list, logits):
+    """Tokens (shape (B,)) for a batch of ``logits`` (B, vocab), one :class:`octo.engine.Feed` per row (its
+    sequence's ``slot.sampler`` samples it within ``feed.mask``; its tokens up to ``n_cached`` are the penalties'
+    history), and ``[(row, processed logits (1, vocab))]`` for the feeds that asked for logprobs (see
+    :func:`set_logprobs`)."""
+    import mlx.core as mx
+
+    if all(f.seq.slot.sampler.plain_greedy and f.mask is None and f.logprobs < 0 for f in feeds):
+        return mx.argmax(logits, axis=-1), []
+    rows, kept = [], []
+    for i, f in enumerate(feeds):
+        seq = f.seq
+        sampler = seq.slot.sampler
+        x = sampler.process(logits[i : i + 1], seq.tokens, seq.n_cached)
+        if f.logprobs >= 0:
+            kept.append((i, x))
+        if f.mask is not None:
+            x = apply_mask(x, f.mask)
+        rows.append(sampler.draw(x))
+    return (mx.concatenate(rows) if len(rows) > 1 else rows[0]), kept
+
+
+def set_logprobs(feeds: list, kept: list, tokens: list[int]) -> None:
+    """``feed.logprob`` of the rows :func:`sample_rows` kept, once their sampled ``tokens`` are known."""
+    import mlx.core as mx
+
+    for i, x in kept:
+        row = np.array(x[0].astype(mx.float32))
+        feeds[i].logprob = top_logprobs(row, int(tokens[i]), feeds[i].logprobs)
+
+
+def prompt_entries(f, first: int, rows) -> list:
+    """``Feed.prompt_out`` of ``f`` from the raw logits ``rows`` (m, vocab) after its positions ``first``,
+    ``first + 1``, ... (those whose next token is already in the sequence)."""
+    import mlx.core as mx
+
+    tokens = f.seq.tokens
+    x = np.array(rows.astype(mx.float32))
+    return [top_logprobs(x[j], tokens[first + j + 1], f.prompt_logprobs) for j in range(x.shape[0])]

@@ -52,7 +52,36 @@ class TextCodec:
     def _build_table(self) -> list[bytes]:
         return token_byte_table(self._special, self.n_vocab, self.kind)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template through the Hugging Face tokenizer's ``apply_chat_template`` (``tools`` becomes the
+        template's ``tools`` variable)."""
+        from jinja2.exceptions import TemplateError
+
         if not self.wrapper.has_chat_template:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="messages")
-        return self.wrapper.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.wrapper.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:
+            raise InvalidRequest(f"The model's chat template rejected the messages: {e}", param="messages") from None
+
+    def chat_template(self) -> str | None:
+        """The Jinja source of the tokenizer's chat template (a named set: its "default"), or None."""
+        source = getattr(self.wrapper._tokenizer, "chat_template", None)
+        if isinstance(source, dict):
+            source = source.get("default")
+        return source if isinstance(source, str) else None
+
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special added tokens (control tokens: their bytes are b"") by their text."""
+        return {
+            t.content: int(i)
+            for i, t in self._special.get_added_tokens_decoder().items()
+            if t.special and 0 <= int(i) < self.n_vocab
+        }

@@ -41,6 +41,11 @@ class OnnxEngine(Engine):
     formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
     batching: ClassVar[str] = "continuous"  # the session backend; a generator-backend instance says "window"
     sampling_params: ClassVar[frozenset[str]] = SAMPLING_PARAMS
+    # the session and generator backends sample in octo (masks, logprobs, prompt logprobs); an instance on the
+    # og.Engine backend, which samples inside the library, sets all three False at load
+    supports_masks: ClassVar[bool] = True
+    supports_logprobs: ClassVar[bool] = True
+    supports_prompt_logprobs: ClassVar[bool] = True
     prefill_chunk: ClassVar[int] = 256
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -128,6 +133,9 @@ class OnnxEngine(Engine):
             kv = {"prefix_cache": "none (og.Generator KV cannot be copied; kv_save returns None)"}
         self.batching = self.backend.batching
         self.sampling_params = self.backend.sampling_params
+        self.supports_masks = self.backend.supports_masks
+        self.supports_logprobs = self.backend.supports_logprobs
+        self.supports_prompt_logprobs = self.backend.supports_prompt_logprobs
         self.info = ModelInfo(
             name=name,
             n_ctx=n_ctx,
@@ -164,14 +172,21 @@ class OnnxEngine(Engine):
     def token_bytes(self, token: int) -> bytes:
         return self.codec.token_bytes(token)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.codec.render_chat(messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        return self.codec.render_chat(messages, add_generation_prompt, tools)
+
+    def chat_template(self) -> str | None:
+        return self.codec.template.source if self.codec is not None and self.codec.template is not None else None
+
+    def special_tokens(self) -> dict[str, int]:
+        return self.codec.special_tokens() if self.codec is not None else {}
 
     # -- generation --------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
         self.backend.add(seq)
 
-    def step(self, feeds: list[Feed]) -> list[int | None]:
+    def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         return self.backend.step(feeds)
 
     def remove_sequence(self, seq: Sequence) -> None:

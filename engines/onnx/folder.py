@@ -121,10 +121,16 @@ class TextCodec:
         table = self._bytes if self._bytes is not None else self._table()
         return table[token] if 0 <= token < len(table) else b""
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self.template is None:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="messages")
-        return self.template.render(messages, add_generation_prompt)
+        return self.template.render(messages, add_generation_prompt, tools)
+
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special added tokens (control tokens: their bytes are b"") by their text."""
+        return {t.content: int(i) for i, t in self._special.get_added_tokens_decoder().items()
+                if t.special and 0 <= int(i) < self.n_vocab}
 
     def _table(self) -> list[bytes]:
         with self._lock:
@@ -181,15 +187,20 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._template = env.from_string(source)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The template over ``messages``; ``tools`` is the template's ``tools`` variable (None when not given, as
+        transformers' ``apply_chat_template`` passes it, so ``tools is not none`` tests work)."""
         from jinja2.exceptions import TemplateError
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as e:
             raise InvalidRequest(f"The model's chat template rejected the messages: {e}",

@@ -7,10 +7,12 @@ group has finished, and feeds every prompt whole in the group's first step. The 
 (``batch_size=N``, prompts right-padded with the pad token as ``Tokenizer.encode_batch`` pads them); each step
 is one ``generate_next_token()`` for the whole batch.
 
-Sampling: a window whose sequences are all plain greedy uses the library's own argmax. Otherwise the logits of
-the step are read (``get_logits``), every live row is sampled by octo's sampler (the same one as the session
-backend, so every sampling parameter means the same), and the choice is written back (``set_logits``, all other
-tokens at -inf) for the Generator's argmax to pick.
+Sampling: a window whose sequences are all plain greedy (no output constraint, no logprobs) uses the library's own
+argmax. Otherwise the raw logits of the step are read (``get_logits``), every live row is sampled by octo's sampler
+(the same one as the session backend, so every sampling parameter, ``Feed.mask`` and ``Feed.logprobs`` mean the
+same), and the choice is written back (``set_logits``, all other tokens at -inf) for the Generator's argmax to
+pick. Prompt logprobs come from the model's ``logits`` output of the prompt pass (``get_output``: every position of
+every right-padded row).
 
 Limits, measured and kept honest: a row whose sequence left (finished or cancelled) keeps being computed until
 the whole window ends (a Generator cannot drop a row); there is no prefix reuse (a Generator's KV cannot be
@@ -27,7 +29,7 @@ from octo.engine import Feed, KVHandle, Sequence
 from octo.errors import EngineError
 
 from .folder import DecoderSpec
-from .sampler import SAMPLING_PARAMS, RowSampler
+from .sampler import SAMPLING_PARAMS, RowSampler, prompt_entries
 
 
 class _Member:
@@ -43,6 +45,9 @@ class GeneratorBackend:
     batching = "window"
     scheme = "window:generator"
     sampling_params = SAMPLING_PARAMS
+    # masks and logprobs: octo samples from get_logits() and forces its choice; prompt logprobs: the prompt pass's
+    # logits output holds every position
+    supports_masks = supports_logprobs = supports_prompt_logprobs = True
 
     def __init__(self, folder: Path, spec: DecoderSpec, max_batch: int, n_ctx: int, threads: int,
                  penalty_last_n: int) -> None:
@@ -89,30 +94,37 @@ class GeneratorBackend:
             self.gen = None  # the window is over: its Generator (and KV) goes
             self.members = []
 
-    def step(self, feeds: list[Feed]) -> list[int | None]:
+    def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         if self.gen is None:
             self._start(feeds)
         else:
             for f in feeds:
                 if f.seq not in self.members or len(f.tokens) != 1 or f.tokens[0] != self._last[f.seq.slot.row]:
                     raise EngineError(f"Sequence {f.seq.id}: unexpected feed for a running og.Generator window.")
+                if f.prompt_logprobs >= 0:
+                    f.prompt_out = []  # a decode feed: its next token is not known yet
         rows = {f.seq.slot.row: f for f in feeds}
-        if all(f.seq.slot.sampler.plain_greedy for f in feeds):
+        failed: dict[int, BaseException] = {}
+        if all(f.seq.slot.sampler.fast(f) for f in feeds):
             self.gen.generate_next_token()
-        else:
-            logits = np.array(self.gen.get_logits(), dtype=np.float32)  # [batch, 1, vocab]
-            forced = logits
+        else:  # octo samples every row (masks, logprobs, its sampler) and forces the choice
+            logits = np.array(self.gen.get_logits(), dtype=np.float32)  # [batch, 1, vocab], raw
+            forced = logits  # each row is sampled before it is overwritten
             for row, f in rows.items():
-                tok = f.seq.slot.sampler.sample(logits[row, -1], f.seq.tokens)
+                try:
+                    tok = f.seq.slot.sampler.sample_feed(f, logits[row, -1])
+                except EngineError as e:  # this sequence fails; its row still needs a token
+                    failed[row], tok = e, int(np.argmax(logits[row, -1]))
                 forced[row, -1, :] = -np.inf
                 forced[row, -1, tok] = 0.0
             self.gen.set_logits(forced)
             self.gen.generate_next_token()
         self._last = self.gen.get_next_tokens().tolist()
-        out: list[int | None] = []
+        out: list[int | BaseException | None] = []
         for f in feeds:
             f.seq.n_cached += len(f.tokens)
-            out.append(int(self._last[f.seq.slot.row]))
+            row = f.seq.slot.row
+            out.append(failed.get(row, int(self._last[row])))
         return out
 
     def _start(self, feeds: list[Feed]) -> None:
@@ -135,6 +147,14 @@ class GeneratorBackend:
         gen = og.Generator(self.model, params)
         gen.append_tokens(og.Tensor(ids))
         self.gen, self.members, self.waiting = gen, seqs, []
+        if any(f.prompt_logprobs >= 0 for f in feeds):
+            full = np.asarray(gen.get_output("logits"), dtype=np.float32)  # the prompt pass: every position
+            if full.shape[:2] != ids.shape:
+                raise EngineError(f"og.Generator gave prompt logits of shape {full.shape}, not {ids.shape} + vocab: "
+                                  "no prompt logprobs from this folder.")
+            for row, f in enumerate(feeds):
+                if f.prompt_logprobs >= 0:
+                    f.prompt_out = prompt_entries(f, 0, full[row, :len(f.tokens)])
 
     def save(self, seq: Sequence) -> KVHandle | None:
         return None

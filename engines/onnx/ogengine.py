@@ -13,7 +13,10 @@ then). The scheduler sees that honestly as a sequence whose step returned no tok
 Sampling is the library's (``TurnOptions``): temperature, top_k, top_p, repetition penalty, and seed on
 paged-attention builds (the library refuses a per-turn seed elsewhere, so a request with ``seed`` gets a 400
 there); stop strings, ``max_tokens`` and EOS stay with the shared scheduler. No prefix reuse is claimed: the
-library's KV is not octo's to copy (``save`` returns None).
+library's KV is not octo's to copy (``save`` returns None). Nor constrained decoding or logprobs: ``Engine.run``
+samples inside the library and shows no logits, so an engine on this backend declares ``supports_masks``,
+``supports_logprobs`` and ``supports_prompt_logprobs`` False (the library's own ``TurnOptions.set_guidance`` is a
+different, library-side grammar layer that octo does not use).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class EngineBackend:
     batching = "continuous"
     scheme = "continuous:og.Engine"
     sampling_params = SAMPLING
+    # the library samples inside Engine.run and shows no logits: no octo masks, no logprobs
+    supports_masks = supports_logprobs = supports_prompt_logprobs = False
 
     def __init__(self, folder: Path, spec: DecoderSpec, max_batch: int, n_ctx: int, threads: int) -> None:
         import onnxruntime_genai as og

@@ -1,11 +1,12 @@
 """Per-sequence sampling from a logits row, in numpy.
 
-Logits processors first: logit bias (OpenAI's -100 bans the token), then the repetition penalty (Hugging Face /
-onnxruntime-genai rule: a seen token's positive logit is divided by the penalty, a negative one multiplied) and
-the presence / frequency penalties (OpenAI rule: ``- presence - frequency * count``), all over the last
-``penalty_last_n`` tokens of the sequence, prompt included (-1: the whole sequence). Then temperature (0 or a
-greedy request: argmax), top_k, min_p and top_p filters, and a draw from the sequence's own
-``numpy.random.Generator`` (seeded from ``seed``), so a seeded sequence samples the same tokens whatever else
+Logits processors first (:func:`octo.logits.penalise`): logit bias (OpenAI's -100 bans the token), then the
+repetition penalty (Hugging Face / onnxruntime-genai rule: a seen token's positive logit is divided by the penalty, a
+negative one multiplied) and the presence / frequency penalties (OpenAI rule: ``- presence - frequency * count``),
+all over the last ``penalty_last_n`` tokens of the sequence, prompt included (-1: the whole sequence). Logprobs
+(``Feed.logprobs``) are the log-softmax of that row. Then the output constraint (``Feed.mask``: forbidden tokens get
+-inf), temperature (0 or a greedy request: argmax), top_k, min_p and top_p filters, and a draw from the sequence's
+own ``numpy.random.Generator`` (seeded from ``seed``), so a seeded sequence samples the same tokens whatever else
 shares its batch.
 """
 
@@ -15,7 +16,9 @@ import math
 
 import numpy as np
 
-from octo.engine import SamplingParams
+from octo.engine import Feed, SamplingParams
+from octo.errors import EngineError
+from octo.logits import apply_bitmask, penalise, top_logprobs
 
 SAMPLING_PARAMS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
@@ -37,19 +40,51 @@ class RowSampler:
         self.bias_set = frozenset(bias)
         self.penalised = bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
         self.greedy = p.temperature == 0.0 or p.top_k == 1 or p.top_p == 0.0
-        # plain greedy rows are sampled together with one argmax over the batch
+        # plain greedy rows are sampled together with one argmax over the batch (when unconstrained, no logprobs)
         self.plain_greedy = self.greedy and not self.penalised and not bias
         self.rng = np.random.default_rng(p.seed)
 
-    def sample(self, logits: np.ndarray, tokens: list[int]) -> int:
-        """The next token from a 1-D float logits row, given the sequence so far (``tokens``)."""
-        if self.greedy and not self.penalised:
+    def fast(self, f: Feed) -> bool:
+        """Whether ``f`` can take the batch's shared argmax: plain greedy, no mask, no logprobs."""
+        return self.plain_greedy and f.mask is None and f.logprobs < 0
+
+    def sample_feed(self, f: Feed, logits: np.ndarray) -> int:
+        """The next token of ``f``'s sequence from its logits row: within ``f.mask``, and with ``f.logprob`` set
+        when ``f.logprobs`` >= 0. Raises :class:`EngineError` when the mask leaves no token (logit_bias banned
+        every token the constraint allows)."""
+        if f.logprobs < 0:
+            return self.sample(logits, f.seq.tokens, f.mask)
+        x = self.processed(logits, f.seq.tokens)
+        probs = x.copy()  # logprobs: after bias and penalties, before the mask and temperature
+        tok = self._draw(x, f.mask)
+        f.logprob = top_logprobs(probs, tok, f.logprobs)
+        return tok
+
+    def sample(self, logits: np.ndarray, tokens: list[int], mask: np.ndarray | None = None) -> int:
+        """The next token from a 1-D float logits row, given the sequence so far (``tokens``) and an allowed-token
+        bitmask (None: any token)."""
+        if mask is None and self.greedy and not self.penalised:
             return self._biased_argmax(logits)
+        return self._draw(self.processed(logits, tokens), mask)
+
+    def processed(self, logits: np.ndarray, tokens: list[int]) -> np.ndarray:
+        """A float32 copy of the row after logit bias and penalties."""
+        p = self.p
         x = logits.astype(np.float32, copy=True)
         if self.bias_ids.size:
             x[self.bias_ids] += self.bias_values
         if self.penalised and tokens:
-            self._penalise(x, tokens)
+            penalise(x, tokens, repetition=p.repetition_penalty, presence=p.presence_penalty,
+                     frequency=p.frequency_penalty, last_n=self.last_n)
+        return x
+
+    def _draw(self, x: np.ndarray, mask: np.ndarray | None) -> int:
+        """A token from the processed row ``x`` (modified in place)."""
+        if mask is not None:
+            apply_bitmask(x, mask)
+            if not x.max() > -np.inf:
+                raise EngineError("No token is left to sample: logit_bias bans every token the output constraint "
+                                  "allows here.")
         if self.greedy:
             return int(np.argmax(x))
         p = self.p
@@ -89,21 +124,13 @@ class RowSampler:
         j = int(np.argmax(biased))
         return int(self.bias_ids[j]) if biased[j] > logits[best] else best
 
-    def _penalise(self, x: np.ndarray, tokens: list[int]) -> None:
-        p = self.p
-        window = tokens if self.last_n < 0 else tokens[-self.last_n:] if self.last_n else []
-        if not window:
-            return
-        ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
-        ids_ok = ids < x.shape[0]
-        ids, counts = ids[ids_ok], counts[ids_ok]
-        if p.repetition_penalty != 1.0:
-            v = x[ids]
-            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if p.presence_penalty or p.frequency_penalty:
-            x[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts.astype(np.float32)
 
-
+def prompt_entries(f: Feed, first: int, rows: np.ndarray) -> list[tuple[float, list[tuple[int, float]]]]:
+    """``Feed.prompt_out`` of ``f`` from the raw logits ``rows[j]`` after each fed position ``first + j``: one
+    ``(logprob, top)`` pair per position whose next token is already in the sequence."""
+    tokens = f.seq.tokens
+    n = min(len(f.tokens), len(tokens) - 1 - first, rows.shape[0])
+    return [top_logprobs(rows[j], tokens[first + j + 1], f.prompt_logprobs) for j in range(max(0, n))]
 
 
 def _gumbel_argmax(z: np.ndarray, rng: np.random.Generator) -> int:

@@ -13,6 +13,10 @@ different lengths, and a row is just a slice of the buffer. This module keeps on
   rows ``[0, k)``; a longer prompt chunk runs alone on its row's view (batch 1), as onnxruntime-genai prefills;
 * saves and restores a row's first ``n`` positions for the prefix cache (a real KV copy, any shared prefix).
 
+Sampling is octo's (:mod:`.sampler`), so this backend applies ``Feed.mask`` (a masked or logprobs row leaves the
+batch's shared argmax), reports ``Feed.logprobs``, and for ``Feed.prompt_logprobs`` keeps the logits of every
+position of the chunk (the decoder outputs them all; otherwise only the last is read).
+
 Sequences join and leave between any two steps: continuous batching, with a sequence's compute stopping the
 step after it leaves. Inputs are bound with ``IOBinding`` (past and present are the same ``OrtValue``).
 """
@@ -25,7 +29,7 @@ from octo.engine import Feed, KVHandle, Sequence
 from octo.errors import ConfigError, EngineError
 
 from .folder import DecoderSpec
-from .sampler import SAMPLING_PARAMS, RowSampler
+from .sampler import SAMPLING_PARAMS, RowSampler, prompt_entries
 
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -86,9 +90,11 @@ class SessionRunner:
         self._views: dict[tuple[int, int], list] = {}
 
     # -- forward passes ------------------------------------------------------------------------------
-    def run(self, row0: int, n_rows: int, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def run(self, row0: int, n_rows: int, tokens: np.ndarray, lengths: np.ndarray,
+            every: bool = False) -> np.ndarray:
         """Append ``tokens`` ([n_rows, S]) to rows ``[row0, row0 + n_rows)`` whose KV holds ``lengths``
-        positions each; returns the logits of the last position of each row ([n_rows, vocab])."""
+        positions each; returns the logits of the last position of each row ([n_rows, vocab]), or with ``every``
+        those of every position ([n_rows, S, vocab])."""
         n_new = tokens.shape[1]
         total = lengths + n_new
         if int(total.max()) > self.n_ctx:
@@ -105,7 +111,7 @@ class SessionRunner:
         io.bind_output(self.logits_name)  # unallocated again: its shape changes between runs
         self.sess.run_with_iobinding(io)
         logits = io.get_outputs()[0].numpy()  # logits were bound first (see _binding): output 0
-        return logits[:, -1, :]
+        return logits if every else logits[:, -1, :]
 
     def _binding(self, row0: int, n_rows: int):
         key = (row0, n_rows)
@@ -173,6 +179,7 @@ class SessionBackend:
     batching = "continuous"
     scheme = "continuous:session"
     sampling_params = SAMPLING_PARAMS
+    supports_masks = supports_logprobs = supports_prompt_logprobs = True  # octo samples every row itself
 
     def __init__(self, runner: SessionRunner, n_vocab: int, penalty_last_n: int) -> None:
         self.runner = runner
@@ -207,8 +214,8 @@ class SessionBackend:
             moved.slot.row = r
         self.rows.pop()
 
-    def step(self, feeds: list[Feed]) -> list[int | None]:
-        out: list[int | None] = [None] * len(feeds)
+    def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
+        out: list[int | BaseException | None] = [None] * len(feeds)
         for f in feeds:
             if f.seq.slot is None:
                 raise EngineError(f"Sequence {f.seq.id} was not added to the engine.")
@@ -216,26 +223,32 @@ class SessionBackend:
         self._pack([feeds[i].seq for i in single])
         for i, f in enumerate(feeds):  # prompt chunks: one batch-1 pass each, on the row's own view
             if len(f.tokens) > 1:
-                seq = f.seq
-                logits = self.runner.run(seq.slot.row, 1, np.asarray([f.tokens]), np.asarray([seq.n_cached]))
+                seq, first = f.seq, f.seq.n_cached
+                every = f.prompt_logprobs >= 0
+                logits = self.runner.run(seq.slot.row, 1, np.asarray([f.tokens]), np.asarray([first]), every)
                 seq.n_cached += len(f.tokens)
+                if every:
+                    f.prompt_out = prompt_entries(f, first, logits[0])
+                    logits = logits[:, -1, :]
                 if f.sample:
-                    out[i] = seq.slot.sampler.sample(logits[0], seq.tokens)
+                    out[i] = _sample(f, logits[0])
         if single:  # every one-token feed in one batched pass over rows [0, k)
             order = sorted(single, key=lambda i: feeds[i].seq.slot.row)
             toks = np.asarray([feeds[i].tokens for i in order])
             lengths = np.asarray([feeds[i].seq.n_cached for i in order])
             logits = self.runner.run(0, len(order), toks, lengths)
-            greedy = [j for j, i in enumerate(order) if feeds[i].sample and feeds[i].seq.slot.sampler.plain_greedy]
+            greedy = [j for j, i in enumerate(order) if feeds[i].sample and feeds[i].seq.slot.sampler.fast(feeds[i])]
             if greedy:
                 best = logits[greedy].argmax(axis=-1)
                 for j, tok in zip(greedy, best.tolist(), strict=True):
                     out[order[j]] = int(tok)
             for j, i in enumerate(order):
                 f = feeds[i]
+                if f.prompt_logprobs >= 0:
+                    f.prompt_out = prompt_entries(f, f.seq.n_cached, logits[j:j + 1])
                 f.seq.n_cached += 1
                 if f.sample and out[i] is None:
-                    out[i] = f.seq.slot.sampler.sample(logits[j], f.seq.tokens)
+                    out[i] = _sample(f, logits[j])
         return out
 
     def _pack(self, seqs: list[Sequence]) -> None:
@@ -273,3 +286,11 @@ class SessionBackend:
     def close(self) -> None:
         self.rows.clear()
         self.runner.close()
+
+
+def _sample(f: Feed, logits: np.ndarray) -> int | BaseException:
+    """``f``'s token from its logits row; a sampling failure (a mask that leaves nothing) fails that sequence only."""
+    try:
+        return f.seq.slot.sampler.sample_feed(f, logits)
+    except EngineError as e:
+        return e
