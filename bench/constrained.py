@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+# bench/mlx.py would shadow the mlx package: this folder is not an import root
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(REPO))
 
 SCHEMA = {"type": "array", "minItems": 1000, "items": {
@@ -147,6 +149,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=64)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "constrained.json"))
+    ap.add_argument("--merge", action="store_true", help="keep the other engines' entries of an earlier --out")
     args = ap.parse_args()
     report = {"bench": "constrained", "streams": STREAMS, "shape": args.shape, "short": args.short, "long": args.long,
               "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "schema": SCHEMA, "engines": []}
@@ -156,6 +159,10 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - an engine missing here is reported, the others still run
             report["engines"].append({"engine": name, "error": f"{type(exc).__name__}: {exc}"})
         print(json.dumps(report["engines"][-1], indent=1), file=sys.stderr, flush=True)
+    if args.merge and Path(args.out).exists():
+        ran = {e["engine"] for e in report["engines"]}
+        old = json.loads(Path(args.out).read_text())
+        report["engines"] = [e for e in old.get("engines", []) if e["engine"] not in ran] + report["engines"]
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({e["engine"]: e.get("ratio", e.get("error")) for e in report["engines"]}))
 
