@@ -352,7 +352,7 @@ def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
             raise UnsupportedParameter(name, f"the {engine.name} engine cannot honour it")
     grammar = chatprep.compile_for(engine, chatprep.constraint_for(None, inp.tools, inp.choice, inp.parallel, fmt))
     return GenerationRequest(tokens, sp, req.max_tokens, list(req.stop_sequences or []), req.stream,
-                             grammar=grammar, tools=chatprep.tool_spec(fmt, inp.names, inp.choice))
+                             grammar=grammar, tools=chatprep.tool_spec(fmt, inp.names, inp.choice, inp.parallel))
 
 
 # -- results -> message ---------------------------------------------------------------------------------------------
@@ -362,13 +362,11 @@ class Options:
 
     thinking: bool = False  # split <think> text into thinking blocks
     omit_thinking: bool = False  # thinking.display "omitted": the blocks are there, their text is not
-    single_call: bool = False  # disable_parallel_tool_use: at most one tool_use block
 
     @classmethod
     def of(cls, req: AnthropicRequest) -> Options:
         th = req.thinking
-        return cls(thinking_enabled(req), bool(th is not None and th.display == "omitted"),
-                   bool(req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use))
+        return cls(thinking_enabled(req), bool(th is not None and th.display == "omitted"))
 
 
 def stop_reason(result: Result) -> tuple[str, str | None]:
@@ -400,7 +398,7 @@ def content_blocks(result: Result, opts: Options) -> list[dict[str, Any]]:
         thinking, text = split_thinking(text)
         if thinking is not None:
             blocks.append({"type": "thinking", "thinking": "" if opts.omit_thinking else thinking, "signature": ""})
-    calls = (result.tool_calls or [])[:1 if opts.single_call else None]
+    calls = result.tool_calls or []  # disable_parallel_tool_use: the scheduler kept the first call only
     if text or not calls:
         blocks.append({"type": "text", "text": text})
     return blocks + [tool_use_block(c) for c in calls]
@@ -436,7 +434,6 @@ class StreamBlocks:
         self.open: str | None = None  # type of the open block
         self.answered = False  # a text or tool_use block was opened
         self.calls = 0
-        self.skipping = False  # the arguments of a call dropped by disable_parallel_tool_use
 
     def _start(self, block: dict[str, Any]) -> list[Event]:
         out = self._stop()
@@ -481,14 +478,11 @@ class StreamBlocks:
             fn = tc.get("function") or {}
             if tc.get("id"):
                 self.calls += 1
-                self.skipping = self.opts.single_call and self.calls > 1
-                if self.skipping:
-                    continue
                 if self.splitter is not None:
                     out += self._pieces(self.splitter.flush())
                 out += self._start({"type": "tool_use", "id": tool_use_id(tc["id"]), "name": fn.get("name", ""),
                                     "input": {}})
-            if fn.get("arguments") and not self.skipping and self.open == "tool_use":
+            if fn.get("arguments") and self.open == "tool_use":
                 out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
         return out
 

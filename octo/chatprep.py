@@ -83,11 +83,12 @@ def render(engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, An
     return engine.render_chat(chat.messages, True)
 
 
-def tool_spec(fmt: ToolFormat, names: list[str], tool_choice: Any) -> ToolSpec | None:
-    """How to parse calls out of the output: None when there are no tools or tool_choice is "none"."""
+def tool_spec(fmt: ToolFormat, names: list[str], tool_choice: Any, parallel: bool | None = None) -> ToolSpec | None:
+    """How to parse calls out of the output: None when there are no tools or tool_choice is "none";
+    ``parallel`` False keeps the first call only (a constrained choice allows only one anyway)."""
     if not names or tool_choice == "none":
         return None
-    return ToolSpec(fmt, tuple(names))
+    return ToolSpec(fmt, tuple(names), single=parallel is False)
 
 
 def constraint_for(response_format: dict[str, Any] | None, tools: list[dict[str, Any]] | None, tool_choice: Any,

@@ -93,6 +93,8 @@ class Emission:
                 t.text.append(ev.text)
                 posts.append((_put, t.events, (t.index, "text", ev.text)))
                 continue
+            if ev.index > 0 and t.req.tools.single:  # parallel_tool_calls false: the first call only
+                continue
             calls = t.calls if t.calls is not None else []
             t.calls = calls
             if isinstance(ev, ToolCallStart):

@@ -24,6 +24,7 @@ class ToolSpec:
 
     format: Any  # octo.toolcalls.ToolFormat
     names: tuple[str, ...]
+    single: bool = False  # parallel_tool_calls false: only the first call counts
 
 
 @dataclass
@@ -122,6 +123,8 @@ class Ticket(_Job):
         if tools is not None and self.parser is None:  # not streamed: parse the whole text once
             parsed = parse_tool_calls(text, tools.format, tools.names)
             text, calls = parsed.content, parsed.tool_calls or None
+            if calls and tools.single:
+                calls = calls[:1]
         finish = self.finish or "stop"
         if calls and finish == "stop":
             finish = "tool_calls"

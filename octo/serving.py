@@ -158,7 +158,7 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
     tokens = engine.tokenize(prompt, special=True)
     max_tokens = req.max_completion_tokens or req.max_tokens
     return GenerationRequest(tokens, sampling, max_tokens, _stops(req.stop), req.stream, grammar=grammar,
-                             logprobs=logprobs, tools=chatprep.tool_spec(fmt, names, choice))
+                             logprobs=logprobs, tools=chatprep.tool_spec(fmt, names, choice, req.parallel_tool_calls))
 
 
 def usage(results: list[Result]) -> dict[str, Any]:

@@ -79,6 +79,15 @@ def test_parallel_calls(client):
     assert len({c.id for c in r.choices[0].message.tool_calls}) == 2
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    text = call_text("get_weather", {"city": "Oslo"}) + "\n" + call_text("get_time", {})
+    r = ask(client, text, parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    names = [tc.function.name for ch in ask(client, text, parallel_tool_calls=False, stream=True)
+             for tc in ch.choices[0].delta.tool_calls or [] if tc.function.name]
+    assert names == ["get_weather"]
+
+
 def test_text_answer_with_tools_is_a_plain_message(client):
     r = ask(client, "no tools needed here")
     assert r.choices[0].finish_reason == "stop"
