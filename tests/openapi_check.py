@@ -15,9 +15,27 @@ def _validator(name: str):
     from referencing import Registry, Resource
     from referencing.jsonschema import DRAFT202012
 
-    doc = json.loads(SUBSET.read_text())
+    doc = _nullable(json.loads(SUBSET.read_text()))
     registry = Registry().with_resource("urn:openai", Resource.from_contents(doc, default_specification=DRAFT202012))
     return Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{name}"}, registry=registry)
+
+
+def _nullable(node):
+    """OpenAI's spec says 3.1 but still marks optional nulls with OpenAPI 3.0's ``nullable: true``, which JSON Schema
+    ignores: turn it into a ``null`` type (and a ``None`` enum member), as the spec means it."""
+    if isinstance(node, list):
+        return [_nullable(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _nullable(v) for k, v in node.items()}
+    if out.pop("nullable", False):
+        if isinstance(out.get("type"), str):
+            out["type"] = [out["type"], "null"]
+        if isinstance(out.get("enum"), list) and None not in out["enum"]:
+            out["enum"] = [*out["enum"], None]
+        if "type" not in out and "enum" not in out:
+            out = {"anyOf": [out, {"type": "null"}]}
+    return out
 
 
 @functools.cache

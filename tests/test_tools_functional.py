@@ -149,3 +149,23 @@ def test_echo_cannot_constrain(client):
         client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "x"}],
                                        response_format={"type": "json_object"})
     assert info.value.body["param"] == "response_format"
+
+
+def test_chat_bodies_validate_against_openai_schema(echo_server):
+    """Non-streamed and streamed chat bodies with tool calls and logprobs against OpenAI's published schemas."""
+    import httpx
+    from openapi_check import check
+
+    url = f"http://127.0.0.1:{echo_server.port}/v1/chat/completions"
+    body = {"model": "test-model", "messages": [{"role": "user", "content": SCRIPT}], "tools": TOOLS,
+            "logprobs": True, "top_logprobs": 2}
+    check("CreateChatCompletionResponse", httpx.post(url, json=body, timeout=60).json())
+    with httpx.stream("POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    for c in chunks:
+        check("CreateChatCompletionStreamResponse", c)
+    cmpl = httpx.post(url.replace("chat/completions", "completions"),
+                      json={"model": "test-model", "prompt": "a b", "logprobs": 2, "max_tokens": 3}, timeout=60).json()
+    check("CreateCompletionResponse", cmpl)
