@@ -146,6 +146,7 @@ class ResponsesRequest(_Model):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    client_metadata: dict[str, str] | None = None  # what Codex sends: identifiers for the log (octo.responses)
     seed: int | None = None  # an extension, as for chat (OpenAI's Responses API has none)
     # declared to be refused by name (not implemented): 400 naming them
     background: bool | None = None

@@ -11,6 +11,7 @@ its ``sequence_number``. ``previous_response_id`` continues a stored conversatio
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from typing import Any
@@ -19,7 +20,11 @@ from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.jobs import Result
 from octo.protocol_responses import FunctionCallItem, FunctionCallOutputItem, InputText, MessageItem, ResponsesRequest
 
+log = logging.getLogger("octo.responses")
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
+# encrypted reasoning for stateless (store: false) clients such as Codex: octo's models produce no reasoning items,
+# so there is never anything to include (honoured as empty, like OpenAI's non-reasoning models)
+INCLUDE_REASONING = "reasoning.encrypted_content"
 
 
 def new_id(prefix: str) -> str:
@@ -41,8 +46,9 @@ def check_unsupported(req: ResponsesRequest) -> None:
     if req.text is not None and req.text.verbosity is not None:
         raise UnsupportedParameter("text.verbosity")
     for i, item in enumerate(req.include or []):
-        if item != INCLUDE_LOGPROBS:
-            raise UnsupportedParameter(f"include[{i}]", f"'{item}' is not supported (only '{INCLUDE_LOGPROBS}')")
+        if item not in (INCLUDE_LOGPROBS, INCLUDE_REASONING):
+            raise UnsupportedParameter(f"include[{i}]", f"'{item}' is not supported (only '{INCLUDE_LOGPROBS}' "
+                                       f"and '{INCLUDE_REASONING}')")
     for i, tool in enumerate(req.tools or []):
         if tool.type != "function":
             raise UnsupportedParameter(f"tools[{i}]", f"built-in tools of type '{tool.type}' are not supported; "
@@ -93,6 +99,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     if not messages:
         raise InvalidRequest("input must not be empty.", param="input")
+    if req.client_metadata:  # the client's own identifiers (Codex: session, thread, turn): for the server's log
+        log.debug("client_metadata %s", req.client_metadata)
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}

@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
-# System packages the tests need: ffmpeg (audio decoding) and espeak-ng (real speech for Whisper tests).
+# System packages the tests need: ffmpeg (audio decoding) and espeak-ng (real speech for Whisper tests); and the
+# Codex CLI (npm, no root) for the Codex test.
 set -euo pipefail
 missing=()
 command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
 command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
 # OpenBLAS: the mlx[cpu] wheel bundles a slow reference BLAS; the MLX engine preloads a system OpenBLAS
 ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || [ "$(uname -m)" != x86_64 ] || missing+=(libopenblas0-pthread)
+
+# Codex CLI (OpenAI's coding agent) for tests/test_codex_functional.py, pinned, from npm into the git-ignored
+# .cache/npm (no root needed). Skipped when a codex is already there; without npm, or when npm fails, the test skips.
+CODEX_VERSION=0.169.0
+codex_prefix="$(cd "$(dirname "$0")/.." && pwd)/.cache/npm"
+if [ -x "$codex_prefix/bin/codex" ] || command -v codex >/dev/null 2>&1; then
+  :
+elif ! command -v npm >/dev/null 2>&1; then
+  echo "system-deps: npm not found, Codex CLI not installed (tests/test_codex_functional.py will skip)" >&2
+elif ! npm install --global --prefix "$codex_prefix" --no-audit --no-fund --loglevel=error \
+      "@openai/codex@$CODEX_VERSION"; then
+  echo "system-deps: npm could not install @openai/codex@$CODEX_VERSION (tests/test_codex_functional.py will skip)" >&2
+fi
+
 [ ${#missing[@]} -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -145,6 +145,15 @@ def test_truncation_auto_drops_the_oldest_turns():
         assert r.status in ("completed", "incomplete") and r.output_text.startswith("word")
 
 
+def test_what_codex_sends_is_accepted(server):
+    status, body = post(server, {"model": "test-model", "input": "hi there", "store": False,
+                                 "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1",
+                                 "client_metadata": {"session_id": "s1"}, "parallel_tool_calls": True})
+    assert status == 200, body
+    check("Response", body)
+    assert [o["type"] for o in body["output"]] == ["message"]  # no reasoning items to include
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
