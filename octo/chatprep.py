@@ -19,7 +19,8 @@ from typing import Any
 
 from octo.errors import InvalidRequest, UnsupportedParameter
 from octo.jobs import ToolSpec
-from octo.toolcalls import FORMATS, ToolFormat, detect_format, prepare_chat
+from octo.toolcalls import FORMATS, ToolFormat, detect_format
+from octo.toolprompt import prepare_chat
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit on functions per request

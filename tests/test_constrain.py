@@ -27,7 +27,6 @@ os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".c
 from octo.constrain import (  # noqa: E402
     Constraint,
     Vocab,
-    _closed,
     apply_bitmask,
     build_vocab,
     compile_constraint,
@@ -35,6 +34,7 @@ from octo.constrain import (  # noqa: E402
     vocab_for,
 )
 from octo.errors import InvalidRequest  # noqa: E402
+from octo.grammars import _closed  # noqa: E402
 from octo.toolcalls import FORMATS, parse_tool_calls  # noqa: E402
 
 EOS, EOS2 = 4095, 4093  # <|im_end|>, <|endoftext|> of the synthetic tokenizer

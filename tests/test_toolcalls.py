@@ -24,10 +24,9 @@ from octo.toolcalls import (
     detect_format,
     new_call_id,
     parse_tool_calls,
-    prepare_chat,
     to_openai_delta,
-    tool_system_prompt,
 )
+from octo.toolprompt import prepare_chat, tool_system_prompt
 
 NAMES = ["get_weather", "get_time"]
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool", "parameters": {
