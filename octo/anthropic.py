@@ -111,6 +111,13 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     open_calls: dict[str, int] = {}  # tool_use id -> the message that made the call, until its result comes
     for i, m in enumerate(req.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if m.role == "system":  # a mid-conversation system turn, where it was sent
+            if open_calls:
+                raise _unanswered(open_calls)
+            text = _text(m.content, f"messages[{i}].content")
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if m.role == "assistant":
             if open_calls:
                 raise _unanswered(open_calls)
@@ -207,13 +214,31 @@ def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
 
 
 # -- thinking -------------------------------------------------------------------------------------------------------
+def _template_source(engine: Any) -> str:
+    try:
+        return engine.chat_template() or ""
+    except Exception:  # noqa: BLE001 - an engine without the method's data: no template
+        return ""
+
+
 def supports_thinking(engine: Any) -> bool:
     """Whether the model's chat template has a reasoning mode (it mentions ``enable_thinking`` or ``<think>``)."""
-    try:
-        source = engine.chat_template() or ""
-    except Exception:  # noqa: BLE001 - an engine without the method's data: no template, no reasoning mode
-        source = ""
+    source = _template_source(engine)
     return "enable_thinking" in source or "<think>" in source
+
+
+# context_management edits octo honours: earlier turns' thinking is never shown to the model again (see _messages, as
+# chat templates drop it), so clearing it, whatever ``keep`` says, changes nothing and is accepted
+_CONTEXT_EDITS = ("clear_thinking_20251015",)
+
+
+def _check_context_management(req: AnthropicCountTokensRequest) -> None:
+    cm = req.context_management
+    for k, edit in enumerate(cm.edits or [] if cm is not None else []):
+        if edit.type not in _CONTEXT_EDITS:
+            raise UnsupportedParameter(f"context_management.edits[{k}]",
+                                       f"edits of type '{edit.type}' are not supported (supported: "
+                                       f"{', '.join(_CONTEXT_EDITS)})")
 
 
 def thinking_enabled(req: AnthropicCountTokensRequest) -> bool:
@@ -224,7 +249,8 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
     """The template arguments of the request's ``thinking`` setting; a 400 naming it for a model that cannot."""
     th, engine = req.thinking, handle.engine
     reasons = supports_thinking(engine)
-    if not thinking_enabled(req):
+    if not thinking_enabled(req) or (th.type == "adaptive" and not reasons):
+        # adaptive: the model decides whether to think; a model with no reasoning mode answers directly
         return {"enable_thinking": False} if reasons else None
     if not reasons:
         raise UnsupportedParameter("thinking", f"model '{handle.name}' has no reasoning mode (its chat template knows "
@@ -322,10 +348,17 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], ChatInput, Any]:
     """The prompt tokens of a request (as a real request renders them), its chat input and tool format."""
     _require(handle, Task.CHAT)
-    _unsupported_if(req, ("mcp_servers", "output_config", "container"))
+    _unsupported_if(req, ("mcp_servers", "container"))
+    _check_context_management(req)
     engine = handle.engine
     inp = chat_input(req)
     template_kwargs = _check_thinking(handle, req)
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort not in (None, "high"):  # "high" is Anthropic's default: the model as it always answers
+        if "reasoning_effort" not in _template_source(engine):
+            raise UnsupportedParameter("output_config.effort", f"model '{handle.name}' has no effort setting (its chat "
+                                       "template takes no reasoning_effort); only the default \"high\" is accepted")
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": effort}
     fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
     prompt = chatprep.render_continue(engine, inp.messages, inp.tools, fmt, inp.choice, template_kwargs)
     return engine.tokenize(prompt, special=True), inp, fmt
@@ -350,8 +383,17 @@ def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
     for name in sorted(sp.changed()):
         if name not in engine.sampling_params:
             raise UnsupportedParameter(name, f"the {engine.name} engine cannot honour it")
-    grammar = chatprep.compile_for(engine, chatprep.constraint_for(None, inp.tools, inp.choice, inp.parallel, fmt))
-    return GenerationRequest(tokens, sp, req.max_tokens, list(req.stop_sequences or []), req.stream,
+    out_format = req.output_config.format if req.output_config is not None else None
+    rf = {"type": "json_schema", "schema": out_format.schema_} if out_format is not None else None
+    grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, inp.tools, inp.choice, inp.parallel, fmt,
+                                                                   rf_param="output_config.format"))
+    max_tokens = req.max_tokens
+    n_ctx = getattr(getattr(handle, "info", None), "n_ctx", 0) or 0
+    if n_ctx and len(tokens) < n_ctx:
+        # as Anthropic's API does for a max_tokens beyond the context window: generate to the window's end and stop
+        # with "model_context_window_exceeded" (a prompt that does not fit is still a 400)
+        max_tokens = min(max_tokens, n_ctx - len(tokens))
+    return GenerationRequest(tokens, sp, max_tokens, list(req.stop_sequences or []), req.stream,
                              grammar=grammar, tools=chatprep.tool_spec(fmt, inp.names, inp.choice, inp.parallel))
 
 
@@ -362,18 +404,21 @@ class Options:
 
     thinking: bool = False  # split <think> text into thinking blocks
     omit_thinking: bool = False  # thinking.display "omitted": the blocks are there, their text is not
+    max_tokens: int = 0  # as requested: a "length" end before it is the context window's end
 
     @classmethod
     def of(cls, req: AnthropicRequest) -> Options:
         th = req.thinking
-        return cls(thinking_enabled(req), bool(th is not None and th.display == "omitted"))
+        return cls(thinking_enabled(req), bool(th is not None and th.display == "omitted"), req.max_tokens)
 
 
-def stop_reason(result: Result) -> tuple[str, str | None]:
+def stop_reason(result: Result, opts: Options = Options()) -> tuple[str, str | None]:
     if result.tool_calls and result.finish_reason in ("tool_calls", "stop"):
         return "tool_use", None
     if result.stop_sequence is not None:
         return "stop_sequence", result.stop_sequence
+    if result.finish_reason == "length" and result.completion_tokens < opts.max_tokens:
+        return "model_context_window_exceeded", None
     return _STOP.get(result.finish_reason, "end_turn"), None
 
 
@@ -405,7 +450,7 @@ def content_blocks(result: Result, opts: Options) -> list[dict[str, Any]]:
 
 
 def response(mid: str, model: str, result: Result, opts: Options = Options()) -> dict[str, Any]:
-    reason, seq = stop_reason(result)
+    reason, seq = stop_reason(result, opts)
     return {"id": mid, "type": "message", "role": "assistant", "model": model,
             "content": content_blocks(result, opts), "stop_reason": reason, "stop_sequence": seq,
             "usage": usage(result)}
@@ -491,7 +536,7 @@ class StreamBlocks:
         if not self.answered:
             out += self._start({"type": "text", "text": ""})
         out += self._stop()
-        reason, seq = stop_reason(result)
+        reason, seq = stop_reason(result, self.opts)
         out.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                                       "usage": usage(result)}))
         out.append(("message_stop", {"type": "message_stop"}))

@@ -75,6 +75,39 @@ def check_tool_choice(choice: Any, names: list[str], has_tools: bool) -> None:
                                  param="tool_choice.function.name")
 
 
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with every system message after the first turn moved into the leading system message (for
+    templates that refuse a system turn anywhere else), or None when there is none to move."""
+    late = [m for i, m in enumerate(messages) if i > 0 and m.get("role") == "system"]
+    if not late:
+        return None
+    head = [m for i, m in enumerate(messages) if i == 0 or m.get("role") != "system"]
+    text = "\n\n".join(m["content"] for m in late if isinstance(m.get("content"), str) and m["content"])
+    if head and head[0].get("role") == "system":
+        head[0] = {**head[0], "content": "\n\n".join(t for t in (head[0].get("content") or "", text) if t)}
+    else:
+        head.insert(0, {"role": "system", "content": text})
+    return head
+
+
+def _folding(render_fn):
+    """A render function that, when the template rejects a system turn after the first, renders again with the late
+    system messages folded into the first (OpenAI and Anthropic take system turns anywhere; many templates do not)."""
+    import functools
+
+    @functools.wraps(render_fn)
+    def wrapper(engine: Any, messages: list[dict[str, Any]], *args: Any, **kwargs: Any) -> str:
+        try:
+            return render_fn(engine, messages, *args, **kwargs)
+        except InvalidRequest:
+            folded = fold_late_system(messages)
+            if folded is None:
+                raise
+            return render_fn(engine, folded, *args, **kwargs)
+    return wrapper
+
+
+@_folding
 def render(engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat,
            tool_choice: Any = "auto") -> str:
     """The prompt text of a chat history with tools, through the model's own template."""
@@ -137,6 +170,7 @@ def logprobs_count(engine: Any, n: int | None, param: str = "logprobs") -> int:
 KNOWN_FORMATS = tuple(FORMATS)
 
 
+@_folding
 def render_continue(engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat,
                     tool_choice: Any = "auto", template_kwargs: dict[str, Any] | None = None) -> str:
     """Like :func:`render`, but a final assistant message with text (a prefill) is continued, not closed: the history

@@ -89,7 +89,8 @@ ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[Too
 
 
 class AnthropicMessage(_Model):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system turn (Claude Code sends them, beta mid-conversation-system-2026-04-07)
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -130,6 +131,27 @@ class ThinkingConfig(_Model):
     display: Literal["summarized", "omitted"] | None = None
 
 
+class OutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    """Structured output (``format``, a JSON schema the answer follows) and ``effort`` (Claude Code sends "high")."""
+
+    effort: Literal["low", "medium", "high", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class ContextEdit(_Other):
+    """One ``context_management`` edit (``clear_thinking_20251015``, ``clear_tool_uses_20250919``, ...): its keys
+    depend on its type; the serving layer accepts the ones it honours and refuses the others naming them."""
+
+
+class ContextManagement(_Model):
+    edits: list[ContextEdit] | None = None
+
+
 class AnthropicCountTokensRequest(_Model):
     """``/v1/messages/count_tokens``: what makes the prompt of a request."""
 
@@ -141,7 +163,8 @@ class AnthropicCountTokensRequest(_Model):
     thinking: ThinkingConfig | None = None
     cache_control: CacheControl | None = None  # top-level automatic caching: accepted, the prefix cache is automatic
     mcp_servers: list[Any] | None = None
-    output_config: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     keep_alive: float | str | None = None
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System packages the tests need: ffmpeg (audio decoding) and espeak-ng (real speech for Whisper tests); and the
-# Codex CLI (npm, no root) for the Codex test.
+# Codex CLI and Claude Code (npm, no root) for the Codex and Claude Code tests.
 set -euo pipefail
 missing=()
 command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
@@ -19,6 +19,17 @@ elif ! command -v npm >/dev/null 2>&1; then
 elif ! npm install --global --prefix "$codex_prefix" --no-audit --no-fund --loglevel=error \
       "@openai/codex@$CODEX_VERSION"; then
   echo "system-deps: npm could not install @openai/codex@$CODEX_VERSION (tests/test_codex_functional.py will skip)" >&2
+fi
+# Claude Code (Anthropic's coding agent) for tests/test_claude_code_functional.py, pinned, the same way
+CLAUDE_CODE_VERSION=2.1.197
+if [ -x "$codex_prefix/bin/claude" ] || command -v claude >/dev/null 2>&1; then
+  :
+elif ! command -v npm >/dev/null 2>&1; then
+  echo "system-deps: npm not found, Claude Code not installed (tests/test_claude_code_functional.py will skip)" >&2
+elif ! npm install --global --prefix "$codex_prefix" --no-audit --no-fund --loglevel=error \
+      "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"; then
+  echo "system-deps: npm could not install @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" \
+       "(tests/test_claude_code_functional.py will skip)" >&2
 fi
 
 [ ${#missing[@]} -eq 0 ] && exit 0

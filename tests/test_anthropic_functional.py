@@ -185,6 +185,57 @@ def test_thinking_disabled_ok_enabled_refused(client):
                                      messages=[{"role": "user", "content": "x"}])
 
 
+def test_what_claude_code_sends(client):
+    """Claude Code's requests: a system turn inside ``messages`` (rendered where it stands), adaptive thinking (a
+    model with no reasoning mode answers directly), ``output_config.effort`` "high" (the default) and a
+    ``clear_thinking`` context edit (earlier thinking is never re-sent), ``metadata.user_id`` as a JSON string."""
+    msgs = [{"role": "user", "content": "first words"}, {"role": "system", "content": "be brief"}]
+    base = client.messages.count_tokens(model=MODEL, messages=msgs[:1]).input_tokens
+    assert client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens > base + 1  # the system turn counts
+    m = client.messages.create(
+        model=MODEL, max_tokens=50, messages=msgs, thinking={"type": "adaptive"},
+        metadata={"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
+        extra_body={"output_config": {"effort": "high"},
+                    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == "first words"
+    assert "output_config.effort" in bad_request(ask, client, "x", extra_body={"output_config": {"effort": "low"}})
+    assert "context_management.edits[0]" in bad_request(
+        ask, client, "x", extra_body={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+    assert "verbosity" in bad_request(ask, client, "x",
+                                      extra_body={"output_config": {"verbosity": "low"}})
+    # echo cannot constrain its output: a 400 naming the field, not a silently unconstrained answer
+    assert "output_config" in bad_request(ask, client, "x", extra_body={"output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object"}}}})
+
+
+def test_max_tokens_beyond_the_window_runs_to_its_end(client):
+    """Anthropic's newer models take a max_tokens past the context window and stop at its end with
+    ``model_context_window_exceeded`` (Claude Code asks for 32,000 whatever the model): octo does the same; a prompt
+    that does not fit alone is still a 400."""
+    n_ctx = 8192  # the echo engine's default context
+    short = " ".join(f"w{i}" for i in range(40))
+    m = client.messages.create(model=MODEL, max_tokens=200_000, messages=[{"role": "user", "content": short}],
+                               timeout=60)  # a timeout: the SDK refuses a long max_tokens without one
+    assert m.stop_reason == "end_turn" and m.content[0].text == short  # fits: the echo ends by itself
+    long = " ".join(f"w{i}" for i in range(n_ctx // 2 + 50))  # its echo runs past the window
+    for kw in ({}, {"stream": True}):
+        if kw:
+            with client.messages.stream(model=MODEL, max_tokens=32_000,
+                                        messages=[{"role": "user", "content": long}]) as stream:
+                m = stream.get_final_message()
+        else:
+            m = client.messages.create(model=MODEL, max_tokens=32_000, messages=[{"role": "user", "content": long}],
+                                       timeout=60)
+        assert m.stop_reason == "model_context_window_exceeded", m.stop_reason
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens + m.usage.output_tokens == n_ctx
+        assert long.startswith(m.content[0].text)
+    m = client.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": long}])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 10
+    huge = " ".join("x" for _ in range(n_ctx + 10))
+    assert "context" in bad_request(client.messages.create, model=MODEL, max_tokens=10,
+                                    messages=[{"role": "user", "content": huge}])
+
+
 def test_prefill_is_continued(client):
     question = {"role": "user", "content": "alpha beta gamma"}
     prefix = "The answer is"
@@ -256,3 +307,33 @@ def test_stream_blocks_number_in_order():
     empty = StreamBlocks(Options())
     evs = empty.finish(Result("", "stop", 5, 0, 0, []))
     assert [name for name, _ in evs] == ["content_block_start", "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_late_system_turns_fold_when_the_template_refuses_them():
+    """A template that takes a system turn only first (many do) gets the later ones folded into it, in order."""
+    from octo import chatprep
+    from octo.errors import InvalidRequest
+    from octo.toolcalls import FORMATS
+
+    class FirstSystemOnly:
+        name = "strict"
+
+        def render_chat(self, messages, add_generation_prompt=True, **kw):
+            if any(m["role"] == "system" for m in messages[1:]):
+                raise InvalidRequest("The model's chat template rejected the messages: system first", param="messages")
+            return "|".join(f"{m['role']}:{m['content']}" for m in messages)
+
+    msgs = [{"role": "system", "content": "rules"}, {"role": "user", "content": "hi"},
+            {"role": "system", "content": "late one"}, {"role": "system", "content": "late two"}]
+    fmt = FORMATS["hermes"]
+    assert chatprep.render(FirstSystemOnly(), msgs, None, fmt) == "system:rules\n\nlate one\n\nlate two|user:hi"
+    assert chatprep.render(FirstSystemOnly(), msgs[1:], None, fmt) == "system:late one\n\nlate two|user:hi"
+
+    class RefusesAll(FirstSystemOnly):
+        def render_chat(self, messages, add_generation_prompt=True, **kw):
+            raise InvalidRequest("The model's chat template rejected the messages: no", param="messages")
+
+    with pytest.raises(InvalidRequest):  # folding does not help: the template's refusal stands
+        chatprep.render(RefusesAll(), msgs, None, fmt)
+    with pytest.raises(InvalidRequest):  # no late system turn: nothing to fold, the refusal stands
+        chatprep.render(RefusesAll(), msgs[:2], None, fmt)
