@@ -1,14 +1,16 @@
 """The echo engine: the standard test engine, served through the real queue, batcher and prefix cache.
 
 Its "model" repeats the last user message (for completions: the prompt), one token per
-whitespace-separated word, then ends with its end-of-sequence token. Its KV for a sequence is that
+whitespace-separated word, then ends with its end-of-sequence token (told it may not end yet, ``min_tokens``, it
+repeats the message). Its KV for a sequence is that
 sequence's token history, so the shared prefix-cache index really saves and restores it. Its
 distribution is a point mass, so temperature, top_p, top_k, min_p and seed are honoured trivially;
 other sampling parameters are refused by the serving layer.
 
 Options (``-o KEY=VALUE``): ``token_delay_ms`` (sleep per decode step), ``n_ctx`` (default 8192, or
 ``kv_cells``), ``dim`` (embedding size, default 64), ``kv_cells`` (default 0: none; else one KV pool of that many
-cells shared by every sequence, as llama.cpp's, so the scheduler's preemption can be tested with a scripted model).
+cells shared by every sequence, as llama.cpp's, so the scheduler's preemption can be tested with a scripted model),
+``think`` (1: its chat template "reasons", so ``<think>...</think>`` in what it echoes is its reasoning).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from octo.hookspecs import hookimpl
 _WORD = re.compile(r"\s*\S+")
 EOS = 0
 _MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-_OPTIONS = {"token_delay_ms": float, "n_ctx": int, "dim": int, "kv_cells": int}
+_OPTIONS = {"token_delay_ms": float, "n_ctx": int, "dim": int, "kv_cells": int, "think": int}
 
 
 class EchoEngine(Engine):
@@ -45,6 +47,7 @@ class EchoEngine(Engine):
     formats = frozenset({"any"})
     sampling_params = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     supports_logprobs = True  # a point mass: the echoed token has logprob 0 and is the only possible one
+    supports_min_tokens = True  # Feed.no_eos: past its message it repeats it
     prefill_chunk = 4096
     isolation = "thread"  # pure Python: nothing native to contain
 
@@ -66,6 +69,7 @@ class EchoEngine(Engine):
             raise ConfigError(f"n_ctx ({self.n_ctx}) must be between 1 and kv_cells ({self.kv_cells}).", param="n_ctx")
         self._seqs: set[Sequence] = set()  # holding KV, for kv_room
         self.dim = opts.get("dim", 64)
+        self.think = bool(opts.get("think", 0))
         self._vocab: dict[str, int] = {"": EOS}
         self._pieces: list[str] = [""]
         self._bytes: list[bytes] = [b""]
@@ -105,6 +109,10 @@ class EchoEngine(Engine):
         if add_generation_prompt:
             parts.append("<|assistant|>")
         return "\n".join(parts)
+
+    def chat_template(self) -> str | None:
+        # think=1: a "reasoning model" (its answers' <think>...</think> is reasoning; it echoes what it is given)
+        return "echo: <|role|> content <|end|>, reasons in <think>...</think>" if self.think else None
 
     def _reply(self, history: list[int]) -> list[int]:
         words = [self._pieces[t].strip() for t in history]
@@ -152,6 +160,9 @@ class EchoEngine(Engine):
             reply, k = slot["reply"], slot["emitted"]
             slot["emitted"] = k + 1
             tok = reply[k] if k < len(reply) else EOS
+            if tok == EOS and feed.no_eos:  # min_tokens: it may not end yet, so it says its message again
+                tok = (reply[k % len(reply)] if k % len(reply) else self._id(" " + self._pieces[reply[0]])) \
+                    if reply else self._id("...")
             if feed.logprobs >= 0:
                 feed.logprob = (0.0, [(tok, 0.0)][:feed.logprobs])
             out.append(tok)

@@ -37,6 +37,7 @@ from octo.protocol_anthropic import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from octo.reasoning import ThinkSplitter, split_thinking, supports_thinking, template_source
 from octo.serving import _require, _unsupported_if
 
 _ALNUM = string.ascii_letters + string.digits
@@ -112,6 +113,9 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if m.role == "system":  # a mid-conversation system turn, where it was sent
+            if i == 0:
+                raise InvalidRequest("messages.0.role: a conversation cannot start with a system turn; the system "
+                                     "prompt goes in the top-level `system` parameter.", param="messages[0].role")
             if open_calls:
                 raise _unanswered(open_calls)
             text = _text(m.content, f"messages[{i}].content")
@@ -214,19 +218,6 @@ def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
 
 
 # -- thinking -------------------------------------------------------------------------------------------------------
-def _template_source(engine: Any) -> str:
-    try:
-        return engine.chat_template() or ""
-    except Exception:  # noqa: BLE001 - an engine without the method's data: no template
-        return ""
-
-
-def supports_thinking(engine: Any) -> bool:
-    """Whether the model's chat template has a reasoning mode (it mentions ``enable_thinking`` or ``<think>``)."""
-    source = _template_source(engine)
-    return "enable_thinking" in source or "<think>" in source
-
-
 # context_management edits octo honours: earlier turns' thinking is never shown to the model again (see _messages, as
 # chat templates drop it), so clearing it, whatever ``keep`` says, changes nothing and is accepted
 _CONTEXT_EDITS = ("clear_thinking_20251015",)
@@ -269,81 +260,6 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
     return {"enable_thinking": True}
 
 
-class ThinkSplitter:
-    """Splits generated text into ("thinking", str) and ("text", str) pieces: ``<think>...</think>`` at the start of
-    the answer is thinking. Without an opening tag, text before a ``</think>`` is thinking too (templates that open the
-    block in the prompt), so such text is held until a closing tag or the end decides it. Pieces are emitted as soon as
-    they are decided; a partial tag is held."""
-
-    OPEN, CLOSE = "<think>", "</think>"
-
-    def __init__(self) -> None:
-        self.state = "start"  # start -> (lead -> think | maybe) -> after -> text
-        self.buf = ""
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        self.buf += text
-        out: list[tuple[str, str]] = []
-        while self.buf:
-            if self.state == "start":
-                stripped = self.buf.lstrip()
-                if stripped.startswith(self.OPEN):
-                    self.buf, self.state = stripped[len(self.OPEN):], "lead"
-                    continue
-                if self.OPEN.startswith(stripped):
-                    break  # whitespace, or a tag still arriving
-                self.state = "maybe"
-            if self.state == "lead":  # whitespace after the opening tag is not thinking
-                self.buf = self.buf.lstrip()
-                if not self.buf:
-                    break
-                self.state = "think"
-            if self.state in ("think", "maybe"):
-                k = self.buf.find(self.CLOSE)
-                if k >= 0:
-                    if self.buf[:k]:
-                        out.append(("thinking", self.buf[:k]))
-                    self.buf, self.state = self.buf[k + len(self.CLOSE):], "after"
-                    continue
-                if self.state == "maybe":
-                    break
-                keep = next((n for n in range(min(len(self.buf), len(self.CLOSE) - 1), 0, -1)
-                             if self.CLOSE.startswith(self.buf[-n:])), 0)
-                if len(self.buf) > keep:
-                    out.append(("thinking", self.buf[:len(self.buf) - keep]))
-                    self.buf = self.buf[len(self.buf) - keep:]
-                break
-            if self.state == "after":
-                self.buf = self.buf.lstrip()
-                if not self.buf:
-                    break
-                self.state = "text"
-            out.append(("text", self.buf))
-            self.buf = ""
-        return out
-
-    def flush(self) -> list[tuple[str, str]]:
-        """Decide what is held as if the text ended here (before a tool call); the text may go on after it."""
-        buf, self.buf = self.buf, ""
-        if self.state == "think":
-            return [("thinking", buf)] if buf else []
-        if self.state in ("start", "maybe"):
-            self.state = "text"
-        return [("text", buf)] if buf.strip() else []
-
-    def finish(self) -> list[tuple[str, str]]:
-        return self.flush()
-
-
-def split_thinking(text: str) -> tuple[str | None, str]:
-    """(the thinking, or None, and the rest) of a whole answer."""
-    s = ThinkSplitter()
-    thinking, rest = [], []
-    for kind, piece in s.feed(text) + s.finish():
-        (thinking if kind == "thinking" else rest).append(piece)
-    return ("".join(thinking) if thinking else None), "".join(rest)
-
-
 # -- prompt and generation ------------------------------------------------------------------------------------------
 def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], ChatInput, Any]:
     """The prompt tokens of a request (as a real request renders them), its chat input and tool format."""
@@ -355,7 +271,7 @@ def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], C
     template_kwargs = _check_thinking(handle, req)
     effort = req.output_config.effort if req.output_config is not None else None
     if effort not in (None, "high"):  # "high" is Anthropic's default: the model as it always answers
-        if "reasoning_effort" not in _template_source(engine):
+        if "reasoning_effort" not in template_source(engine):
             raise UnsupportedParameter("output_config.effort", f"model '{handle.name}' has no effort setting (its chat "
                                        "template takes no reasoning_effort); only the default \"high\" is accepted")
         template_kwargs = {**(template_kwargs or {}), "reasoning_effort": effort}

@@ -71,7 +71,8 @@ async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[tuple[int,
 async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
                         text_chunk: Callable[[int, str, list | None], bytes],
                         finish_chunk: Callable[[int, str, list | None], bytes],
-                        tool_chunk: Callable[[int, dict, list | None], bytes] | None = None) -> list[Result | None]:
+                        tool_chunk: Callable[[int, dict, list | None], bytes] | None = None,
+                        reasoning_chunk: Callable[[int, str], bytes] | None = None) -> list[Result | None]:
     """Write the events of ``n`` sequences as SSE chunks until all are done; their results by choice index
     (None for one that failed: its error went out as an error event). A token's logprobs ride on the next chunk of
     its choice."""
@@ -82,6 +83,10 @@ async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
         for index, kind, value in batch:
             if kind == "lp":
                 pending.setdefault(index, []).append(value)
+                continue
+            if kind == "reasoning":
+                if reasoning_chunk is not None:
+                    out.append(reasoning_chunk(index, value))
                 continue
             lps = pending.pop(index, None)
             if kind == "text":
@@ -127,7 +132,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             results = await _write_events(resp, events, req.n,
                                           lambda i, text, lps: chunk(i, {"content": text}, None, lps),
                                           lambda i, finish, lps: chunk(i, {}, finish, lps),
-                                          lambda i, delta, lps: chunk(i, delta, None, lps))
+                                          lambda i, delta, lps: chunk(i, delta, None, lps),
+                                          lambda i, text: chunk(i, {"reasoning_content": text}))
             if include_usage and all(results):
                 usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}

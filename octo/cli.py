@@ -153,6 +153,10 @@ def _keep_alive(ctx, param, value):
               type=click.Choice(["auto", "hermes", "llama3", "mistral", "phi4", "gemma"]),
               help="How models write tool calls: auto detects the family from each model's chat template (as "
                    "llama.cpp does); a family name overrides it for every model.", **_env("TOOL_FORMAT"))
+@click.option("--reasoning-format", default="parsed", show_default=True, type=click.Choice(["parsed", "none"]),
+              help="Chat answers of models whose template reasons: parsed puts the <think> text in reasoning_content "
+                   "(streamed as deltas, as vLLM and llama-server do), none leaves it in content.",
+              **_env("REASONING_FORMAT"))
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM/SIGINT: seconds running and queued requests get to finish (new ones get 503) before "
                    "what remains is cancelled.", **_env("SHUTDOWN_TIMEOUT"))
@@ -161,7 +165,7 @@ def _keep_alive(ctx, param, value):
 def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, max_queue,
           queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds, api_key,
           insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name,
-          preempt, step_stretch, prefix_dedup, tool_format, shutdown_timeout, log_level):
+          preempt, step_stretch, prefix_dedup, tool_format, reasoning_format, shutdown_timeout, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -183,7 +187,7 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           cors_origins=cors_origins,
                           isolation=isolation, share_cores=share_cores, preempt=preempt,
                           step_stretch=step_stretch, prefix_dedup=prefix_dedup,
-                          tool_format=None if tool_format == "auto" else tool_format,
+                          tool_format=None if tool_format == "auto" else tool_format, reasoning_format=reasoning_format,
                           shutdown_timeout=shutdown_timeout)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.

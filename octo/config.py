@@ -34,4 +34,5 @@ class ServerConfig:
     step_stretch: float = 2.0  # prompt chunks may stretch a step to this many decode-only steps (0: no limit)
     prefix_dedup: bool = True  # a prefix several running requests share is computed once (octo.sharing)
     tool_format: str | None = None  # tool-call family for every model (None: detected from each chat template)
+    reasoning_format: str = "parsed"  # chat: <think> text as reasoning_content ("parsed") or left in content ("none")
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from octo.engine import Feed
 from octo.errors import EngineError
 from octo.jobs import Ticket
@@ -37,8 +39,34 @@ class Emission:
                 f.mask = t.matcher.bitmask()
             if t.lps is not None:
                 f.logprobs = t.req.logprobs
+            if t.req.min_tokens and len(t.seq.tokens) - t.n_prompt < t.req.min_tokens:
+                self._forbid_end(f)
         if t.prompt_lps is not None and t.seq.n_cached < t.n_prompt:
             f.prompt_logprobs = t.req.prompt_logprobs
+
+    def _forbid_end(self, f: Feed) -> None:
+        """``min_tokens`` not reached: the sequence may not end at this step. Engines with masks get the end-of-sequence
+        bits cleared (a constraint whose grammar allows nothing but the end keeps its mask: it has the last word),
+        the others ``Feed.no_eos``."""
+        eng = self.engine
+        if not eng.supports_masks:
+            f.no_eos = True
+            return
+        row = getattr(self, "_no_eos_row", None)
+        if row is None:
+            info = eng.info
+            row = np.full((info.n_vocab + 31) // 32, -1, dtype=np.int32)
+            bits = row.view(np.uint32)
+            for e in info.eos_token_ids:
+                if 0 <= e < info.n_vocab:
+                    bits[e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
+            self._no_eos_row = row
+        if f.mask is None:
+            f.mask = row
+            return
+        both = np.bitwise_and(f.mask, row)
+        if both.any():
+            f.mask = both
 
     def _prompt_logprobs(self, f: Feed, t: Ticket) -> None:
         """Keep the prompt-token logprobs the engine reported for this feed's positions (once each: a recomputed
@@ -72,7 +100,23 @@ class Emission:
         return True
 
     def _emit(self, t: Ticket, piece: str, posts: list) -> None:
-        """Output text of ``t``: to its text and stream, through its tool-call parser when it has one."""
+        """Output text of ``t``: its reasoning apart (``Ticket.thinker``), the rest to its text and stream, through its
+        tool-call parser when it has one."""
+        if t.thinker is not None:
+            self._split(t, t.thinker.feed(piece), posts)
+            return
+        self._answer(t, piece, posts)
+
+    def _split(self, t: Ticket, pieces: list[tuple[str, str]], posts: list) -> None:
+        for kind, text in pieces:
+            if kind == "thinking":
+                t.reasoning.append(text)
+                if t.req.stream:
+                    posts.append((_put, t.events, (t.index, "reasoning", text)))
+            elif text:
+                self._answer(t, text, posts)
+
+    def _answer(self, t: Ticket, piece: str, posts: list) -> None:
         if t.parser is None:
             t.text.append(piece)
             if t.req.stream:
@@ -81,7 +125,9 @@ class Emission:
         self._events(t, t.parser.feed(piece), posts)
 
     def _end_output(self, t: Ticket, posts: list) -> None:
-        """A sequence ends: what its parser still held, and the first prompt token's entry (no logprob)."""
+        """A sequence ends: what its splitter and parser still held, and the first prompt token's entry (no logprob)."""
+        if t.thinker is not None:
+            self._split(t, t.thinker.finish(), posts)
         if t.parser is not None:
             self._events(t, t.parser.finish(), posts)
         if t.prompt_lps is not None and not t.prompt_lps and t.seq.tokens:

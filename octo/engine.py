@@ -154,6 +154,9 @@ class Feed:
       [(token, logprob), ...] the top `logprobs` tokens, most likely first)``. A logprob is the log-softmax, in at
       least float32, of the logits after the sampler's logit bias and penalties, before temperature, top-k/p and the
       mask (``octo.logits.top_logprobs``).
+    * ``no_eos`` (sampling feeds of engines that declare ``supports_min_tokens`` but not ``supports_masks``): the
+      sequence may not end here (``min_tokens``): the engine must not sample an end-of-sequence token. For engines
+      with masks the scheduler clears the end-of-sequence bits of ``mask`` instead.
     * ``prompt_logprobs`` >= 0: the engine sets ``prompt_out`` to one ``(logprob, top)`` pair per fed position whose
       next token is already in ``seq.tokens`` (the logprob of that next token; for a prompt, what OpenAI's
       completions ``echo`` + ``logprobs`` reports), from the raw logits (no penalties).
@@ -165,6 +168,7 @@ class Feed:
     mask: Any = None
     logprobs: int = -1
     prompt_logprobs: int = -1
+    no_eos: bool = False
     logprob: Any = None
     prompt_out: Any = None
 
@@ -232,6 +236,8 @@ class Engine:
     # ``Feed.logprobs`` (chat/completions logprobs) and ``Feed.prompt_logprobs`` (completions echo + logprobs).
     supports_logprobs: ClassVar[bool] = False
     supports_prompt_logprobs: ClassVar[bool] = False
+    # ``min_tokens``: honoured through ``Feed.mask`` by engines with masks, else through ``Feed.no_eos``.
+    supports_min_tokens: ClassVar[bool] = False
     # Greatest prompt chunk the scheduler feeds in one step (prefill chunking).
     prefill_chunk: ClassVar[int] = 512
     # Where a loaded model runs by default: "process" (its own worker process, so a native crash costs only its

@@ -324,7 +324,7 @@ class EngineLoop(PrefixSharing, Emission):
                 self._finish(t, "stop", posts)
                 continue
             try:
-                piece, stopped = t.stream.push(token_bytes(tok))
+                piece, stopped = t.stream.push(token_bytes(tok), len(tokens) - t.n_prompt >= t.req.min_tokens)
             except Exception as exc:  # noqa: BLE001 - an engine that cannot spell its own token: this sequence fails
                 log.exception("token_bytes(%d) failed", tok)
                 self._fail(t, exc, posts)

@@ -12,6 +12,7 @@ from typing import Any
 
 from octo.engine import SamplingParams, Sequence
 from octo.errors import OctoError
+from octo.reasoning import ThinkSplitter
 from octo.textstream import TextStream
 from octo.toolcalls import ToolCallParser, parse_tool_calls
 
@@ -38,6 +39,9 @@ class GenerationRequest:
     logprobs: int = -1  # >= 0: report each generated token's logprob and this many alternatives
     prompt_logprobs: int = -1  # >= 0: the same for every prompt token after the first (completions echo)
     tools: ToolSpec | None = None  # parse tool calls out of the output
+    min_tokens: int = 0  # no end of sequence and no stop string before this many generated tokens
+    reasoning: bool = False  # split <think> text out of the answer (octo.reasoning)
+    reasoning_opened: bool = False  # the prompt ends inside an opened <think> block
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Result:
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool_calls entries (``text`` is then the other content)
     logprobs: list[tuple[bytes, float, list[tuple[bytes, float]]]] | None = None  # per generated token
     prompt_logprobs: list[tuple[bytes, float | None, list[tuple[bytes, float]]]] | None = None  # per prompt token
+    reasoning: str | None = None  # the <think> text, kept apart from ``text`` (GenerationRequest.reasoning)
 
 
 class _Job:
@@ -71,7 +76,7 @@ class Ticket(_Job):
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
                  "finish", "hit_eos", "_cancel", "swap", "preemptions", "lead", "lead_n", "matcher", "parser",
-                 "calls", "lps", "prompt_lps", "extra")
+                 "calls", "lps", "prompt_lps", "extra", "thinker", "reasoning")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -98,10 +103,13 @@ class Ticket(_Job):
         # streamed tool calls: an incremental parser (octo.toolcalls); whole results are parsed at the end
         self.parser = ToolCallParser(req.tools.format, req.tools.names) if req.tools and req.stream else None
         self.calls: list[dict[str, Any]] | None = None  # tool calls found (streaming: as they complete)
+        # reasoning models: <think> text goes apart (octo.reasoning), before the tool-call parser sees the rest
+        self.thinker = ThinkSplitter(req.reasoning_opened) if req.reasoning else None
+        self.reasoning: list[str] = []
         self.lps: list | None = [] if req.logprobs >= 0 else None
         self.prompt_lps: list | None = [] if req.prompt_logprobs >= 0 else None
         # anything the engine step must be told beyond tokens (a mask, logprobs)
-        self.extra = self.matcher is not None or req.logprobs >= 0 or req.prompt_logprobs >= 0
+        self.extra = self.matcher is not None or req.logprobs >= 0 or req.prompt_logprobs >= 0 or req.min_tokens > 0
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""
@@ -129,7 +137,8 @@ class Ticket(_Job):
         if calls and finish == "stop":
             finish = "tool_calls"
         return Result(text, finish, self.n_prompt, len(gen), self.cached, gen, self.stream.matched, calls,
-                      self.lps, self.prompt_lps)
+                      self.lps, self.prompt_lps, "".join(self.reasoning) if self.thinker is not None and self.reasoning
+                      else None)
 
 
 class _Call(_Job):

@@ -73,6 +73,7 @@ class ModelHandle(HandleInfo):
     benchmarks: dict[str, Any] = field(default_factory=dict)  # engine name -> benchmark result
     engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
     tool_format: str | None = None  # --tool-format (None: detected from the chat template)
+    reasoning_format: str = "parsed"  # --reasoning-format
     isolation = "thread"
 
     @property
@@ -100,6 +101,7 @@ class ModelHandle(HandleInfo):
             cache = PrefixCache(int(config.cache_size_mb * 2**20), self.engine.kv_free)
         self.cache = cache
         self.tool_format = config.tool_format
+        self.reasoning_format = config.reasoning_format
         if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
             _prepare_vocab(self.engine)
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,

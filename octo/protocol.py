@@ -175,6 +175,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     metadata: dict[str, str] | None = None
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)  # vLLM's: no EOS or stop string before
     modalities: list[str] | None = None
     parallel_tool_calls: bool | None = None
     prediction: dict[str, Any] | None = None
@@ -198,6 +199,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     response_format: ResponseFormat | None = None  # an extension (vLLM's): structured output on completions
     suffix: str | None = None
 

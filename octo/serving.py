@@ -24,6 +24,7 @@ from octo.protocol import (
     NamedToolChoice,
     TextPart,
 )
+from octo.reasoning import prompt_opens_thinking, supports_thinking
 
 # SamplingParams field -> the request parameter a user would recognise
 _PARAM_NAMES = {"repetition_penalty": "repetition_penalty"}
@@ -133,6 +134,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def min_tokens(engine: Any, value: int | None, max_tokens: int | None, max_param: str = "max_tokens") -> int:
+    """``min_tokens`` checked: at most the request's max_tokens, and an engine that can keep a sequence from ending."""
+    if not value:
+        return 0
+    if max_tokens is not None and value > max_tokens:
+        raise InvalidRequest(f"min_tokens ({value}) must be less than or equal to {max_param} ({max_tokens}).",
+                             param="min_tokens")
+    if not (getattr(engine, "supports_masks", False) or getattr(engine, "supports_min_tokens", False)):
+        raise UnsupportedParameter("min_tokens", f"the {engine.name} engine cannot keep a sequence from ending")
+    return value
+
+
 def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationRequest:
     _require(handle, Task.CHAT)
     _check_stream_options(req)
@@ -157,8 +170,14 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
     prompt = chatprep.render(engine, chat_messages(req), tools, fmt, choice)
     tokens = engine.tokenize(prompt, special=True)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    # --reasoning-format parsed (the default): a reasoning model's <think> text is reasoning_content, not content
+    reasons = getattr(handle, "reasoning_format", "parsed") != "none" and supports_thinking(engine)
     return GenerationRequest(tokens, sampling, max_tokens, _stops(req.stop), req.stream, grammar=grammar,
-                             logprobs=logprobs, tools=chatprep.tool_spec(fmt, names, choice, req.parallel_tool_calls))
+                             logprobs=logprobs, tools=chatprep.tool_spec(fmt, names, choice, req.parallel_tool_calls),
+                             min_tokens=min_tokens(engine, req.min_tokens, max_tokens,
+                                                   "max_completion_tokens" if req.max_completion_tokens else
+                                                   "max_tokens"),
+                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt))
 
 
 def usage(results: list[Result]) -> dict[str, Any]:
@@ -183,6 +202,8 @@ def chat_logprobs(entries: list | None) -> dict[str, Any] | None:
 
 def chat_message(r: Result) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+    if r.reasoning is not None:
+        msg["reasoning_content"] = r.reasoning
     if r.tool_calls:
         msg["content"] = r.text or None
         msg["tool_calls"] = r.tool_calls
@@ -248,8 +269,10 @@ def completion_generations(handle: Any, req: CompletionRequest) -> list[Generati
         if n_ctx and len(toks) >= n_ctx:
             raise ContextLengthExceeded(f"This model's maximum context length is {n_ctx} tokens, but "
                                         f"{where[0].lower() + where[1:]} has {len(toks)} tokens.", param="prompt")
+    least = min_tokens(engine, req.min_tokens, req.max_tokens)
     return [GenerationRequest(t, sampling, req.max_tokens, _stops(req.stop), req.stream, grammar=grammar,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs) for t in token_lists]
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_tokens=least)
+            for t in token_lists]
 
 
 def prompt_is_text(prompt: Any) -> bool:

@@ -72,8 +72,9 @@ class TextStream:
         self._held = ""  # the longest suffix of the text that is a proper prefix of a stop: not emitted yet
         self.matched: str | None = None  # the stop string that ended generation
 
-    def push(self, data: bytes) -> tuple[str, bool]:
-        """Add a token's bytes; return (text safe to emit, whether a stop string was hit)."""
+    def push(self, data: bytes, can_stop: bool = True) -> tuple[str, bool]:
+        """Add a token's bytes; return (text safe to emit, whether a stop string was hit). With ``can_stop`` false
+        (``min_tokens`` not reached yet) a stop string that completes is text like any other."""
         if self._decoder is None:
             if data.isascii():  # the common case, without the codec machinery
                 text = data.decode("ascii")
@@ -88,6 +89,9 @@ class TextStream:
         states = self._states
         for k, stop in enumerate(self._stops):
             states[k], end = _advance(stop, self._links[k], states[k], text)
+            while end != -1 and not can_stop:  # not yet: match on after it
+                states[k], nxt = _advance(stop, self._links[k], 0, text[end + 1:])
+                end = -1 if nxt == -1 else end + 1 + nxt
             if end != -1 and (best_end == -1 or end < best_end
                               or (end == best_end and len(stop) > len(self._stops[best]))):
                 best_end, best = end, k

@@ -148,6 +148,25 @@ def test_anthropic_output_config_format_validates(server):
     jsonschema.validate(json.loads(m.content[0].text), PERSON)
 
 
+def test_min_tokens_holds_back_the_end(server):
+    """The end-of-sequence tokens made near certain (logit_bias +100): without min_tokens the answer is empty, with
+    it exactly min_tokens long (the end is masked until then, then comes at once), on chat and completions."""
+    from octo.synth.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    bias = {str(tok.token_to_id(t)): 100 for t in ("<|im_end|>", "<|endoftext|>")}
+    client = server.openai()
+    r = client.chat.completions.create(model=server.model, messages=MSG, max_tokens=50, logit_bias=bias)
+    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "stop"
+    for n in (1, 6):
+        r = client.chat.completions.create(model=server.model, messages=MSG, max_tokens=50, logit_bias=bias,
+                                           extra_body={"min_tokens": n})
+        assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "stop", r
+        c = client.completions.create(model=server.model, prompt="Once upon", max_tokens=50, logit_bias=bias,
+                                      extra_body={"min_tokens": n})
+        assert c.usage.completion_tokens == n and c.choices[0].finish_reason == "stop", c
+
+
 def test_json_object_parses(server):
     """Any JSON object: on random weights a free string rarely ends, so the closing quote and brace are favoured
     (logit_bias); the grammar still decides everything else (an object first, keys quoted, values well formed)."""

@@ -121,3 +121,17 @@ def test_long_text_with_long_stops_that_keep_almost_matching():
     text, stopped = s.push(("xyz" * 166 + "7 tail").encode())
     assert stopped and s.matched == stops[7]
     assert "".join(out) + text == "xyz" * 40_000
+
+
+def test_a_stop_before_min_tokens_is_text():
+    s = TextStream(["END"])
+    out = []
+    for piece, can in ((b"a E", False), (b"ND b", False), (b"EN", True), (b"D tail", True)):
+        text, stopped = s.push(piece, can)
+        out.append(text)
+        if stopped:
+            break
+    assert stopped and "".join(out) == "a END b" and s.matched == "END"
+    s = TextStream(["xx"])  # several completions within one push, none allowed: all text
+    assert s.push(b"axxbxxc", False) == ("axxbxxc", False)
+    assert s.push(b"x", True) == ("", False) and s.push(b"x", True) == ("", True)
