@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from octo import api, api_anthropic
+from octo import api, api_anthropic, api_dashboard
 from octo.config import ServerConfig
 from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
 from octo.metrics import CONTENT_TYPE, Metrics
@@ -81,7 +81,9 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
         state.inflight += 1
     try:
         key = state.config.api_key
-        if key and counted:  # every method but OPTIONS (answered above), HEAD too
+        # every method but OPTIONS (answered above), HEAD too; the dashboard page and its static files are open
+        # (the API calls the page makes carry the key)
+        if key and counted and not api_dashboard.is_public(request.path):
             _check_key(request, key)
         if state.draining and counted:
             raise Overloaded("The server is shutting down; retry on another instance or after it restarts.",
@@ -375,6 +377,7 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     from octo import api_tokens
 
     api_tokens.add_routes(r)
+    api_dashboard.add_routes(r)  # GET / (the web dashboard), /dashboard/{file}, /v1/dashboard/live
     if plugin_manager is not None:
         plugin_manager.hook.register_routes(app=app)
     app[V1_OF] = _add_unprefixed(r)  # last: the /v1 routes registered above (plugins' too) get their alias

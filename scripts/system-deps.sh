@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# System packages the tests need: ffmpeg (audio decoding) and espeak-ng (real speech for Whisper tests); and the
+# System packages the tests need: ffmpeg (audio decoding), espeak-ng (real speech for Whisper tests), chromium; and the
 # Codex CLI and Claude Code (npm, no root) for the Codex and Claude Code tests.
 set -euo pipefail
 missing=()
 command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
 command -v espeak-ng >/dev/null 2>&1 || missing+=(espeak-ng)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the dashboard's browser test (Playwright drives it)
 # OpenBLAS: the mlx[cpu] wheel bundles a slow reference BLAS; the MLX engine preloads a system OpenBLAS
 ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || [ "$(uname -m)" != x86_64 ] || missing+=(libopenblas0-pthread)
 

@@ -359,7 +359,9 @@ CASES = [
     Case("emb-delete", EMB, None, status=405, method="DELETE"),
     Case("msg-patch", MSG, anth(), status=405, method="PATCH"),
     Case("unknown-endpoint", "/v1/nothing", {}, status=404),
-    Case("unknown-root", "/", None, status=404, method="GET"),
+    Case("unknown-root", "/nothing", None, status=404, method="GET"),  # GET / is the dashboard (octo/api_dashboard.py)
+    Case("dashboard-post", "/", {}, status=405),
+    Case("dashboard-unknown-file", "/dashboard/nothing.js", None, status=404, method="GET"),
     # -- content types and encodings --------------------------------------------------------------------------------
     Case("ct-text-plain", CHAT, chat(), status=415, headers={"Content-Type": "text/plain"}),
     Case("ct-form", CHAT, chat(), status=415, headers={"Content-Type": "application/x-www-form-urlencoded"}),
@@ -611,7 +613,7 @@ def test_health_after_the_corpus(server):
 # -- auth: every method of every protected route -------------------------------------------------------------------
 PROTECTED = [CHAT, CMPL, EMB, MSG, AUDIO, TRANSL, "/v1/models", "/v1/models/test-model", "/v1/models/test-model/load",
              "/v1/models/test-model/unload", "/v1/engines", "/v1/queue/stats", "/v1/cache/stats", "/metrics",
-             "/v1/nothing"]
+             "/v1/dashboard/live", "/v1/nothing"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
 
 
