@@ -19,7 +19,7 @@ $(VENV)/.octo-installed: $(PY) pyproject.toml constraints.txt
 
 $(VENV)/.octo-dev-installed: $(PY) pyproject.toml constraints.txt
 	./scripts/system-deps.sh
-	$(PIP) -e ".[all,synth,dev,bench]"
+	$(PIP) -e ".[all,synth,dev,bench,ray]"
 	touch $@
 
 install: $(VENV)/.octo-installed

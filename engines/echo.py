@@ -176,6 +176,14 @@ class EchoEngine(Engine):
         tokens = tuple(seq.tokens[: seq.n_cached])
         return KVHandle(tokens=tokens, nbytes=8 * len(tokens) + 64, data=tokens)
 
+    def kv_export(self, handle: KVHandle) -> bytes | None:
+        return struct.pack(f"<{len(handle.data)}i", *handle.data)
+
+    def kv_import(self, tokens: tuple[int, ...], data: bytes) -> KVHandle | None:
+        if len(data) != 4 * len(tokens) or struct.unpack(f"<{len(tokens)}i", data) != tuple(tokens):
+            return None
+        return KVHandle(tokens=tuple(tokens), nbytes=8 * len(tokens) + 64, data=tuple(tokens))
+
     def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
         if tuple(seq.tokens[:n_tokens]) != handle.data[:n_tokens]:
             raise ValueError("cached prefix does not match the sequence")

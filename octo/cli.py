@@ -7,6 +7,7 @@ import gc
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -24,6 +25,20 @@ def _options(pairs: tuple[str, ...]) -> dict[str, str]:
         if not sep or not key:
             raise click.BadParameter(f"expected KEY=VALUE, got '{pair}'", param_hint="-o/--option")
         out[key.strip()] = value.strip()
+    return out
+
+
+def _lora(ctx, param, pairs) -> dict[str, str]:
+    """``--lora NAME=PATH`` (repeatable): LoRA adapters of the models named on the command line."""
+    out = {}
+    for pair in pairs or ():
+        name, sep, path = pair.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path or ":" in name or "/" in name:
+            raise click.BadParameter(f"expected NAME=PATH (a name without ':' or '/'), got '{pair}'")
+        if not os.path.exists(os.path.expanduser(path)):
+            raise click.BadParameter(f"LoRA adapter '{name}': nothing at {path}")
+        out[name] = path
     return out
 
 
@@ -96,6 +111,14 @@ def _keep_alive(ctx, param, value):
               **_env("PORT"))
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Engine option, e.g. -o n_threads=2 -o n_ctx=4096 (repeatable).", **_env("OPTIONS"))
+@click.option("--lora", "lora", multiple=True, metavar="NAME=PATH", callback=_lora,
+              help="LoRA adapter for the models named here (repeatable): a request picks it with model 'MODEL:NAME' "
+                   "(listed in /v1/models). llama.cpp: a GGUF LoRA file; MLX: an mlx-lm adapter folder.",
+              **_env("LORA"))
+@click.option("--draft", default=None, metavar="GGUF",
+              help="Speculative decoding (llama.cpp) for the models named here: a draft model with the same vocabulary "
+                   "proposes tokens the model verifies in one pass (same output; -o n_draft=4, -o draft_max_batch=4).",
+              **_env("DRAFT"))
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for a batch slot; more get 503.", **_env("MAX_QUEUE"))
 @click.option("--queue-timeout", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True),
@@ -153,6 +176,13 @@ def _keep_alive(ctx, param, value):
               type=click.Choice(["auto", "hermes", "llama3", "mistral", "phi4", "gemma"]),
               help="How models write tool calls: auto detects the family from each model's chat template (as "
                    "llama.cpp does); a family name overrides it for every model.", **_env("TOOL_FORMAT"))
+@click.option("--prefix-cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the prefix cache's long prompts (256 tokens or more) on disk in this folder too, so that long "
+                   "shared prefixes (system prompts, tool catalogs, conversations) survive a restart. Off by default.",
+              **_env("PREFIX_CACHE_DIR"))
+@click.option("--prefix-cache-disk-mb", default=4096.0, show_default=True, type=float,
+              help="Disk budget of --prefix-cache-dir, MB (least recently used entries go first).",
+              **_env("PREFIX_CACHE_DISK_MB"))
 @click.option("--reasoning-format", default="parsed", show_default=True, type=click.Choice(["parsed", "none"]),
               help="Chat answers of models whose template reasons: parsed puts the <think> text in reasoning_content "
                    "(streamed as deltas, as vLLM and llama-server do), none leaves it in content.",
@@ -160,12 +190,27 @@ def _keep_alive(ctx, param, value):
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM/SIGINT: seconds running and queued requests get to finish (new ones get 503) before "
                    "what remains is cancelled.", **_env("SHUTDOWN_TIMEOUT"))
+@click.option("--cluster", default=None, metavar="ray[://ADDRESS]",
+              help="Serve every model as a Ray Serve deployment: 'ray' starts a local Ray head, 'ray://HEAD:10001' "
+                   "joins a cluster (pip install 'octo[ray]'). octo stays the HTTP front door.", **_env("CLUSTER"))
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(1),
+              help="With --cluster: replicas per model (a models-file entry may set its own).", **_env("REPLICAS"))
+@click.option("--autoscaling", default=None, metavar="MIN:MAX[:TARGET]",
+              help="With --cluster: autoscale each model between MIN and MAX replicas, aiming at TARGET ongoing "
+                   "requests per replica (default 2).", **_env("AUTOSCALING"))
+@click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0),
+              help="With --cluster: CPUs Ray reserves for each replica.", **_env("REPLICA_CPUS"))
+@click.option("--replica-gpus", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="With --cluster: GPUs Ray reserves for each replica.", **_env("REPLICA_GPUS"))
+@click.option("--replica-memory", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="With --cluster: memory (GB) Ray reserves for each replica (0: none).", **_env("REPLICA_MEMORY"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
-def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, max_queue,
-          queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds, api_key,
-          insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name,
-          preempt, step_stretch, prefix_dedup, tool_format, reasoning_format, shutdown_timeout, log_level):
+def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, lora, draft,
+          max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
+          api_key, insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name,
+          preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir, prefix_cache_disk_mb, reasoning_format,
+          shutdown_timeout, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -188,18 +233,42 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           isolation=isolation, share_cores=share_cores, preempt=preempt,
                           step_stretch=step_stretch, prefix_dedup=prefix_dedup,
                           tool_format=None if tool_format == "auto" else tool_format, reasoning_format=reasoning_format,
+                          prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_mb=prefix_cache_disk_mb,
                           shutdown_timeout=shutdown_timeout)
+    if cluster or replicas != 1 or autoscaling:
+        _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
     from octo.registry import ModelSpec, load_models_file
 
     try:
-        specs = [ModelSpec(m, config.engine, dict(config.options)) for m in model]
+        opts = dict(config.options)
+        if draft:
+            if not os.path.isfile(os.path.expanduser(draft)):
+                raise click.BadParameter(f"nothing at {draft}", param_hint="--draft")
+            opts["draft"] = os.path.expanduser(draft)
+        specs = [ModelSpec(m, config.engine, opts, lora=dict(lora)) for m in model]
         specs += load_models_file(models_file) if models_file else []
     except OctoError as err:
         raise click.ClickException(err.message) from None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(_serve(config, specs))
+
+
+def _cluster_settings(config: ServerConfig, cluster, replicas, autoscaling, cpus, gpus, memory) -> None:
+    """--cluster and the replica flags into ``config`` (checked here; ray itself is imported only when serving)."""
+    from octo.cluster import parse_autoscaling, parse_cluster
+
+    if not cluster:
+        raise click.UsageError("--replicas and --autoscaling need --cluster ray[://ADDRESS]")
+    try:
+        parse_cluster(cluster)
+        config.autoscaling = parse_autoscaling(autoscaling)
+    except OctoError as err:
+        raise click.UsageError(err.message) from None
+    config.cluster, config.replicas = cluster, replicas
+    config.replica_resources = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}),
+                                **({"memory_gb": memory} if memory else {})}
 
 
 def _loop_factory(name: str):
@@ -228,6 +297,18 @@ async def _serve(config: ServerConfig, specs: list) -> None:
 
     pm = load_plugins(config.plugins_dir)
     registry = Registry(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
+    if config.cluster:  # each model a Ray Serve deployment (octo.cluster); without --cluster ray is never imported
+        import importlib.util
+
+        from octo.cluster import Cluster
+
+        if importlib.util.find_spec("ray") is None:
+            raise click.ClickException("--cluster needs Ray: pip install 'octo[ray]'")
+        registry.cluster = Cluster(config, say=registry.say)
+        try:
+            await registry.cluster.start()
+        except Exception as exc:  # noqa: BLE001 - a cluster that cannot be reached: say why and stop
+            raise click.ClickException(f"--cluster {config.cluster}: {type(exc).__name__}: {exc}") from None
     try:  # engine workers are children of this event loop's thread: they die with it, never before
         await registry.start(specs)
     except OctoError as err:
@@ -245,10 +326,13 @@ async def _serve(config: ServerConfig, specs: list) -> None:
     gc.freeze()
     loop = asyncio.get_running_loop()
     served = ", ".join(f"'{s.name}' with {s.handle.engine_name} ("
-                       + (f"worker pid {s.handle.worker.pid})" if s.handle.isolation == "process" else "in-process)")
+                       + (f"worker pid {s.handle.worker.pid})" if s.handle.isolation == "process" else
+                          f"{s.handle.cluster_info()['replicas']} Ray Serve replica(s))"
+                          if s.handle.isolation == "cluster" else "in-process)")
                        for s in registry.loaded()) or "no model yet (loaded on demand)"
     click.echo(f"octo: serving {served} at http://{config.host}:{port}/v1 "
-               f"(max batch {config.max_batch}, queue {config.max_queue}, {_loop_label(loop)} loop)", err=True)
+               f"(max batch {config.max_batch}, queue {config.max_queue}, {_loop_label(loop)} loop); "
+               f"dashboard at http://{config.host}:{port}/", err=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -35,4 +35,10 @@ class ServerConfig:
     prefix_dedup: bool = True  # a prefix several running requests share is computed once (octo.sharing)
     tool_format: str | None = None  # tool-call family for every model (None: detected from each chat template)
     reasoning_format: str = "parsed"  # chat: <think> text as reasoning_content ("parsed") or left in content ("none")
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier (octo.disk_cache); None: memory only
+    prefix_cache_disk_mb: float = 4096.0  # its budget
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish
+    cluster: str | None = None  # "ray" or "ray://HOST:10001": each model is a Ray Serve deployment (octo.cluster)
+    replicas: int = 1  # with cluster: replicas per model (the models file may set its own)
+    autoscaling: dict | None = None  # with cluster: Ray Serve autoscaling_config (min/max replicas, target)
+    replica_resources: dict = field(default_factory=dict)  # with cluster: num_cpus, num_gpus, memory_gb per replica

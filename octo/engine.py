@@ -76,6 +76,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # the LoRA adapter this sequence runs with, picked by model name ``base:adapter`` among the names an engine that
+    # serves LoRA loaded (its ``adapters`` attribute, a container of names, from its ``lora`` option); None: the base
+    # model. KV computed with one adapter never serves another (prefix cache and in-flight sharing key by it)
+    adapter: str | None = None
 
     def changed(self) -> set[str]:
         """Names of the fields that differ from their defaults."""
@@ -308,12 +312,16 @@ class Engine:
     def add_sequence(self, seq: Sequence) -> None:
         """Give ``seq`` a slot (KV sequence, sampler) before its first feed."""
 
-    def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
+    def step(self, feeds: list[Feed]) -> list[int | list[int] | BaseException | None]:
         """Run one forward pass over ``feeds``; return the sampled token per feed (None if not sampled).
 
-        The engine advances ``feed.seq.n_cached`` by ``len(feed.tokens)``. A failure that belongs to one sequence
-        (its sampler, its grammar) is returned as an exception instance in that feed's place: that request fails
-        alone and the others go on. An exception raised from ``step`` fails every sequence of the step, except
+        The engine advances ``feed.seq.n_cached`` by ``len(feed.tokens)``. An engine that verifies several tokens in
+        one pass (speculative decoding) may return a list of tokens for a sampling feed: they are taken in order as
+        if sampled one step each (stop, length and constraint rules apply to each; the rest is dropped when the
+        sequence ends), and ``n_cached`` is then advanced past every token of the list but the last.
+
+        A failure that belongs to one sequence (its sampler, its grammar) is returned as an exception instance in that
+        feed's place: that request fails alone and the others go on. An exception raised from ``step`` fails every sequence of the step, except
         :class:`octo.errors.KVCacheFull` ("the shared pool had no room; nothing was consumed"), after which the
         scheduler preempts a sequence and runs the step again.
         """
@@ -347,6 +355,16 @@ class Engine:
 
     def kv_free(self, handle: KVHandle) -> None:
         """Release a handle the index evicted."""
+
+    def kv_export(self, handle: KVHandle) -> bytes | None:
+        """The bytes of a saved handle, for the disk prefix cache (``--prefix-cache-dir``); None: not supported. They
+        are read back by ``kv_import`` of the same model, engine version and options only (the cache keys by them)."""
+        return None
+
+    def kv_import(self, tokens: tuple[int, ...], data: bytes) -> KVHandle | None:
+        """A handle for ``tokens`` from ``kv_export``'s bytes, restorable by ``kv_restore`` (and freed by ``kv_free``);
+        None when the bytes are not usable."""
+        return None
 
     def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
         """Preemption with ``--preempt swap``: a snapshot of ``seq``'s KV that holds no cells of a shared pool (the

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from octo.disk_cache import DiskTier
 from octo.emission import Emission, _put
 from octo.engine import Feed, common_prefix
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
@@ -34,7 +35,7 @@ from octo.sharing import PrefixSharing
 log = logging.getLogger("octo.scheduler")
 
 
-class EngineLoop(PrefixSharing, Emission):
+class EngineLoop(PrefixSharing, Emission, DiskTier):
     """Methods that run on the model's engine thread; the state they share lives on the Scheduler."""
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future:
@@ -141,7 +142,8 @@ class EngineLoop(PrefixSharing, Emission):
                 need = len(job.seq.tokens) + 1  # its prompt, and a cell for the first decode step
                 if self.dedup and self.engine.kv_shares_cells:  # a prefix it will share with a running one is free
                     need -= max((common_prefix(t.seq.tokens, job.seq.tokens, len(job.seq.tokens) - 1)
-                                 for t in [*self._active, *admitted]), default=0)
+                                 for t in [*self._active, *admitted]
+                                 if t.seq.sampling.adapter == job.seq.sampling.adapter), default=0)
                 if need > room:
                     room += self._reclaim(need - room)  # prefix-cache entries give their pool cells back first
                 if need > room and (self._active or admitted):
@@ -194,7 +196,10 @@ class EngineLoop(PrefixSharing, Emission):
             self._fail(t, exc, posts, remove=False)
             return
         if self.cache is not None and t.prompt_lps is None:  # prompt logprobs need every prompt position computed
-            handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1)
+            handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1, seq.sampling.adapter)
+            fresh = None  # a handle imported from the disk tier: the in-memory cache takes it after the restore
+            if self.disk is not None and seq.sampling.adapter is None:  # the disk holds base-model KV only
+                handle, n, fresh = self._from_disk(seq, handle, n)
             if handle is not None:
                 try:
                     self.engine.kv_restore(seq, handle, n)
@@ -207,6 +212,10 @@ class EngineLoop(PrefixSharing, Emission):
                     self.engine.remove_sequence(seq)
                     self.engine.add_sequence(seq)
                     seq.n_cached = 0
+                if fresh is not None and seq.n_cached > 0:
+                    self.cache.insert(fresh)
+                elif fresh is not None:  # the engine refused the disk entry's bytes: not kept
+                    self.engine.kv_free(fresh)
             if t.cached and t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
                 posts.append((_put, t.events, (t.index, "cached", t.cached)))
         if t.prompt_lps is None:
@@ -314,30 +323,42 @@ class EngineLoop(PrefixSharing, Emission):
             if isinstance(tok, BaseException):  # the engine failed this sequence alone
                 self._fail(t, tok, posts)
                 continue
-            if t.extra and not self._accept(f, t, tok, eos, posts):
+            if isinstance(tok, list):  # speculative decoding: several tokens at once, each checked as if alone
+                for x in tok:
+                    if not self._take(f, t, x, eos, posts, n_ctx, token_bytes):
+                        break
                 continue
-            tokens = t.seq.tokens
-            tokens.append(tok)
-            self.generated_tokens += 1
-            if tok in eos:
-                t.hit_eos = True
-                self._finish(t, "stop", posts)
-                continue
-            try:
-                piece, stopped = t.stream.push(token_bytes(tok), len(tokens) - t.n_prompt >= t.req.min_tokens)
-            except Exception as exc:  # noqa: BLE001 - an engine that cannot spell its own token: this sequence fails
-                log.exception("token_bytes(%d) failed", tok)
-                self._fail(t, exc, posts)
-                continue
-            if piece:
-                self._emit(t, piece, posts)
-            if stopped:
-                self._finish(t, "stop", posts, flush=False)
-            elif t.matcher is not None and t.matcher.is_done():  # nothing but the end can follow
-                self._finish(t, "stop", posts)
-            elif (t.req.max_tokens is not None and len(tokens) - t.n_prompt >= t.req.max_tokens) \
-                    or len(tokens) >= n_ctx:
-                self._finish(t, "length", posts)
+            self._take(f, t, tok, eos, posts, n_ctx, token_bytes)
+
+    def _take(self, f: Feed, t: Ticket, tok: int, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any) -> bool:
+        """A sampled token of ``t``: constraint, text, stop strings, limits; False when the sequence ended."""
+        if t.extra and not self._accept(f, t, tok, eos, posts):
+            return False
+        tokens = t.seq.tokens
+        tokens.append(tok)
+        self.generated_tokens += 1
+        if tok in eos:
+            t.hit_eos = True
+            self._finish(t, "stop", posts)
+            return False
+        try:
+            piece, stopped = t.stream.push(token_bytes(tok), len(tokens) - t.n_prompt >= t.req.min_tokens)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot spell its own token: this sequence fails
+            log.exception("token_bytes(%d) failed", tok)
+            self._fail(t, exc, posts)
+            return False
+        if piece:
+            self._emit(t, piece, posts)
+        if stopped:
+            self._finish(t, "stop", posts, flush=False)
+        elif t.matcher is not None and t.matcher.is_done():  # nothing but the end can follow
+            self._finish(t, "stop", posts)
+        elif (t.req.max_tokens is not None and len(tokens) - t.n_prompt >= t.req.max_tokens) \
+                or len(tokens) >= n_ctx:
+            self._finish(t, "length", posts)
+        else:
+            return True
+        return False
 
     # -- KV pressure -----------------------------------------------------------------------------------
     def _room(self) -> int | None:
@@ -455,6 +476,8 @@ class EngineLoop(PrefixSharing, Emission):
             handle, t.swap = t.swap, None
             self.engine.kv_free(handle)
         seq = t.seq
+        # a sequence that ended inside a speculative run holds KV past its last token: only its tokens count
+        seq.n_cached = min(seq.n_cached, len(seq.tokens))
         if save and self.cache is not None and seq.n_cached > 0:
             try:
                 handle = self.engine.kv_save(seq)
@@ -462,7 +485,9 @@ class EngineLoop(PrefixSharing, Emission):
                 log.exception("KV save failed")
                 handle = None
             if handle is not None:
-                self.cache.insert(handle)
+                if self.disk is not None and seq.sampling.adapter is None:
+                    self._to_disk(handle, t.n_prompt)
+                self.cache.insert(handle, seq.sampling.adapter)
         try:
             self.engine.remove_sequence(seq)
         except Exception:  # noqa: BLE001

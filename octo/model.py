@@ -104,10 +104,27 @@ class ModelHandle(HandleInfo):
         self.reasoning_format = config.reasoning_format
         if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
             _prepare_vocab(self.engine)
+        disk = self._disk_cache(config) if cache is not None and config.prefix_cache_dir else None
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                        queue_timeout=config.queue_timeout, cache=cache, preempt=config.preempt,
-                                       step_stretch=config.step_stretch, dedup=config.prefix_dedup, **kw)
+                                       step_stretch=config.step_stretch, dedup=config.prefix_dedup, disk=disk, **kw)
         self.scheduler.start(engine_thread=self.engine_thread)
+
+    def _disk_cache(self, config: ServerConfig) -> Any:
+        """The disk tier of the prefix cache for this model, or None (with a log line) when its engine cannot export
+        its KV."""
+        from octo.disk_cache import DiskPrefixCache, cache_key
+        from octo.engine import Engine
+        from octo.selection import artifact_digest
+
+        eng = type(self.engine)
+        if eng.kv_export is Engine.kv_export or eng.kv_import is Engine.kv_import:
+            log.warning("--prefix-cache-dir: the %s engine cannot save its KV to disk; model '%s' keeps an in-memory "
+                        "prefix cache only", self.engine_name, self.name)
+            return None
+        key = cache_key(self.engine_name, eng.version(), artifact_digest(self.artifact),
+                        {k: str(v) for k, v in self.engine.config.options.items()})
+        return DiskPrefixCache(config.prefix_cache_dir, key, int(config.prefix_cache_disk_mb * 2**20))
 
     async def activate(self, config: ServerConfig) -> None:
         if self.scheduler is None:
@@ -116,6 +133,8 @@ class ModelHandle(HandleInfo):
     def stop(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+            if getattr(self.scheduler, "disk", None) is not None:
+                self.scheduler.disk.close()  # the writes queued so far complete
         try:
             self.engine.unload()
         except Exception:  # noqa: BLE001
@@ -235,8 +254,11 @@ def embed_texts(handle: ModelHandle, inp: Any) -> list[str]:
 def local_stats(handle: ModelHandle) -> dict[str, Any]:
     """Queue and prefix-cache numbers of an in-process model (``cache`` None when it has none)."""
     sched = handle.scheduler
-    return {"queue": sched.stats() if sched is not None else None,
-            "cache": handle.cache.stats() if handle.cache is not None else None}
+    cache = handle.cache.stats() if handle.cache is not None else None
+    disk = getattr(sched, "disk", None)
+    if cache is not None and disk is not None:
+        cache["disk"] = {**disk.stats(), "tokens_reused": sched.disk_tokens_reused}
+    return {"queue": sched.stats() if sched is not None else None, "cache": cache}
 
 
 def _prepare_vocab(engine: Engine) -> None:

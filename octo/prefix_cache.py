@@ -5,6 +5,9 @@ kv_free``). A lookup finds the longest common prefix between a new prompt and an
 cached ``system + user1 + reply`` serves a new ``system + user2`` prompt: the engine restores the
 entry and truncates it to the shared ``system`` tokens.
 
+Entries are keyed by LoRA adapter as well as tokens (``SamplingParams.adapter``): each adapter has its own trie, so
+KV computed with one adapter (or without) never serves a sequence of another.
+
 Invariant: every leaf of the trie holds an entry (nodes without entries below them are pruned), so any
 node on a lookup path leads to an entry by following children.
 Used from the engine thread only; ``stats()`` may be read from anywhere.
@@ -34,7 +37,7 @@ class PrefixCache:
         self.budget = int(budget_bytes)
         self._free = free
         self.min_match = min_match
-        self._root = _Node()
+        self._roots: dict[str | None, _Node] = {None: _Node()}  # one trie per LoRA adapter (None: the base model)
         self._lru: OrderedDict[int, tuple[KVHandle, _Node]] = OrderedDict()  # id(handle) -> (handle, node)
         self.bytes = 0
         self.hits = 0
@@ -44,10 +47,11 @@ class PrefixCache:
         self.evictions = 0
 
     # -- lookup ------------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], max_len: int) -> tuple[KVHandle | None, int]:
-        """The handle sharing the longest prefix with ``tokens[:max_len]`` and that prefix's length."""
+    def lookup(self, tokens: list[int], max_len: int, adapter: str | None = None) -> tuple[KVHandle | None, int]:
+        """The handle sharing the longest prefix with ``tokens[:max_len]`` (among those computed with ``adapter``)
+        and that prefix's length."""
         self.tokens_looked_up += len(tokens)
-        node, depth = self._root, 0
+        node, depth = self._roots.get(adapter) or _Node(), 0
         for tok in tokens[:max_len]:
             child = node.children.get(tok)
             if child is None:
@@ -71,12 +75,15 @@ class PrefixCache:
         self.tokens_reused -= n_tokens
 
     # -- insert / evict ----------------------------------------------------------------------------
-    def insert(self, handle: KVHandle) -> None:
-        """Take ownership of ``handle``; frees it at once when it is redundant or over budget."""
+    def insert(self, handle: KVHandle, adapter: str | None = None) -> None:
+        """Take ownership of ``handle`` (KV computed with LoRA ``adapter``); frees it at once when it is redundant or
+        over budget."""
         if handle.nbytes > self.budget or not handle.tokens:
             self._free(handle)
             return
-        node = self._root
+        node = self._roots.get(adapter)
+        if node is None:
+            node = self._roots[adapter] = _Node()
         for tok in handle.tokens:
             child = node.children.get(tok)
             if child is None:

@@ -68,14 +68,36 @@ class ModelSpec:
     pinned: bool = False
     keep_alive: float | None = None  # seconds idle before unloading; None: never
     declared: bool = True  # named at start-up (False: loaded on demand by a request)
+    lora: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path; requests name them base:adapter
+    replicas: int | None = None  # --cluster: replicas of this model (None: the --replicas/--autoscaling flags)
+    autoscaling: dict | None = None  # --cluster: Ray Serve autoscaling_config (octo.cluster.parse_autoscaling)
+    resources: dict = field(default_factory=dict)  # --cluster: num_cpus, num_gpus, memory_gb per replica
 
 
-_SPEC_KEYS = {"model", "name", "path", "engine", "options", "max_batch", "pinned", "keep_alive"}
+_SPEC_KEYS = {"model", "name", "path", "engine", "options", "max_batch", "pinned", "keep_alive", "lora", "replicas",
+              "autoscaling", "resources"}
+
+
+def check_lora(lora: Any, where: str) -> dict[str, str]:
+    """A ``lora`` mapping (adapter name -> path) as the models file or ``--lora`` gives it."""
+    from octo.errors import ConfigError
+
+    if not isinstance(lora, dict):
+        raise ConfigError(f"{where}: lora must be a mapping of adapter name -> path.")
+    out = {}
+    for name, path in lora.items():
+        name = str(name)
+        if not name or ":" in name or "/" in name or not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}: lora entry {name!r}: the name must be non-empty without ':' or '/', and the "
+                              "value a path.")
+        out[name] = path
+    return out
 
 
 def load_models_file(path: str) -> list[ModelSpec]:
     """The models of a ``--models-file``: a YAML list (or ``models:`` list) of names/paths or mappings with
-    ``model`` (or ``name``/``path``), ``engine``, ``options``, ``max_batch``, ``pinned``, ``keep_alive``."""
+    ``model`` (or ``name``/``path``), ``engine``, ``options``, ``max_batch``, ``pinned``, ``keep_alive``, ``lora``
+    (adapter name -> path, requested as ``model:adapter``)."""
     import yaml
 
     from octo.errors import ConfigError
@@ -112,8 +134,11 @@ def load_models_file(path: str) -> list[ModelSpec]:
         max_batch = item.get("max_batch")
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ConfigError(f"{where}: max_batch must be a positive integer.")
+        lora = check_lora(item.get("lora") or {}, where)
+        from octo.cluster import cluster_keys  # replicas, autoscaling, resources (imports no ray)
+
         specs.append(ModelSpec(model, item.get("engine"), {str(k): str(v) for k, v in options.items()}, max_batch,
-                               bool(item.get("pinned", False)), keep_alive))
+                               bool(item.get("pinned", False)), keep_alive, lora=lora, **cluster_keys(item, where)))
     return specs
 
 
@@ -173,6 +198,7 @@ class Registry:
         self._room = asyncio.Lock()  # one load decides about eviction at a time
         self.loads = 0
         self.unloads = 0
+        self.cluster: Any = None  # octo.cluster.Cluster with --cluster: models load as Ray Serve deployments
 
     # -- start-up and shutdown -----------------------------------------------------------------------------
     async def start(self, specs: list[ModelSpec]) -> None:
@@ -205,6 +231,8 @@ class Registry:
             if slot.loading is not None:
                 slot.loading.cancel()
         await asyncio.gather(*(self._unload(s) for s in self.slots if s.handle is not None), return_exceptions=True)
+        if self.cluster is not None:
+            await self.cluster.close()
 
     async def catalog_available(self) -> list[dict[str, Any]]:
         """Catalog models servable on demand that the registry has no slot for yet (cached for 30 s)."""
@@ -226,13 +254,19 @@ class Registry:
         return [s for s in self.slots if s.handle is not None]
 
     def find(self, model: str | None) -> Slot | None:
-        """The slot named ``model`` (a name, an alias, a path, or ``whisper-1``), without resolving anything."""
+        """The slot named ``model`` (a name, an alias, a path, ``whisper-1``, or ``base:adapter`` for one of a model's
+        LoRA adapters), without resolving anything."""
         if model:
             slot = self._by_name.get(model)
             if slot is not None:
                 return slot
             for slot in self.slots:
                 if slot.matches(model):
+                    return slot
+            base, sep, adapter = model.rpartition(":")
+            if sep and base and adapter:
+                slot = self.find(base)
+                if slot is not None and adapter in slot.spec.lora:
                     return slot
         return None
 
@@ -250,7 +284,16 @@ class Registry:
         slot = self.find(model)
         if slot is not None:
             return slot
-        return await self._slot_for(model, ModelSpec(model, declared=False, keep_alive=self.config.keep_alive))
+        try:
+            return await self._slot_for(model, ModelSpec(model, declared=False, keep_alive=self.config.keep_alive))
+        except (ModelNotFound, InvalidRequest):
+            base, sep, adapter = model.rpartition(":")
+            slot = self.find(base) if sep and base else None
+            if slot is not None and slot.spec.lora:  # a model with adapters, none of them this one
+                known = ", ".join(f"{slot.name}:{a}" for a in slot.spec.lora)
+                raise ModelNotFound(f"Model '{slot.name}' has no LoRA adapter '{adapter}'; its adapters: {known}.",
+                                    param="model") from None
+            raise
 
     async def _slot_for(self, model: str, spec: ModelSpec) -> Slot:
         """Resolve ``model`` (catalog, path, Hugging Face id) to its slot, creating one when it is new."""
@@ -350,7 +393,12 @@ class Registry:
                 slot.estimated_bytes = slot.artifact_bytes + int(config.cache_size_mb * 2**20)
                 await self._make_room(slot)
                 self.say(f"octo: loading '{slot.name}'")
-                handle, rows = await open_model(config, self.engines, say=self.say, download=slot.spec.declared)
+                if self.cluster is not None:  # a deployment whose replicas each run this same loading
+                    handle, rows = await self.cluster.open_model(slot.spec, config, self.engines, say=self.say,
+                                                                 download=slot.spec.declared)
+                else:
+                    handle, rows = await open_model(config, self.engines, say=self.say,
+                                                    download=slot.spec.declared)
                 await handle.activate(config)
             slot.handle, slot.rows, slot.error = handle, rows, None
             slot.task = handle.task
@@ -383,7 +431,12 @@ class Registry:
         """The server configuration one model runs with: its own engine, options, batch size and cache share."""
         c = self.config
         share = c.cache_size_mb / max(1, c.max_loaded or sum(1 for s in self.slots if s.spec.declared))
-        return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=dict(spec.options),
+        options = dict(spec.options)
+        if spec.lora:  # the engine loads the adapters with the model (an engine without LoRA refuses the option)
+            import json
+
+            options["lora"] = json.dumps(spec.lora)
+        return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=options,
                                    max_batch=spec.max_batch or c.max_batch, cache_size_mb=share)
 
     async def _make_room(self, slot: Slot) -> None:

@@ -30,8 +30,10 @@ class Scheduler(EngineLoop):
     gate: Any = None  # octo.arbiter.ComputeGate of a worker sharing the cores with other models
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
                  cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0,
-                 dedup: bool = True) -> None:
+                 dedup: bool = True, disk: Any = None) -> None:
         self.engine = engine
+        self.disk = disk  # octo.disk_cache.DiskPrefixCache (--prefix-cache-dir), or None
+        self.disk_tokens_reused = 0
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout

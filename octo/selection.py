@@ -193,8 +193,7 @@ def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_step
         out = engine.step([Feed(s, s.tokens[-1:], True) for s in seqs])
         times.append(time.perf_counter() - now)
         for s, tok in zip(seqs, out, strict=True):
-            s.tokens.append(tok)
-        tokens += len(seqs)
+            tokens += take(s, tok)
         steps += 1
         dt = time.perf_counter() - t0
         if steps < max(3, min_steps) or dt < 0.25:
@@ -204,6 +203,15 @@ def decode_steps(engine: Engine, seqs: list[Sequence], deadline: float, max_step
         if settle and steps >= 8 and statistics.stdev(times) / math.sqrt(steps) < settle * statistics.fmean(times):
             break
     return tokens, time.perf_counter() - t0
+
+
+def take(seq: Sequence, out: int | list[int]) -> int:
+    """Append a step's result to ``seq`` (a list: several tokens of one speculative step); how many tokens."""
+    if isinstance(out, list):
+        seq.tokens.extend(out)
+        return len(out)
+    seq.tokens.append(out)
+    return 1
 
 
 def start_sequences(engine: Engine, ids: list[int], prompts: list[list[int]]) -> list[Sequence]:
@@ -225,7 +233,7 @@ def start_sequences(engine: Engine, ids: list[int], prompts: list[list[int]]) ->
                     out.append(res[0])
                     break
     for s, tok in zip(seqs, out, strict=True):
-        s.tokens.append(tok)
+        take(s, tok)
     return seqs
 
 
@@ -239,7 +247,7 @@ def _prefill_until(engine: Engine, seq: Sequence, deadline: float) -> int:
         out = engine.step([Feed(seq, part, last)])
         fed += len(part)
         if last:
-            seq.tokens.append(out[0])
+            take(seq, out[0])
     return fed
 
 
@@ -373,7 +381,7 @@ def _batch_decode(engine: Engine, live: list[Sequence], deadline: float, hard: f
     if engine.batching == "window":
         out = engine.step([Feed(s, s.tokens, True) for s in batch])
         for s, tok in zip(batch, out, strict=True):
-            s.tokens.append(tok)
+            take(s, tok)
     else:
         for s in batch:
             _prefill_until(engine, s, hard)

@@ -119,6 +119,12 @@ async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
     """Headers every response gets just before its headers go out (a stream's too, which the middleware only sees
     after they were sent): the request id, and CORS for an allowed origin."""
     resp.headers.setdefault("X-Request-Id", request.headers.get("X-Request-Id") or new_id("req"))
+    if request.app[STATE].config.cluster:  # the Ray Serve replica that answered (octo.cluster)
+        from octo.cluster import ANSWERED_BY, REPLICA_HEADER
+
+        replica = ANSWERED_BY.get()
+        if replica:
+            resp.headers[REPLICA_HEADER] = replica
     allowed = request.app[STATE].config.cors_origins
     if not allowed:
         return
@@ -161,6 +167,9 @@ def _model_entry(state: AppState, slot: Any) -> dict[str, Any]:
         worker = getattr(h, "worker_info", None)
         if worker is not None:
             entry["worker"] = worker()
+        cluster = getattr(h, "cluster_info", None)
+        if cluster is not None:  # --cluster: replicas and where each runs
+            entry["cluster"] = cluster()
     reason = (h.reason if h is not None else None) or (slot.error.message if slot.error is not None else None)
     if reason:
         entry["reason"] = reason
@@ -201,7 +210,10 @@ async def health(request: web.Request) -> web.Response:
 async def models_route(request: web.Request) -> web.Response:
     """Every model the server knows (loaded or not), then catalog models it could load on demand."""
     state = request.app[STATE]
-    data = [_model_entry(state, s) for s in state.registry.slots]
+    data = []
+    for s in state.registry.slots:
+        entry = _model_entry(state, s)
+        data += [entry, *(_adapter_entry(s, entry, adapter) for adapter in s.spec.lora)]
     for row in await state.registry.catalog_available():
         data.append({"id": row["id"], "object": "model", "created": int(state.started), "owned_by": "octo",
                      "state": "available", "task": row["task"], "aliases": row["aliases"],
@@ -220,8 +232,20 @@ def _slot(request: web.Request) -> Any:
     return slot
 
 
+def _adapter_entry(slot: Any, entry: dict[str, Any], adapter: str) -> dict[str, Any]:
+    """A LoRA adapter of ``slot`` as a model of its own, ``base:adapter`` (vLLM lists adapters so too)."""
+    return {"id": f"{slot.name}:{adapter}", "object": "model", "created": entry["created"], "owned_by": "octo",
+            "parent": slot.name, "root": slot.name, "lora": adapter, "state": entry["state"], "task": entry["task"]}
+
+
 async def model_get(request: web.Request) -> web.Response:
-    return api.json_response(_model_entry(request.app[STATE], _slot(request)))
+    slot = _slot(request)
+    entry = _model_entry(request.app[STATE], slot)
+    name = request.match_info["name"]
+    adapter = name.rpartition(":")[2]
+    if ":" in name and adapter in slot.spec.lora and not slot.matches(name) and name != slot.name:
+        entry = _adapter_entry(slot, entry, adapter)
+    return api.json_response(entry)
 
 
 async def model_load(request: web.Request) -> web.Response:

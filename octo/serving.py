@@ -388,14 +388,29 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[GenerationRequest], 
     """The generation requests of an API request of ``kind`` ("chat", "completion", "messages") and the
     number of sequences (choices) per prompt."""
     if kind == "chat":
-        return [chat_generation(handle, req)], req.n
-    if kind == "completion":
-        return completion_generations(handle, req), req.n
-    if kind == "messages":
+        gens, n = [chat_generation(handle, req)], req.n
+    elif kind == "completion":
+        gens, n = completion_generations(handle, req), req.n
+    elif kind == "messages":
         from octo import anthropic  # it builds on this module
 
-        return [anthropic.generation(handle, req)], 1
-    raise ValueError(f"unknown generation kind {kind!r}")
+        gens, n = [anthropic.generation(handle, req)], 1
+    else:
+        raise ValueError(f"unknown generation kind {kind!r}")
+    adapter = lora_adapter(handle, getattr(req, "model", None))
+    if adapter is not None:
+        for g in gens:
+            g.sampling.adapter = adapter
+    return gens, n
+
+
+def lora_adapter(handle: Any, model: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` picks (``base:adapter``, one the engine loaded), else None."""
+    if not model or ":" not in model:
+        return None
+    adapters = getattr(handle.engine, "adapters", None)  # the engine's loaded adapters (a container of names)
+    name = model.rpartition(":")[2]
+    return name if adapters and name in adapters else None
 
 
 def count_tokens(handle: Any, kind: str, req: Any) -> int:

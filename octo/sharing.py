@@ -36,8 +36,8 @@ class PrefixSharing:
         limit = len(seq.tokens) - 1  # the last prompt token is always fed, for the logits
         best, best_n = None, seq.n_cached + MIN_SHARE - 1
         for a in self._active:
-            if a is t or a.lead is not None:
-                continue
+            if a is t or a.lead is not None or a.seq.sampling.adapter != seq.sampling.adapter:
+                continue  # (KV computed with another LoRA adapter is not shared)
             n = common_prefix(a.seq.tokens, seq.tokens, limit)
             if n > best_n:
                 best, best_n = a, n

@@ -11,14 +11,18 @@ adds an id to cells, no data is copied), a new sequence that matches it joins th
 that share a prefix being computed (the scheduler's in-flight deduplication, :meth:`kv_share`). A cell is free when
 its last sequence leaves it; :mod:`.cells` keeps the count. Out of cache ids, or with per-sequence streams
 (``kv_unified=false``), the cache keeps snapshots in RAM instead (``llama_state_seq_get/set_data``), as preemption's
-swap always does.
+swap always does (:mod:`.kvcache`).
+
+KV-cache type (``-o cache_type=f16|q8_0|q4_0``): ``type_k``/``type_v`` of the context; a quantized cache turns flash
+attention on (llama.cpp reads a quantized V only there). LoRA adapters (``-o lora``, what ``--lora`` passes): loaded
+with the model; llama.cpp's adapter set is per context, so a step mixing adapters runs one decode per adapter
+(:mod:`.lora`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from octo.engine import (
@@ -31,15 +35,17 @@ from octo.engine import (
     ModelInfo,
     Sequence,
     Task,
-    common_prefix,
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
 from . import logits as lg
+from . import lora
 from .cells import CellBook
 from .embeddings import embed_texts
-from .native import GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores, read_metadata
+from .kvcache import KVCells, Slot
+from .native import CACHE_TYPES, GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores, read_metadata
 from .sampling import SamplerChain
+from .speculate import Speculation
 from .template import ChatTemplate
 
 log = logging.getLogger("octo.engines.llamacpp")
@@ -53,13 +59,7 @@ CHATML = (
 )
 
 
-@dataclass
-class Slot:
-    seq_id: int
-    chain: SamplerChain | None
-
-
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(Speculation, KVCells, Engine):
     name: ClassVar[str] = "llamacpp"
     aliases: ClassVar[tuple[str, ...]] = ("llama.cpp", "llama-cpp", "llama_cpp")
     tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
@@ -86,6 +86,7 @@ class LlamaCppEngine(Engine):
         self.prefill_chunk = self.opts.get("prefill_chunk", type(self).prefill_chunk)
         self.model = self.ctx = self.mem = self.vocab = None
         self._L: Any = None
+        self.adapters: lora.Adapters | None = None
 
     # -- discovery ---------------------------------------------------------------------------------
     @classmethod
@@ -143,7 +144,14 @@ class LlamaCppEngine(Engine):
         pooling = int(self.metadata.get(f"{arch}.pooling_type", "-1"))
         self.is_embedding = pooling > 0
         try:
+            if self.opts.get("lora"):
+                if self.is_embedding:
+                    raise ConfigError("LoRA adapters apply to generative models; this GGUF is an embedding model.",
+                                      param="lora")
+                self.adapters = lora.Adapters(L, self.model, self.opts["lora"])
             self._make_context(pooling)
+            if self.opts.get("draft"):
+                self._load_draft(L)
         except BaseException:
             self.unload()
             raise
@@ -186,7 +194,12 @@ class LlamaCppEngine(Engine):
                 "n_batch": self.n_batch,
                 "n_ubatch": L.llama_n_ubatch(self.ctx),
                 "prefill_chunk": self.prefill_chunk,
-                "flash_attn": self.opts.get("flash_attn", "auto"),
+                "flash_attn": self.flash_attn,
+                "cache_type": self.cache_type,
+                "kv_bytes_per_token": self.cell_bytes,
+                "lora": self.adapters.describe() if self.adapters else None,
+                "draft": ({"model": self.opts["draft"], "n_draft": self.n_draft, "max_batch": self.draft_max_batch}
+                          if self.drafter is not None else None),
                 "tasks": ["embeddings"] if self.is_embedding else ["chat", "completion"],
                 "pooling": POOLING_NAMES.get(pooling, "none") if self.is_embedding else None,
                 "chat_template": self.template_source,
@@ -258,12 +271,23 @@ class LlamaCppEngine(Engine):
         cp.kv_unified = self.kv_unified
         cp.n_threads = self.n_threads
         cp.n_threads_batch = self.n_threads_batch
-        cp.flash_attn_type = FLASH[self.opts.get("flash_attn", "auto")]
+        # KV cache type (K and V alike): llama.cpp reads a quantized V cache only inside flash attention, so a
+        # quantized cache turns flash attention on (an explicit flash_attn=off with one is refused)
+        self.cache_type = self.opts.get("cache_type", "f16")
+        self.flash_attn = self.opts.get("flash_attn", "auto")
+        if self.cache_type in ("q8_0", "q4_0"):
+            if self.flash_attn == "off":
+                raise ConfigError(f"cache_type={self.cache_type} needs flash attention (llama.cpp reads a quantized "
+                                  "V cache only there); drop flash_attn=off", param="cache_type")
+            self.flash_attn = "on"
+        cp.type_k = cp.type_v = getattr(L, f"GGML_TYPE_{self.cache_type.upper()}")
+        cp.flash_attn_type = FLASH[self.flash_attn]
         cp.no_perf = True
         LogTap.recent.clear()
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            raise ConfigError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {LogTap.tail()}")
+            raise ConfigError(f"llama.cpp could not create a context (n_ctx={n_ctx}, cache_type={self.cache_type}): "
+                              f"{LogTap.tail()}")
         self.mem = L.llama_get_memory(self.ctx)
         self.n_ctx_seq = min(n_ctx, L.llama_n_ctx_seq(self.ctx))
         self.batch = Batch(self.n_batch)
@@ -278,7 +302,8 @@ class LlamaCppEngine(Engine):
         self.kv_cells = L.llama_n_ctx(self.ctx)
         self.kv_shares_cells = self.kv_unified
         head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
-        self.cell_bytes = L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim * 2
+        self.cell_bytes = round(L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim
+                                * CACHE_TYPES[self.cache_type])
 
     def thread_counts(self) -> list[int]:
         """Current threads first, then one fewer: on a busy 2-core host 1 thread can beat 2 (issue 3)."""
@@ -289,17 +314,21 @@ class LlamaCppEngine(Engine):
     def set_threads(self, n: int) -> None:
         self.n_threads = self.n_threads_batch = n
         self._L.llama_set_n_threads(self.ctx, n, n)
+        if self.drafter is not None:
+            self._L.llama_set_n_threads(self.drafter.ctx, n, n)
         if self.info is not None:
             self.info.extra.update(threads=n, threads_batch=n)
 
     def unload(self) -> None:
         L = self._L
+        self._close_draft()
         if L is not None:
             if self.ctx:
                 L.llama_free(self.ctx)
             if self.model:
                 L.llama_model_free(self.model)
         self.ctx = self.model = self.mem = self.vocab = None
+        self.adapters = None  # llama.cpp frees a model's adapters with it
         super().unload()
 
     # -- text --------------------------------------------------------------------------------------
@@ -371,12 +400,17 @@ class LlamaCppEngine(Engine):
             raise EngineError(f"All {self.config.max_batch} llama.cpp sequence slots are in use.")
         if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences (the prefix it
             used = self.book.used()  # may share with one of them or a cached entry in the pool takes no new cell)
-            if used + len(seq.tokens) + 1 - self._shareable(seq.tokens) > self.kv_cells:
+            if used + len(seq.tokens) + 1 - self._shareable(seq.tokens, seq.sampling.adapter) > self.kv_cells:
                 raise Overloaded(
                     f"The KV cache is full ({used} of {self.kv_cells} cells in use by {len(self.active)} "
                     f"sequences); retry shortly.",
                     headers={"Retry-After": "2"},
                 )
+        if seq.sampling.adapter is not None:
+            if self.adapters is None:
+                raise InvalidRequest(f"Model '{self.info.name}' has no LoRA adapters (--lora NAME=PATH).",
+                                     param="model")
+            self.adapters.check(seq.sampling.adapter, self.info.name)
         chain = SamplerChain(self.n_vocab, seq.sampling, self.penalty_last_n, seq.tokens)
         seq_id = self.free_ids.pop()
         self._seq_rm(seq_id, 0)
@@ -391,40 +425,85 @@ class LlamaCppEngine(Engine):
         if self._members_changed and self._entries:  # decoding now: idle cached cells would be scanned every row
             self._members_changed = False
             self._demote_idle()
+        if self.adapters is None:
+            return self._decode(feeds)
+        parts = lora.groups(feeds)  # llama.cpp's adapter set is per context: one decode per adapter (.lora)
+        if len(parts) == 1:
+            self.adapters.apply(self.ctx, next(iter(parts)))
+            return self._decode(feeds)
+        out: list[int | BaseException | None] = [None] * len(feeds)
+        done: list[Feed] = []
+        for adapter, idx in parts.items():
+            self.adapters.apply(self.ctx, adapter)
+            group = [feeds[i] for i in idx]
+            try:
+                res = self._run(group, None)  # (not speculated: the rollback below counts one token per feed)
+            except KVCacheFull:  # nothing of the step may stay consumed: take back what earlier groups added (their
+                # tokens come again after the preemption; a penalties sampler keeps one extra accepted token)
+                for f in done:
+                    f.seq.n_cached -= len(f.tokens)
+                    self._seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
+                raise
+            done += group
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        return out
+
+    def _decode(self, feeds: list[Feed]) -> list[int | list[int] | BaseException | None]:
+        drafts = self._drafts(feeds) if self.drafter is not None else None
+        if drafts is not None:
+            try:
+                return self._run(feeds, drafts)
+            except KVCacheFull:  # the drafts did not fit where the step alone may: try without them
+                pass
+        return self._run(feeds, None)
+
+    def _run(self, feeds: list[Feed], drafts: list[list[int]] | None) -> list[int | list[int] | BaseException | None]:
         b = self.batch
         n = 0
         starts: list[int] = []  # each feed's first batch position
-        for f in feeds:
+        for i, f in enumerate(feeds):
             k = len(f.tokens)
+            d = drafts[i] if drafts is not None else ()
             if f.seq.n_cached + k > self.n_ctx_seq:
                 raise ContextLengthExceeded(
                     f"This model's maximum context length is {self.n_ctx_seq} tokens; sequence {f.seq.id} "
                     f"would reach {f.seq.n_cached + k}.",
                     param="max_tokens",
                 )
-            if n + k > b.capacity:
+            if n + k + len(d) > b.capacity:
                 raise EngineError(f"step of more than n_batch={b.capacity} tokens")
             b.token[n : n + k] = f.tokens
-            b.pos[n : n + k] = range(f.seq.n_cached, f.seq.n_cached + k)
-            b.seq[n : n + k] = f.seq.slot.seq_id
+            b.pos[n : n + k + len(d)] = range(f.seq.n_cached, f.seq.n_cached + k + len(d))
+            b.seq[n : n + k + len(d)] = f.seq.slot.seq_id
             b.logits[n : n + k] = f.prompt_logprobs >= 0  # prompt logprobs: logits of every position
             if f.sample and k:
                 b.logits[n + k - 1] = 1
+            if d:  # speculative decoding (.speculate): the draft's tokens, each with its logits row
+                b.token[n + k : n + k + len(d)] = d
+                b.logits[n + k : n + k + len(d)] = 1
             starts.append(n)
-            n += k
+            n += k + len(d)
         b.struct.n_tokens = n
         rc = self._L.llama_decode(self.ctx, b.struct)
         if rc != 0:
             self._decode_failed(rc, feeds)
-        result: list[int | BaseException | None] = []
+        result: list[int | list[int] | BaseException | None] = []
         append = self.book.append
-        for f, start in zip(feeds, starts, strict=True):
+        for i, (f, start) in enumerate(zip(feeds, starts, strict=True)):
             seq, k = f.seq, len(f.tokens)
             if f.prompt_logprobs >= 0:  # before the mask touches the last row
                 f.prompt_out = lg.prompt_entries(self._L, self.ctx, self.n_vocab, f, start, seq.n_cached)
-            seq.n_cached += k
-            append(seq.slot.seq_id, k)
-            if not (f.sample and k):
+            d = drafts[i] if drafts is not None else ()
+            seq.n_cached += k + len(d)
+            append(seq.slot.seq_id, k + len(d))
+            if d:
+                out = self._verify(f, start + k - 1, d)
+                if len(out) - 1 < len(d):  # the KV of rejected draft tokens goes
+                    seq.n_cached -= len(d) - (len(out) - 1)
+                    self._seq_rm(seq.slot.seq_id, seq.n_cached)
+                result.append(out)
+            elif not (f.sample and k):
                 result.append(None)
             elif f.mask is None and f.logprobs < 0:  # the plain path: the native chain alone
                 result.append(seq.slot.chain.sample(self.ctx, start + k - 1))
@@ -453,140 +532,10 @@ class LlamaCppEngine(Engine):
             slot.chain.close()
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
+        if self.drafter is not None:
+            self.drafter.drop(slot.seq_id)
         seq.slot = None
         self._members_changed = True
-
-    # -- KV cells ----------------------------------------------------------------------------------
-    def _shareable(self, tokens: list[int]) -> int:
-        """The longest prefix of ``tokens`` already in the pool's cells (a running sequence's or a cached entry's)."""
-        held = [*(s.tokens[:s.n_cached] for s in self.active.values()), *(h.tokens for h in self._entries.values())]
-        return max((common_prefix(list(h), tokens) for h in held), default=0)
-
-    def _seq_rm(self, seq_id: int, keep: int) -> bool:
-        """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
-        ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1)
-        if not ok:  # a partial removal the memory cannot do: drop it all
-            self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
-        self.book.truncate(seq_id, keep if ok else 0)
-        return bool(ok)
-
-    def _seq_cp(self, src: int, dst: int, n: int) -> None:
-        """``dst`` (empty) joins the cells of ``src``'s first ``n`` positions: no data is copied."""
-        self._L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
-        self.book.copy(src, dst, n)
-
-    # -- KV pressure -------------------------------------------------------------------------------
-    def kv_room(self) -> int | None:
-        if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
-            return None
-        return self.kv_cells - self.book.used()
-
-    def kv_drop(self, seq: Sequence) -> None:
-        self._seq_rm(seq.slot.seq_id, 0)
-        seq.n_cached = 0
-
-    def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
-        return self._snapshot(seq)
-
-    def kv_share(self, src: Sequence, dst: Sequence, n_tokens: int) -> None:
-        n = min(n_tokens, src.n_cached, len(dst.tokens) - 1)
-        if not self.kv_unified:  # across streams llama.cpp would copy whole buffers: a snapshot copies less
-            super().kv_share(src, dst, n)
-            return
-        if n > 0:
-            self._seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
-            dst.n_cached = n
-
-    # -- prefix cache ------------------------------------------------------------------------------
-    # Idle cached cells cost attention: every decode row of a unified pool scans all cells up to the last one in use
-    # (bench/attention.py: 4 sequences of 2,000 tokens decode 15% slower beside 4 idle cached prefixes). So cells of
-    # entries that no running sequence shares are moved to RAM snapshots (copied back on a hit) once they exceed
-    # IDLE_SHARE of the cells running sequences use, or IDLE_MIN when the pool is otherwise empty.
-    IDLE_SHARE = 0.1
-    IDLE_MIN = 512
-
-    def kv_save(self, seq: Sequence) -> KVHandle | None:
-        slot: Slot | None = seq.slot
-        if slot is None or seq.n_cached <= 0 or self.is_embedding:
-            return None
-        if not self.cache_ids:
-            return self._snapshot(seq)
-        cid = self.cache_ids.pop()
-        self._seq_cp(slot.seq_id, cid, seq.n_cached)
-        n = seq.n_cached
-        handle = KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.cell_bytes, data=cid, cells=n)
-        self._entries[cid] = handle
-        return handle
-
-    def _demote_idle(self) -> None:
-        """Move the oldest cache entries whose cells no running sequence shares to RAM, down to the idle bound."""
-        if not self._entries:
-            return
-        live = self.book.blocks(s.slot.seq_id for s in self.active.values())
-        idle = {cid: self.book.cells_outside(cid, live) for cid in self._entries}
-        total = sum(idle.values())
-        bound = max(self.IDLE_MIN, int(self.IDLE_SHARE * (self.book.used() - total)))
-        for cid in list(self._entries):
-            if total <= bound:
-                break
-            if not idle[cid]:
-                continue
-            handle = self._entries.pop(cid)
-            snap = self._snapshot_id(cid, len(handle.tokens))
-            self._seq_rm(cid, 0)
-            self.cache_ids.append(cid)
-            handle.data, handle.cells = (snap.data if snap is not None else None), 0  # nbytes: as the index counted
-            total -= idle[cid]
-            self.demoted += 1
-
-    def _snapshot(self, seq: Sequence) -> KVHandle | None:
-        slot: Slot | None = seq.slot
-        if slot is None or seq.n_cached <= 0 or self.is_embedding:
-            return None
-        snap = self._snapshot_id(slot.seq_id, seq.n_cached)
-        if snap is not None:
-            snap.tokens = tuple(seq.tokens[: seq.n_cached])
-        return snap
-
-    def _snapshot_id(self, seq_id: int, n: int) -> KVHandle | None:
-        L = self._L
-        size = L.llama_state_seq_get_size(self.ctx, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        written = L.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
-        if written == 0:
-            return None
-        return KVHandle(tokens=(), nbytes=written, data=(buf, written))
-
-    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
-        """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
-        next step has logits to sample from). On failure ``n_cached`` stays 0."""
-        L = self._L
-        slot: Slot = seq.slot
-        n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
-        if n_tokens <= 0:
-            return
-        if isinstance(handle.data, int):  # cells of a cache sequence: join them
-            self._seq_cp(handle.data, slot.seq_id, n_tokens)
-            seq.n_cached = n_tokens
-            return
-        if handle.data is None:  # an entry whose RAM copy failed: a miss
-            return
-        buf, size = handle.data
-        if L.llama_state_seq_set_data(self.ctx, buf, size, slot.seq_id) == 0:
-            log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
-            self._seq_rm(slot.seq_id, 0)
-            return
-        self.book.append(slot.seq_id, len(handle.tokens))
-        if not self._seq_rm(slot.seq_id, n_tokens):
-            return
-        seq.n_cached = n_tokens
-
-    def kv_free(self, handle: KVHandle) -> None:
-        if isinstance(handle.data, int):  # the cells stay while a running sequence shares them
-            self._entries.pop(handle.data, None)
-            self._seq_rm(handle.data, 0)
-            self.cache_ids.append(handle.data)
-        handle.data = None  # a snapshot's ctypes buffer is released with the last reference
 
     # -- embeddings --------------------------------------------------------------------------------
     def embed(self, texts: list[str]) -> Embeddings:

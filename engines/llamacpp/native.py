@@ -52,6 +52,48 @@ def _positive(v: str) -> int:
     return n
 
 
+# KV cache element types: (ggml type name, bytes per element: a q8_0 block holds 32 values in 34 bytes, q4_0 in 18)
+CACHE_TYPES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def _cache_type(v: str) -> str:
+    s = v.strip().lower()
+    if s not in CACHE_TYPES:
+        raise ValueError(f"expected one of {', '.join(CACHE_TYPES)}, got {v!r}")
+    return s
+
+
+def parse_lora(v: str) -> dict[str, str]:
+    """``lora``: adapters as a JSON object ``{"name": "path"}`` (what the registry passes for ``--lora`` and the
+    models file) or ``name=path`` pairs separated by ``;``."""
+    import json
+
+    s = v.strip()
+    if s.startswith("{"):
+        data = json.loads(s)
+        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in data.items()):
+            raise ValueError("expected a JSON object of adapter name -> path")
+        pairs = data
+    else:
+        pairs = {}
+        for item in filter(None, (x.strip() for x in s.split(";"))):
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"expected NAME=PATH, got {item!r}")
+            pairs[name.strip()] = path.strip()
+    for name in pairs:
+        if not name or ":" in name or "/" in name:
+            raise ValueError(f"adapter name {name!r} must be non-empty without ':' or '/'")
+    return pairs
+
+
+def _probability(v: str) -> float:
+    p = float(v)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"expected a probability between 0 and 1, got {v!r}")
+    return p
+
+
 def _nonneg(v: str) -> int:
     n = int(v)
     if n < 0:
@@ -66,7 +108,16 @@ OPTIONS = {
     "n_batch": (_positive, "tokens per llama_decode call (default: max(512, max_batch + prefill_chunk))"),
     "n_ubatch": (_positive, "physical micro-batch (default: min(n_batch, 512))"),
     "prefill_chunk": (_positive, "prompt tokens fed per step while other sequences decode (default 256)"),
-    "flash_attn": (_flash, "auto | on | off (default auto)"),
+    "flash_attn": (_flash, "auto | on | off (default auto; on when cache_type quantizes the KV cache)"),
+    "cache_type": (_cache_type, "KV cache element type: f16 (default), q8_0, q4_0 or f32 (K and V both; a quantized "
+                   "V cache needs flash attention, which is then turned on)"),
+    "lora": (parse_lora, "LoRA adapters (GGUF) a request picks by model name base:NAME: {\"NAME\": \"PATH\"} or "
+             "NAME=PATH;NAME=PATH (what --lora passes)"),
+    "draft": (str, "speculative decoding: a GGUF draft model with the same vocabulary (what --draft passes)"),
+    "n_draft": (_positive, "with draft: tokens the draft proposes per step (default 4)"),
+    "draft_p_min": (_probability, "with draft: a sequence stops drafting at a token the draft gives less probability "
+                    "(default 0.75, as llama-server's --draft-p-min; 0: always n_draft)"),
+    "draft_max_batch": (_positive, "with draft: speculate only while at most this many sequences decode (default 4)"),
     "kv_unified": (_bool, "one KV pool shared by all sequences (default true)"),
     "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
     "cache_seqs": (_nonneg, "prefix-cache entries kept as shared cells of the unified pool (default 16; 0: RAM "

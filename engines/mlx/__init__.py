@@ -43,12 +43,14 @@ from octo.engine import Detection, Engine, Feed, KVHandle, ModelInfo, Sequence, 
 from octo.errors import ConfigError, EngineError
 from octo.hookspecs import hookimpl
 
-from . import runtime
+from . import lora, runtime
 from .batch import DecodeBatch, cache_nbytes, copy_prompt_cache, prefix_view
 from .sampling import SAMPLING_PARAMS, RowSampler, prompt_entries, sample_rows, set_logprobs
 
 log = logging.getLogger("octo.engines.mlx")
-_OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int, "kv_cells": int}
+_OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int, "kv_cells": int,
+            "cache_type": str, "lora": str}
+_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 _DTYPES = ("auto", "keep", "float32", "float16", "bfloat16")
 
 
@@ -92,9 +94,24 @@ class MLXEngine(Engine):
         if self.dtype not in _DTYPES:
             raise ConfigError(f"Option 'dtype' must be one of {', '.join(_DTYPES)}, got '{self.dtype}'.", param="dtype")
         self.n_ctx_option = opts.get("n_ctx")
+        # cache_type (the name llama.cpp's engine uses): mlx-lm quantizes a KV cache only as QuantizedKVCache (kv_bits),
+        # which has no batched form: its BatchKVCache, which this engine's continuous batch decodes on, holds plain
+        # keys/values (mlx-lm's own BatchGenerator takes no kv_bits either). f16 is the unquantized cache, in the
+        # model's compute dtype.
+        cache_type = opts.get("cache_type", "f16").lower()
+        if cache_type not in _CACHE_TYPES:
+            raise ConfigError(f"Option 'cache_type' must be one of {', '.join(_CACHE_TYPES)}, got '{cache_type}'.",
+                              param="cache_type")
+        if cache_type != "f16":
+            raise ConfigError(f"cache_type={cache_type} is not supported by the mlx engine: mlx-lm's quantized KV "
+                              "cache (QuantizedKVCache, kv_bits) cannot join the BatchKVCache its continuous batch "
+                              "decodes on; use the llamacpp engine for a quantized KV cache.", param="cache_type")
         self.penalty_last_n = opts.get("penalty_last_n", 64)
         self.prefill_chunk = opts.get("prefill_chunk", type(self).prefill_chunk)
         self.kv_cells = opts.get("kv_cells", 0)
+        self.lora_paths = lora.parse(opts["lora"]) if "lora" in opts else {}
+        self.adapters: dict[str, dict] = {}  # LoRA adapters by name (.lora), loaded with the model
+        self.router: lora.Router | None = None
         self._live: set[Sequence] = set()  # sequences holding KV, for kv_room
         self.model = None
         self.codec = None
@@ -164,6 +181,8 @@ class MLXEngine(Engine):
                 tree_map(lambda p: p.astype(compute) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
             )
             mx.eval(model.parameters())
+        if self.lora_paths:
+            self.router, self.adapters = lora.load_adapters(model, self.lora_paths, compute)
         text_cfg = config.get("text_config") or {}
         n_vocab = int(config.get("vocab_size") or text_cfg.get("vocab_size") or 0)
         n_ctx_model = int(config.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or 4096)
@@ -189,6 +208,7 @@ class MLXEngine(Engine):
                 "prefix_cache": "mlx-lm prompt caches (KVCache), trimmed on restore",
                 "prefill_chunk": self.prefill_chunk,
                 "penalty_last_n": self.penalty_last_n,
+                "lora": self.adapters or None,
             },
         )
         return self.info
@@ -246,6 +266,7 @@ class MLXEngine(Engine):
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
+        lora.check(self.adapters, seq.sampling.adapter, self.info.name)
         seq.slot = _Slot(RowSampler(seq.sampling, self.info.n_vocab, self.penalty_last_n))
         seq.n_cached = 0
         self._live.add(seq)
@@ -289,6 +310,8 @@ class MLXEngine(Engine):
         prompts: list[tuple[Feed, int, Any]] = []  # (feed, its first position, raw logits) for prompt logprobs
         if batch.rows:
             idx = [decoding[s.id] for s in batch.rows]
+            if self.router is not None:  # each row's adapter (.lora)
+                self.router.set([s.sampling.adapter for s in batch.rows])
             logits = batch.forward([feeds[i].tokens[0] for i in idx])
             tokens, kept = sample_rows([feeds[i] for i in idx], logits)
             mx.async_eval(tokens)
@@ -301,6 +324,8 @@ class MLXEngine(Engine):
             if f.seq.id in decoding:
                 continue
             slot = f.seq.slot
+            if self.router is not None:
+                self.router.set([f.seq.sampling.adapter])
             if slot.cache is None:
                 slot.cache = make_prompt_cache(model)
             toks = f.tokens

@@ -111,7 +111,17 @@ def write_safetensors(path: Path, spec: ModelSpec, seed: int, dtype: str) -> Non
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape in shapes:
-            f.write(_cast(make_tensor(name, shape, seed), dtype))
+            t = make_tensor(name, shape, seed)
+            if _quiet(spec, name):
+                t *= np.float32(spec.quiet_scale)
+            f.write(_cast(t, dtype))
+
+
+def _quiet(spec: ModelSpec, name: str) -> bool:
+    if spec.quiet_from is None or not name.startswith("model.layers."):
+        return False
+    layer = int(name.split(".")[2])
+    return layer >= spec.quiet_from and name.endswith(("o_proj.weight", "down_proj.weight"))
 
 
 def hf_config(spec: ModelSpec, dtype: str, ids: dict[str, int]) -> dict:

@@ -22,6 +22,11 @@ class ModelSpec:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    # layers from ``quiet_from`` on write ``quiet_scale`` x their attention and MLP outputs (o_proj, down_proj): they
+    # barely change the residual stream, so a draft made of the first layers (same names, same weights) agrees with
+    # the whole model (speculative decoding's constructed best case); None: every layer as usual
+    quiet_from: int | None = None
+    quiet_scale: float = 0.02
 
     def __post_init__(self) -> None:
         if self.arch not in ("qwen2", "llama"):

@@ -1,0 +1,178 @@
+"""The llama.cpp engine's KV cells: the shared pool's bookkeeping, preemption (``kv_room``/``kv_drop``/swap),
+in-flight prefix sharing (``kv_share``) and the prefix cache (cells of cache sequence ids, RAM snapshots beyond).
+A mixin of :class:`.engine.LlamaCppEngine`, which owns the state it uses (``ctx``, ``mem``, ``book``, ``active``,
+``cache_ids``, ``_entries``, ``adapters``)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from octo.engine import KVHandle, Sequence, common_prefix
+
+log = logging.getLogger("octo.engines.llamacpp")
+
+
+@dataclass
+class Slot:
+    seq_id: int
+    chain: Any  # its .sampling.SamplerChain
+
+
+class KVCells:
+    # -- KV cells ----------------------------------------------------------------------------------
+    def _shareable(self, tokens: list[int], adapter: str | None = None) -> int:
+        """The longest prefix of ``tokens`` already in the pool's cells (a running sequence's or a cached entry's)."""
+        if self.adapters is not None:  # KV computed with another adapter is never shared: same-adapter runners only
+            held = [s.tokens[:s.n_cached] for s in self.active.values() if s.sampling.adapter == adapter]
+        else:
+            held = [*(s.tokens[:s.n_cached] for s in self.active.values()), *(h.tokens for h in self._entries.values())]
+        return max((common_prefix(list(h), tokens) for h in held), default=0)
+
+    def _seq_rm(self, seq_id: int, keep: int) -> bool:
+        """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
+        ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1)
+        if not ok:  # a partial removal the memory cannot do: drop it all
+            self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+        self.book.truncate(seq_id, keep if ok else 0)
+        return bool(ok)
+
+    def _seq_cp(self, src: int, dst: int, n: int) -> None:
+        """``dst`` (empty) joins the cells of ``src``'s first ``n`` positions: no data is copied."""
+        self._L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+        self.book.copy(src, dst, n)
+
+    # -- KV pressure -------------------------------------------------------------------------------
+    def kv_room(self) -> int | None:
+        if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
+            return None
+        return self.kv_cells - self.book.used()
+
+    def kv_drop(self, seq: Sequence) -> None:
+        self._seq_rm(seq.slot.seq_id, 0)
+        seq.n_cached = 0
+
+    def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
+        return self._snapshot(seq)
+
+    def kv_share(self, src: Sequence, dst: Sequence, n_tokens: int) -> None:
+        n = min(n_tokens, src.n_cached, len(dst.tokens) - 1)
+        if not self.kv_unified:  # across streams llama.cpp would copy whole buffers: a snapshot copies less
+            super().kv_share(src, dst, n)
+            return
+        if n > 0:
+            self._seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
+            dst.n_cached = n
+
+    # -- prefix cache ------------------------------------------------------------------------------
+    # Idle cached cells cost attention: every decode row of a unified pool scans all cells up to the last one in use
+    # (bench/attention.py: 4 sequences of 2,000 tokens decode 15% slower beside 4 idle cached prefixes). So cells of
+    # entries that no running sequence shares are moved to RAM snapshots (copied back on a hit) once they exceed
+    # IDLE_SHARE of the cells running sequences use, or IDLE_MIN when the pool is otherwise empty.
+    IDLE_SHARE = 0.1
+    IDLE_MIN = 512
+
+    def kv_save(self, seq: Sequence) -> KVHandle | None:
+        slot: Slot | None = seq.slot
+        if slot is None or seq.n_cached <= 0 or self.is_embedding:
+            return None
+        if not self.cache_ids:
+            return self._snapshot(seq)
+        cid = self.cache_ids.pop()
+        self._seq_cp(slot.seq_id, cid, seq.n_cached)
+        n = seq.n_cached
+        handle = KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.cell_bytes, data=cid, cells=n)
+        self._entries[cid] = handle
+        return handle
+
+    def _demote_idle(self) -> None:
+        """Move the oldest cache entries whose cells no running sequence shares to RAM, down to the idle bound."""
+        if not self._entries:
+            return
+        live = self.book.blocks(s.slot.seq_id for s in self.active.values())
+        idle = {cid: self.book.cells_outside(cid, live) for cid in self._entries}
+        total = sum(idle.values())
+        bound = max(self.IDLE_MIN, int(self.IDLE_SHARE * (self.book.used() - total)))
+        for cid in list(self._entries):
+            if total <= bound:
+                break
+            if not idle[cid]:
+                continue
+            handle = self._entries.pop(cid)
+            snap = self._snapshot_id(cid, len(handle.tokens))
+            self._seq_rm(cid, 0)
+            self.cache_ids.append(cid)
+            handle.data, handle.cells = (snap.data if snap is not None else None), 0  # nbytes: as the index counted
+            total -= idle[cid]
+            self.demoted += 1
+
+    def _snapshot(self, seq: Sequence) -> KVHandle | None:
+        slot: Slot | None = seq.slot
+        if slot is None or seq.n_cached <= 0 or self.is_embedding:
+            return None
+        snap = self._snapshot_id(slot.seq_id, seq.n_cached)
+        if snap is not None:
+            snap.tokens = tuple(seq.tokens[: seq.n_cached])
+        return snap
+
+    def _snapshot_id(self, seq_id: int, n: int) -> KVHandle | None:
+        L = self._L
+        size = L.llama_state_seq_get_size(self.ctx, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        written = L.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
+        if written == 0:
+            return None
+        return KVHandle(tokens=(), nbytes=written, data=(buf, written))
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
+        next step has logits to sample from). On failure ``n_cached`` stays 0."""
+        L = self._L
+        slot: Slot = seq.slot
+        n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
+        if n_tokens <= 0:
+            return
+        if isinstance(handle.data, int):  # cells of a cache sequence: join them
+            self._seq_cp(handle.data, slot.seq_id, n_tokens)
+            seq.n_cached = n_tokens
+            return
+        if handle.data is None:  # an entry whose RAM copy failed: a miss
+            return
+        buf, size = handle.data
+        if L.llama_state_seq_set_data(self.ctx, buf, size, slot.seq_id) == 0:
+            log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
+            self._seq_rm(slot.seq_id, 0)
+            return
+        self.book.append(slot.seq_id, len(handle.tokens))
+        if not self._seq_rm(slot.seq_id, n_tokens):
+            return
+        seq.n_cached = n_tokens
+
+    def kv_free(self, handle: KVHandle) -> None:
+        if isinstance(handle.data, int):  # the cells stay while a running sequence shares them
+            self._entries.pop(handle.data, None)
+            self._seq_rm(handle.data, 0)
+            self.cache_ids.append(handle.data)
+        handle.data = None  # a snapshot's ctypes buffer is released with the last reference
+
+    # -- disk tier (octo.disk_cache) -----------------------------------------------------------------
+    def kv_export(self, handle: KVHandle) -> bytes | None:
+        """The llama.cpp sequence state of a cached entry (``llama_state_seq_get_data``): cells or a RAM snapshot."""
+        data = handle.data
+        if isinstance(data, int):
+            snap = self._snapshot_id(data, len(handle.tokens))
+            data = snap.data if snap is not None else None
+        if data is None:
+            return None
+        buf, size = data
+        return ctypes.string_at(buf, size)
+
+    def kv_import(self, tokens: tuple[int, ...], data: bytes) -> KVHandle | None:
+        """A RAM snapshot from exported bytes; llama.cpp checks them when ``kv_restore`` sets them (a refusal is a
+        miss there)."""
+        if not tokens or not data or self.is_embedding:
+            return None
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return KVHandle(tokens=tuple(tokens), nbytes=len(data), data=(buf, len(data)))
