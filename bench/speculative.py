@@ -89,13 +89,15 @@ def decode(e, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float,
             o.append(e.step([Feed(s, list(s.tokens), True)])[0])
         t0, steps = time.perf_counter(), 0
         live = list(range(len(seqs)))
+        for s, o in zip(seqs, out, strict=True):
+            s.tokens.append(o[-1])
         while live:
-            for i in live:
-                seqs[i].tokens.append(out[i][-1])
             res = e.step([Feed(seqs[i], [out[i][-1]], True) for i in live])
             steps += 1
             for i, r in zip(live, res, strict=True):
-                out[i] += (r if isinstance(r, list) else [r])[: n - len(out[i])]
+                got = (r if isinstance(r, list) else [r])[: n - len(out[i])]
+                out[i] += got
+                seqs[i].tokens += got  # every token a speculative step yields (the draft reads them)
             live = [i for i in live if len(out[i]) < n]
         dt = time.perf_counter() - t0
     finally:

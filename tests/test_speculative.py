@@ -158,3 +158,18 @@ def test_served_with_a_draft_through_the_sdk(models, tmp_path):
         chat = [client.chat.completions.create(model=ids[m], temperature=0, max_tokens=20, messages=[
             {"role": "user", "content": "Say something."}]).choices[0].message.content for m in ("plain", "drafted")]
         assert chat[0] == chat[1]
+
+
+def test_a_failing_draft_costs_speed_not_requests(models):
+    plain = load(models["target"])
+    want = generate(plain, [PROMPTS[1]], 12)[0]
+    plain.unload()
+    e = load(models["target"], draft=models["draft"], draft_p_min=0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the draft model's decode failed")
+
+    e.drafter.propose = broken  # e.g. its KV full: every step decodes without a draft
+    assert generate(e, [PROMPTS[1]], 12)[0] == want
+    assert e.draft_stats()["proposed"] == 0
+    e.unload()

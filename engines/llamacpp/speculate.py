@@ -13,9 +13,12 @@ to each (``octo.engine_loop``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from octo.engine import Feed
+
+log = logging.getLogger("octo.engines.llamacpp")
 
 # drafting stops when the pool has fewer spare cells than this beyond the step's own tokens (never cause a KV-full)
 ROOM_MARGIN = 32
@@ -46,8 +49,14 @@ class Speculation:
         if not any(want):
             return None
         rows = [i for i in range(len(feeds)) if want[i]]
-        proposed = self.drafter.propose([(feeds[i].seq.slot.seq_id, feeds[i].seq.tokens) for i in rows],
-                                        [want[i] for i in rows])
+        try:
+            proposed = self.drafter.propose([(feeds[i].seq.slot.seq_id, feeds[i].seq.tokens) for i in rows],
+                                            [want[i] for i in rows])
+        except Exception as exc:  # noqa: BLE001 - the draft model failing (its KV full) costs speed, never a request
+            log.warning("draft model failed (%s); this step decodes without it", exc)
+            for i in rows:
+                self.drafter.drop(feeds[i].seq.slot.seq_id)
+            return None
         drafts: list[list[int]] = [[] for _ in feeds]
         for i, d in zip(rows, proposed, strict=True):
             drafts[i] = d
