@@ -9,10 +9,10 @@ Each round (``--rounds``) uses a new ~4,000-token system prompt:
 2. the same server answers system + question 2: an **in-memory hit**;
 3. the server is restarted on the same folder and answers system + question 3: a **disk hit** (the prefix is read
    from disk, imported into the engine, and the rest of the prompt prefilled).
-Each server first answers a short unrelated request (its first decode allocates the compute graph), so all three
-are timed on a warm server. Every request is a chat completion with max_tokens=1, so the time is the time to first token (measured client-side,
-request sent to answer received, over loopback). The issue's target: disk hit <= 1.5x the in-memory hit, far below
-cold. Results to bench/results/disk_cache.json.
+Each server first answers a short unrelated request (its first decode allocates the compute graph), so all three are
+timed on a warm server. Every request is a chat completion with max_tokens=1, so the time is the time to first token
+(measured client-side, request sent to answer received, over loopback). The issue's target: disk hit <= 1.5x the
+in-memory hit, far below cold. Results to bench/results/disk_cache.json.
 """
 
 from __future__ import annotations

@@ -208,9 +208,10 @@ def _keep_alive(ctx, param, value):
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
 def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, lora, draft,
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
-          api_key, insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation, loop_name,
-          preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir, prefix_cache_disk_mb, reasoning_format,
-          shutdown_timeout, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory, log_level):
+          api_key, insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation,
+          loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir, prefix_cache_disk_mb,
+          reasoning_format, shutdown_timeout, cluster, replicas, autoscaling, replica_cpus, replica_gpus,
+          replica_memory, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on

@@ -321,9 +321,9 @@ class Engine:
         sequence ends), and ``n_cached`` is then advanced past every token of the list but the last.
 
         A failure that belongs to one sequence (its sampler, its grammar) is returned as an exception instance in that
-        feed's place: that request fails alone and the others go on. An exception raised from ``step`` fails every sequence of the step, except
-        :class:`octo.errors.KVCacheFull` ("the shared pool had no room; nothing was consumed"), after which the
-        scheduler preempts a sequence and runs the step again.
+        feed's place: that request fails alone and the others go on. An exception raised from ``step`` fails every
+        sequence of the step, except :class:`octo.errors.KVCacheFull` ("the shared pool had no room; nothing was
+        consumed"), after which the scheduler preempts a sequence and runs the step again.
         """
         raise NotImplementedError
 
