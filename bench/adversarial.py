@@ -122,6 +122,7 @@ def main() -> None:
     ap.add_argument("--lead", type=float, default=0.3, help="seconds the adversary runs before the victim starts")
     ap.add_argument("--step-stretch", type=float, nargs="+", default=[2.0, 0.0])
     ap.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--only", nargs="+", default=None, help="run only these adversaries (default: all)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "adversarial.json"))
     args = ap.parse_args()
     from octo.synth.gguf import build_gguf
@@ -139,6 +140,8 @@ def main() -> None:
                 MODEL = json.loads(r.read())["data"][0]["id"]
             asyncio.run(round_alone(base, bias, -1))  # warm-up
             for name, (route, body) in adversaries(args, bias).items():
+                if args.only and name not in args.only:
+                    continue
                 alone, beside = [], []
                 for i in range(args.rounds):
                     alone.append(asyncio.run(round_alone(base, bias, i)))

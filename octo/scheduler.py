@@ -66,6 +66,7 @@ class Scheduler(EngineLoop):
         self.steps = 0
         self.total_preemptions = 0
         self.total_resumed = 0
+        self.calls_running = 0  # embedding / audio items the engine thread is working on now
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None, engine_thread: Executor | None = None) -> None:
@@ -252,6 +253,7 @@ class Scheduler(EngineLoop):
         return {
             "pending": len(self._pending),
             "active": len(self._active),
+            "calls_running": self.calls_running,
             "max_batch": self.max_batch,
             "max_queue": self.max_queue,
             "max_depth": self.max_depth,

@@ -288,9 +288,9 @@ async def engines(request: web.Request) -> web.Response:
     return api.json_response(body)
 
 
-_SUMMED = ("pending", "active", "max_batch", "max_queue", "max_depth", "total_processed", "total_rejected",
-           "total_timeouts", "total_cancelled", "steps", "generated_tokens", "entries", "bytes", "hits", "misses",
-           "tokens_reused", "evictions")
+_SUMMED = ("pending", "active", "calls_running", "max_batch", "max_queue", "max_depth", "total_processed",
+           "total_rejected", "total_timeouts", "total_cancelled", "steps", "generated_tokens", "entries", "bytes",
+           "hits", "misses", "tokens_reused", "evictions")
 
 
 async def _stats(request: web.Request) -> dict[str, dict[str, Any]]:

@@ -169,7 +169,7 @@ def test_info_endpoints(echo_server):
     for e in engines["data"]:
         assert {"name", "available", "reason", "tasks", "formats", "benchmark"} <= set(e)
     q = json.loads(get("/v1/queue/stats")[2])
-    assert {"pending", "active", "max_depth", "total_processed", "total_rejected"} <= set(q)
+    assert {"pending", "active", "calls_running", "max_depth", "total_processed", "total_rejected"} <= set(q)
     c = json.loads(get("/v1/cache/stats")[2])
     assert {"entries", "bytes", "hits", "misses", "hit_rate"} <= set(c)
     status, headers, body = get("/metrics")

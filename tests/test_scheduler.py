@@ -232,7 +232,19 @@ def test_pacer_budgets_follow_measured_costs():
     p.observe(0.020 + 64 * 0.005, n_decode=1, n_prefill=64)  # 5 ms per prompt token on top of it
     assert p.decode_s == pytest.approx(0.020) and p.token_s == pytest.approx(0.005)
     assert p.budgets(256, decoding=False) == (256, 50)  # a long prompt: 0.25 s of prompt work per step
-    assert p.budgets(256, decoding=False, alone=True) == (256, 256)  # one prompt and nothing else: whole chunks
+    # one prompt and nothing else: chunks of at most 0.6 s (120 tokens here), never fewer than 64 tokens
+    assert p.budgets(256, decoding=False, alone=True) == (120, 120)
+    assert p.budgets(96, decoding=False, alone=True) == (96, 96)
+    p.token_s = 0.05
+    assert p.budgets(256, decoding=False, alone=True) == (64, 64)
+    p.token_s = 0.005
     assert p.budgets(256, decoding=True) == (256, 4)  # beside decoders: one more decode step's worth (min 4)
     assert p.budgets(32, decoding=False) == (32, 32)  # never more than the engine's chunk
+    p.observe(0.100, n_decode=4, n_prefill=0)  # decode steps of 100 ms (EWMA: 36 ms)
+    assert p.budgets(256, decoding=True) == (256, 7)  # one more decode step: 36 ms of prompt work
+    assert p.budgets(256, decoding=True, urgent=True) == (256, 4)  # a nearly done request: a quarter step (min 4)
+    p.observe(0.300, n_decode=4, n_prefill=0)  # EWMA: 88.8 ms
+    assert p.budgets(256, decoding=True) == (256, 17)
+    assert p.budgets(256, decoding=True, urgent=True) == (256, 4)  # 0.25 x 88.8 ms / 5 ms
+    assert p.budgets(256, decoding=False, urgent=True) == (256, 4)  # its prompt's step, before it decodes
     assert Pacer(stretch=0).budgets(256, decoding=True) == (256, 256)  # 0: no pacing
