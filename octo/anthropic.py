@@ -111,6 +111,9 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": system})
     open_calls: dict[str, int] = {}  # tool_use id -> the message that made the call, until its result comes
     for i, m in enumerate(req.messages):
+        if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1):  # "" or []
+            raise InvalidRequest(f"messages.{i}: all messages must have non-empty content except for the optional "
+                                 "final assistant message", param=f"messages[{i}].content")
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if m.role == "system":  # a mid-conversation system turn, where it was sent
             if i == 0:
@@ -230,6 +233,10 @@ def _check_context_management(req: AnthropicCountTokensRequest) -> None:
             raise UnsupportedParameter(f"context_management.edits[{k}]",
                                        f"edits of type '{edit.type}' are not supported (supported: "
                                        f"{', '.join(_CONTEXT_EDITS)})")
+        for key in edit.model_extra or ():
+            if key != "keep":  # clear_thinking's only setting
+                raise InvalidRequest(f"context_management.edits.{k}.{key}: Extra inputs are not permitted.",
+                                     param=f"context_management.edits[{k}].{key}", code="unknown_parameter")
 
 
 def thinking_enabled(req: AnthropicCountTokensRequest) -> bool:

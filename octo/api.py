@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -32,8 +33,18 @@ from octo.state import STATE
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def dumps(obj: Any) -> bytes:
+    """JSON bytes of ``obj``. What orjson refuses takes the standard library's path: an integer past 64 bits (a
+    request's own value echoed back, such as a number in a tool's schema), a string with surrogates (a header's
+    bytes that were not UTF-8, quoted in an error), escaped as ASCII."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+    return web.Response(body=dumps(body), status=status, content_type="application/json", headers=headers)
 
 
 async def _body(request: web.Request) -> bytes:
@@ -54,7 +65,7 @@ async def _sse(request: web.Request) -> web.StreamResponse:
 
 
 def _data(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[tuple[int, str, Any]]]:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from octo import anthropic
-from octo.api import _body, _events, _model, _sse, json_response
+from octo.api import _body, _events, _model, _sse, dumps, json_response
 from octo.errors import OctoError
 from octo.jobs import Result
 from octo.protocol import parse
@@ -32,7 +31,7 @@ def anthropic_error_body(exc: Any) -> dict[str, Any]:
 
 
 def _event(name: str, obj: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+    return b"event: " + name.encode() + b"\ndata: " + dumps(obj) + b"\n\n"
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
 from octo import responses
-from octo.api import _body, _events, _model, _sse, json_response
+from octo.api import _body, _events, _model, _sse, dumps, json_response
 from octo.errors import ContextLengthExceeded, NotFound, OctoError
 from octo.jobs import Result
 from octo.protocol import ChatCompletionRequest, _validation_error, parse
@@ -46,13 +45,13 @@ def _drop_oldest(body: dict[str, Any], has_instructions: bool) -> bool:
         return False
     dropped = msgs.pop(first)
     ids = {c["id"] for c in dropped.get("tool_calls") or []}
-    while len(msgs) - first > 1 and msgs[first]["role"] == "tool" and msgs[first].get("tool_call_id") in ids:
-        msgs.pop(first)
-    return True
+    while len(msgs) > first and msgs[first]["role"] == "tool" and msgs[first].get("tool_call_id") in ids:
+        msgs.pop(first)  # a tool result without its call is not a conversation
+    return len(msgs) > first
 
 
 def _sse_event(ev: dict[str, Any]) -> bytes:
-    return b"event: " + ev["type"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
+    return b"event: " + ev["type"].encode() + b"\ndata: " + dumps(ev) + b"\n\n"
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:

@@ -82,8 +82,7 @@ def tokenize(handle: Any, text: str, add_special: bool, parse_special: bool, wit
         added = [] if add_special else list(engine.tokenize("", special=False))  # what it adds to every text
         probe = list(engine.tokenize("x", special=False)) if added else []
     except NotImplementedError:
-        raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) has no text tokenizer.", param="model",
-                             code="unsupported_task") from None
+        raise _no_tokenizer(handle) from None
     names: dict[int, str] | None = None
     if added:
         names = _special_names(engine)
@@ -103,13 +102,21 @@ def detokenize(handle: Any, tokens: list[int]) -> str:
         return ""
     check_token_ids(tokens, handle.info.n_vocab, "tokens", handle.engine)
     engine, names, parts = handle.engine, None, []
-    for t in tokens:
-        piece = engine.token_bytes(t)
-        if not piece:  # a special token: its text
-            names = names if names is not None else _special_names(engine)
-            piece = names.get(t, "").encode()
-        parts.append(piece)
+    try:
+        for t in tokens:
+            piece = engine.token_bytes(t)
+            if not piece:  # a special token: its text
+                names = names if names is not None else _special_names(engine)
+                piece = names.get(t, "").encode()
+            parts.append(piece)
+    except NotImplementedError:
+        raise _no_tokenizer(handle) from None
     return b"".join(parts).decode("utf-8", "replace")
+
+
+def _no_tokenizer(handle: Any) -> InvalidRequest:
+    return InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) has no text tokenizer.", param="model",
+                          code="unsupported_task")
 
 
 def _special_names(engine: Any) -> dict[int, str]:

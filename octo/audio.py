@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from octo.bodies import content_encoding
@@ -30,6 +30,7 @@ from octo.errors import (
     EngineError,
     InvalidRequest,
     PayloadTooLarge,
+    UnsupportedMediaType,
     UnsupportedParameter,
 )
 
@@ -38,6 +39,7 @@ SAMPLE_RATE = 16000
 RESPONSE_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 GRANULARITIES = ("segment", "word")
 _FIELD_LIMIT = 256 * 1024  # bytes of any form field other than the file
+_PLAIN_CODINGS = ("", "identity", "binary", "7bit", "8bit")  # a part's codings that mean "as is"
 _COMMON = frozenset({"file", "model", "prompt", "temperature", "response_format", "stream", "language", "keep_alive"})
 FIELDS = {
     "transcribe": _COMMON | {"timestamp_granularities[]", "timestamp_granularities"},
@@ -111,9 +113,12 @@ async def read_form(
     try:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):  # a part that is a multipart body of its own
+                raise InvalidRequest("Malformed multipart body: a form field cannot be multipart itself.", param="file")
             name = part.name or ""
             if name not in allowed:
                 raise UnsupportedParameter(name or "(unnamed form field)")
+            _check_part_coding(part, name)
             if name == "file":
                 if form.data is not None:
                     raise InvalidRequest("Send exactly one 'file' part.", param="file")
@@ -139,6 +144,15 @@ async def read_form(
     if not form.data:
         raise InvalidRequest("The uploaded file is empty.", param="file")
     return form
+
+
+def _check_part_coding(part: BodyPartReader, name: str) -> None:
+    """A field is read as sent: a part that says it is encoded (base64, gzip...) is a 415, not read as raw bytes."""
+    for header in ("Content-Encoding", "Content-Transfer-Encoding"):
+        coding = part.headers.get(header, "").strip().lower()
+        if coding not in _PLAIN_CODINGS:
+            raise UnsupportedMediaType(f"{header} '{coding}' on form field '{name}' is not supported; send the "
+                                       "field as is (binary).")
 
 
 async def _read_limited(part, limit: int, *, what: str, flag: str | None, exc) -> bytes:

@@ -305,16 +305,16 @@ class Catalog:
             except ValueError as exc:
                 raise ModelNotFound(str(exc), param="model") from None
             return _resolve_hf(spec, repo, file, variant, engine_formats)
-        path = Path(spec).expanduser()
+        path = _expanduser(Path(spec))
         if spec.startswith(("/", "./", "../", "~")) or path.suffix.lower() in FILE_FORMATS:
-            if not path.exists():
+            if not _exists(path):
                 raise ModelNotFound(f"No such file or folder: '{spec}' ({EXPECTED}).", param="model")
             return _resolve_path(spec, path, engine_formats)
         name, variant = _split_variant(spec)
         entry = self.get(name)
         if entry is not None:
             return self._resolve_entry(entry, variant, spec, engine_formats)
-        if path.exists():
+        if _exists(path):
             return _resolve_path(spec, path, engine_formats)
         if _HF_ID.match(name):
             return _resolve_hf(spec, name, None, variant, engine_formats, suggest=self._closest(name))
@@ -393,6 +393,21 @@ def _for_engines(fmt: str, engine_formats: dict[str, frozenset[str]], **artifact
 
 
 # -- local paths -----------------------------------------------------------------------------------
+def _expanduser(path: Path) -> Path:
+    try:
+        return path.expanduser()
+    except RuntimeError:  # "~someone" who is not a user here: the name as given (it does not exist)
+        return path
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; a name the OS cannot look up (too long, a component over 255 bytes) does not."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def _resolve_path(spec: str, path: Path, engine_formats: dict[str, frozenset[str]]) -> Resolved:
     fmt, task, ctx = inspect_path(path)
     full = str(path.resolve())

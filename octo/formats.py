@@ -67,8 +67,11 @@ EXPECTED = (
 def inspect_path(path: Path) -> tuple[str, str, int | None]:
     """(format, task, context length) of a local model file or folder; ModelNotFound if unsupported."""
     if path.is_file():
-        with path.open("rb") as f:
-            head = f.read(4)
+        try:
+            with path.open("rb") as f:
+                head = f.read(4)
+        except OSError as exc:  # unreadable (permissions, /proc/self/mem): not a model this server can load
+            raise ModelNotFound(f"'{path}' cannot be read: {exc.strerror or exc}.", param="model") from None
         if head == b"GGUF":
             meta = gguf_metadata(path)
             arch = meta.get("general.architecture")

@@ -108,6 +108,9 @@ class Constraint:
         if kind == "json_object":
             return cls.json_object(param)
         if kind == "json_schema":
+            if "json_schema" not in response_format and "schema" not in response_format:
+                raise InvalidRequest(f"{param}.json_schema is required for a json_schema response format.",
+                                     param=f"{param}.json_schema", code="missing_required_parameter")
             spec = response_format.get("json_schema", response_format)
             sub = f"{param}.json_schema" if "json_schema" in response_format else param
             if not isinstance(spec, Mapping) or "schema" not in spec:
@@ -129,25 +132,32 @@ def check_strict_schema(schema: Any, param: str) -> None:
     def walk(node: Any, path: tuple[str, ...]) -> None:
         if not isinstance(node, dict):
             return
-        types = node.get("type")
-        types = [types] if isinstance(types, str) else (types or [])
         where = f"In context={path!r}"
+
+        def keyword(key: str, kind: type, default: Any, what: str = "") -> Any:  # of the JSON type the rules read
+            value = node.get(key, default)
+            if not isinstance(value, kind):
+                what = what or ("an object" if kind is dict else "an array")
+                raise InvalidRequest(f"Invalid schema for {param}: {where}, '{key}' must be {what}.", param=param)
+            return value
+
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else keyword("type", list, [], "a string or an array")
         if "object" in types or "properties" in node:
             if node.get("additionalProperties") is not False:
                 raise InvalidRequest(f"Invalid schema for {param}: {where}, 'additionalProperties' is required to be "
                                      "supplied and to be false (strict mode).", param=param)
-            props = node.get("properties") or {}
-            required = node.get("required") or []
-            missing = [k for k in props if k not in required]
+            required = keyword("required", list, [])
+            missing = [k for k in keyword("properties", dict, {}) if k not in required]
             if missing:
                 raise InvalidRequest(f"Invalid schema for {param}: {where}, 'required' is required to be supplied and "
                                      f"to be an array including every key in properties. Missing '{missing[0]}' "
                                      "(strict mode).", param=param)
         for key in ("properties", "$defs", "definitions"):
-            for name, sub in (node.get(key) or {}).items():
+            for name, sub in keyword(key, dict, {}).items():
                 walk(sub, (*path, key, name))
         for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
-            for i, sub in enumerate(node.get(key) or []):
+            for i, sub in enumerate(keyword(key, list, [])):
                 walk(sub, (*path, key, str(i)))
         if isinstance(node.get("items"), dict):
             walk(node["items"], (*path, "items"))
@@ -235,7 +245,7 @@ def _functions(c: Constraint) -> list[tuple[str, dict[str, Any]]]:
     if not c.tools:
         raise InvalidRequest("tools must be a non-empty array when tool_choice is set.", param=c.param)
     for i, tool in enumerate(c.tools):
-        where = f"{c.param}[{i}]"
+        where = f"tools[{i}]"  # c.param is the tool_choice that asked for the calls
         fn = tool.get("function") if isinstance(tool, Mapping) and tool.get("type", "function") == "function" else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise InvalidRequest(f"{where} must be a function tool with a name.", param=where)
@@ -244,7 +254,7 @@ def _functions(c: Constraint) -> list[tuple[str, dict[str, Any]]]:
             raise InvalidRequest(f"{where}.function.name {name!r} must be 1-64 letters, digits, '_', '-' or '.'.",
                                  param=f"{where}.function.name")
         if any(name == other for other, _ in funcs):
-            raise InvalidRequest(f"Duplicate function name {name!r} in {c.param}.", param=f"{where}.function.name")
+            raise InvalidRequest(f"Duplicate function name {name!r} in tools.", param=f"{where}.function.name")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, Mapping) or params.get("type", "object") != "object":
             raise InvalidRequest(f"{where}.function.parameters must be a JSON Schema of type 'object'.",

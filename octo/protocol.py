@@ -10,6 +10,7 @@ so a request that sets them gets a 400 naming the field instead of being silentl
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
@@ -110,7 +111,7 @@ class StreamOptions(_Model):
 
 
 class JsonSchemaFormat(_Model):
-    name: str | None = None
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # required, as OpenAI's API has it
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -146,6 +147,11 @@ class _Sampling(_Model):
     keep_alive: float | str | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, alias="repeat_penalty")
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):  # OpenAI's API takes null for these (nullable there): the default
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @field_validator("stop")
     @classmethod
@@ -203,6 +209,11 @@ class CompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None  # an extension (vLLM's): structured output on completions
     suffix: str | None = None
 
+    @field_validator("echo", "max_tokens", mode="before")
+    @classmethod
+    def _null_completion_default(cls, v, info):  # nullable in OpenAI's API: the default (max_tokens 16, not "no limit")
+        return cls.model_fields[info.field_name].default if v is None else v
+
 
 class EmbeddingRequest(_Model):
     input: str | list[str] | list[int] | list[list[int]]
@@ -226,7 +237,8 @@ def parse(model: type[_Model], body: bytes) -> Any:
 
 
 def _check_unknown(value: Any, path: str) -> None:
-    """A 400 naming the first key no model declares, at any depth (``stream_options.foo``, ``messages[0].x``)."""
+    """A 400 naming the first key no model declares, at any depth (``stream_options.foo``, ``messages[0].x``), or the
+    first NaN or Infinity literal inside free-form JSON (typed number fields refuse them themselves)."""
     if isinstance(value, _Model):
         extra = value.unknown_fields()
         if extra:
@@ -242,8 +254,15 @@ def _check_unknown(value: Any, path: str) -> None:
                 _check_unknown(getattr(value, name), f"{path}.{field.alias or name}" if path else field.alias or name)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            if isinstance(item, (_Model, list)):
+            if isinstance(item, (_Model, list, dict, float)):
                 _check_unknown(item, f"{path}[{i}]")
+    elif isinstance(value, dict):  # free-form JSON (a schema, metadata, a tool's input): NaN is not JSON there either
+        for key, item in value.items():
+            if isinstance(item, (list, dict, float)):
+                _check_unknown(item, f"{path}.{key}")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"Invalid value for '{path}': NaN and Infinity are not JSON numbers.", param=path,
+                             code="invalid_value")
 
 
 # -- errors -------------------------------------------------------------------------------------------

@@ -152,6 +152,10 @@ class ContextManagement(_Model):
     edits: list[ContextEdit] | None = None
 
 
+class Metadata(_Model):
+    user_id: str | None = None  # Claude Code sends a JSON string of its ids; logged nowhere, used for nothing
+
+
 class AnthropicCountTokensRequest(_Model):
     """``/v1/messages/count_tokens``: what makes the prompt of a request."""
 
@@ -171,7 +175,7 @@ class AnthropicCountTokensRequest(_Model):
 class AnthropicRequest(AnthropicCountTokensRequest):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     container: Any = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     service_tier: str | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other
 
@@ -65,6 +65,8 @@ def _item_kind(value: Any) -> str:
     if not isinstance(value, dict):
         return "message-item"
     kind = value.get("type", "message")
+    if not isinstance(kind, str):  # a wrong type of `type`: the message model names it
+        return "message-item"
     return {"message": "message-item", "function_call": "call-item",
             "function_call_output": "output-item"}.get(kind, "other-item")
 
@@ -155,3 +157,8 @@ class ResponsesRequest(_Model):
     reasoning: Reasoning | None = None
     max_tool_calls: int | None = None
     keep_alive: float | str | None = None
+
+    @field_validator("store", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info):  # OpenAI's API takes null for these (nullable there): the default
+        return cls.model_fields[info.field_name].default if v is None else v

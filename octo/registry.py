@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import os
 import re
 import time
@@ -54,6 +55,9 @@ def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
             seconds = sum(float(a) * unit[u] for a, u in parts)
     else:
         raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m'.", param=param)
+    if not math.isfinite(seconds):  # "nan", "inf", "1e400"
+        raise InvalidRequest(f"{param} must be a finite number of seconds (-1 keeps the model loaded), got {value!r}.",
+                             param=param)
     return None if seconds < 0 else seconds
 
 
@@ -257,18 +261,21 @@ class Registry:
         """The slot named ``model`` (a name, an alias, a path, ``whisper-1``, or ``base:adapter`` for one of a model's
         LoRA adapters), without resolving anything."""
         if model:
-            slot = self._by_name.get(model)
+            slot = self._named(model)
             if slot is not None:
                 return slot
-            for slot in self.slots:
-                if slot.matches(model):
-                    return slot
             base, sep, adapter = model.rpartition(":")
             if sep and base and adapter:
-                slot = self.find(base)
+                slot = self._named(base)  # one level: "a:b:c" is base "a:b" (a name:variant) and adapter "c"
                 if slot is not None and adapter in slot.spec.lora:
                     return slot
         return None
+
+    def _named(self, model: str) -> Slot | None:
+        slot = self._by_name.get(model)
+        if slot is not None:
+            return slot
+        return next((s for s in self.slots if s.matches(model)), None)
 
     async def route(self, model: str | None) -> Slot:
         """The slot serving ``model``; a new on-demand slot for a servable model not seen before. Without a
@@ -307,6 +314,8 @@ class Registry:
             raise ModelNotFound(f"{exc.message} Servable here: {servable}.", param="model",
                                 code=exc.code) from None
         slot = self._by_name.get(name)
+        if slot is None and not spec.declared:  # a file spelled another way ("./a/../m.gguf"): its slot, no new copy
+            slot = next((s for s in map(self._named, filter(os.path.isabs, aliases)) if s is not None), None)
         if slot is None:
             slot = Slot(spec, name, {model, *aliases} - {name}, task)
             slot.artifact_bytes = nbytes

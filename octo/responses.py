@@ -93,9 +93,40 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _check_calls(req: ResponsesRequest, history: list[dict[str, Any]]) -> None:
+    """Each function call is answered by a ``function_call_output`` before the next message, and each output answers
+    a call (of this input, or of the previous response), as OpenAI's API checks."""
+    last = history[-1] if history else {}
+    earlier = {c["id"] for c in last.get("tool_calls") or ()}  # the previous response's calls
+    pending: dict[str, int] = {}  # call_id -> its function_call item, until its output
+    for i, item in enumerate(req.input if isinstance(req.input, list) else ()):
+        if isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in pending and item.call_id not in earlier:
+                raise InvalidRequest(f"No function call found for the function_call_output with call_id "
+                                     f"{item.call_id!r}.", param=f"input[{i}].call_id")
+            pending.pop(item.call_id, None)
+            earlier.discard(item.call_id)
+            continue
+        if pending or earlier:
+            _no_output(pending, earlier)
+        if isinstance(item, FunctionCallItem):
+            pending[item.call_id] = i
+    if pending or earlier:
+        _no_output(pending, earlier)
+
+
+def _no_output(pending: dict[str, int], earlier: set[str]) -> None:
+    if pending:
+        call_id, i = next(iter(pending.items()))
+        raise InvalidRequest(f"No tool output found for function call {call_id!r}.", param=f"input[{i}]")
+    raise InvalidRequest(f"No tool output found for function call {next(iter(earlier))!r} of the previous response.",
+                         param="input")
+
+
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the Chat Completions body of ``req`` after ``history``, the conversation to store: history + new input)."""
     conversation = [*history, *input_messages(req)]
+    _check_calls(req, history)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     if not messages:
         raise InvalidRequest("input must not be empty.", param="input")
@@ -136,7 +167,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[
     return body, conversation
 
 
-_PARAMS = (("tools[", "tools["), ("response_format.json_schema.schema", "text.format.schema"),
+_PARAMS = (("tools[", "tools["), ("response_format.json_schema.", "text.format."),
            ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
            ("tool_choice.function.name", "tool_choice.name"), ("messages", "input"))
 

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from octo import api, api_anthropic, api_dashboard
 from octo.config import ServerConfig
@@ -36,6 +37,23 @@ CORS_EXPOSE = "Retry-After, X-Request-Id"
 CORS_MAX_AGE = "7200"
 # the /v1 route each prefix-less alias stands for (its metrics label): see _add_unprefixed
 V1_OF = web.AppKey("octo_v1_of", dict)
+
+
+class _MalformedRequestLog(logging.Filter):
+    """aiohttp logs every malformed request (a bad request line, header or chunk: its own 400) as an ERROR with a
+    traceback; that is the client's fault, so one line at INFO says it, and a flood of garbage fills no log with
+    tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and (exc.code or 400) < 500:
+            record.msg, record.args = "%s: %s", (record.getMessage(), (exc.message or "").strip().split("\n")[0])
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+_MALFORMED_REQUEST_LOG = _MalformedRequestLog()
 
 
 def _error_response(request: web.Request, err: OctoError) -> web.Response:
@@ -147,7 +165,8 @@ async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
 def _check_key(request: web.Request, key: str) -> None:
     given = request.headers.get("Authorization", "")
     token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    if not token or not hmac.compare_digest(token.encode(), key.encode()):
+    # a header's bytes that are not UTF-8 arrive as surrogates: compared as the bytes they were, never an error
+    if not token or not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
         raise Unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'.")
 
 
@@ -367,6 +386,9 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     which the app activates on start-up."""
     from octo.registry import Registry
 
+    server_log = logging.getLogger("aiohttp.server")
+    if _MALFORMED_REQUEST_LOG not in server_log.filters:
+        server_log.addFilter(_MALFORMED_REQUEST_LOG)
     app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20),
                           handler_args=HANDLER_ARGS)
     if isinstance(models, Registry):

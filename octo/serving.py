@@ -131,7 +131,34 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if msg.tool_call_id is not None:
             item["tool_call_id"] = msg.tool_call_id
         out.append(item)
+    _check_tool_turns(out)
     return out
+
+
+def _check_tool_turns(messages: list[dict[str, Any]]) -> None:
+    """As OpenAI's API: an assistant message's tool calls are answered by the tool messages right after it, one per
+    call id, and a tool message answers a call of that assistant message."""
+    open_calls: dict[str, int] = {}  # id -> the assistant message that made the call, until its tool message
+    for i, msg in enumerate(messages):
+        if msg["role"] == "tool":
+            if msg["tool_call_id"] not in open_calls:
+                raise InvalidRequest(f"messages[{i}]: a message with role 'tool' must answer a call in the "
+                                     "'tool_calls' of the assistant message just before it; no such call has id "
+                                     f"{msg['tool_call_id']!r}.", param=f"messages[{i}].tool_call_id")
+            del open_calls[msg["tool_call_id"]]
+            continue
+        if open_calls:
+            raise _unanswered(open_calls)
+        open_calls = {c["id"]: i for c in msg.get("tool_calls") or ()}
+    if open_calls:
+        raise _unanswered(open_calls)
+
+
+def _unanswered(open_calls: dict[str, int]) -> InvalidRequest:
+    i = next(iter(open_calls.values()))
+    return InvalidRequest(f"An assistant message with 'tool_calls' must be followed by tool messages answering each "
+                          f"'tool_call_id'; no tool message answers: {', '.join(open_calls)}.",
+                          param=f"messages[{i}].tool_calls")
 
 
 def min_tokens(engine: Any, value: int | None, max_tokens: int | None, max_param: str = "max_tokens") -> int:

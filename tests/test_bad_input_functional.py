@@ -22,6 +22,7 @@ ANY = object()  # any param
 ENGINES = ["echo", "llamacpp"]
 M = [{"role": "user", "content": "hi"}]
 CHAT, CMPL, EMB, MSG = "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"
+RESP = "/v1/responses"
 AUDIO, TRANSL = "/v1/audio/transcriptions", "/v1/audio/translations"
 JSON = {"Content-Type": "application/json"}
 
@@ -73,6 +74,10 @@ EMPTY_FILE, EMPTY_FILE_CT = multipart([("file", "a.wav", b"")])
 UNKNOWN_FIELD, UNKNOWN_FIELD_CT = multipart([("file", "a.wav", WAV), ("chunking_strategy", None, b"auto")])
 TWO_FILES, TWO_FILES_CT = multipart([("file", "a.wav", WAV), ("file", "b.wav", WAV)])
 BAD_TEMP, BAD_TEMP_CT = multipart([("file", "a.wav", WAV), ("temperature", None, b"hot")])
+NESTED_PART = (b"--octoBOUNDARY\r\nContent-Disposition: form-data; name=\"file\"\r\nContent-Type: multipart/mixed; "
+               b"boundary=inner\r\n\r\n--inner\r\n\r\nx\r\n--inner--\r\n\r\n--octoBOUNDARY--\r\n")
+B64_PART = (b"--octoBOUNDARY\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+            b"Content-Transfer-Encoding: base64\r\n\r\n" + WAV + b"\r\n--octoBOUNDARY--\r\n")
 DEEP = b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 DEEP_OBJ = b'{"a":' * 50_000 + b"1" + b"}" * 50_000
 LLAMA_VOCAB = 4096  # the tiny synthetic GGUF's
@@ -384,6 +389,84 @@ CASES = [
     Case("ce-gzip-bad-json-inside", CHAT, gzip.compress(b"{nope"), param=None,
          headers={**JSON, "Content-Encoding": "gzip"}),
     Case("ce-messages-gzip-not-compressed", MSG, anth(), headers={**JSON, "Content-Encoding": "gzip"}),
+    # -- found by fuzzing: each was a 500, a 2xx for a bad input or a wrong param --------------------------------
+    Case("chat-model-name-too-long", CHAT, chat(model="x" * 5000), status=404, param="model"),
+    Case("models-load-name-too-long", "/v1/models/" + "x" * 5000 + "/load", None, status=404, param="model"),
+    Case("models-load-unreadable-file", "/v1/models/%2Fproc%2Fself%2Fmem/load", None, status=404, param="model"),
+    Case("chat-model-many-colons", CHAT, chat(model="a:" * 5000), status=404, param="model"),
+    Case("chat-model-adapter-chain", CHAT, chat(model="test-model" + ":x" * 2000), status=404, param="model"),
+    Case("chat-model-unknown-home", CHAT, chat(model="~nosuchuser/m.gguf"), status=404, param="model"),
+    Case("chat-keep-alive-nan", CHAT, chat(keep_alive="nan"), param="keep_alive"),
+    Case("chat-keep-alive-inf", CHAT, chat(keep_alive="1e400"), param="keep_alive"),
+    Case("chat-nan-in-tool-schema", CHAT,
+         b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+         b'"parameters": {"type": "object", "x": NaN}}}]}', param="tools[0].function.parameters.x",
+         code="invalid_value"),
+    Case("msg-infinity-in-tool-input", MSG,
+         b'{"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": '
+         b'"f", "input": {"a": [Infinity]}}]}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": '
+         b'"t"}]}]}'),
+    Case("chat-json-schema-missing", CHAT, chat(response_format={"type": "json_schema"}),
+         param="response_format.json_schema", code="missing_required_parameter"),
+    Case("chat-strict-schema-properties-int", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "strict": True, "schema": {"type": "object", "properties": 1, "additionalProperties": False}}}),
+         param={"echo": "response_format", "llamacpp": "response_format.json_schema.schema"}),
+    Case("chat-strict-schema-type-int", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": 1}}, "required": ["a"],
+                                                "additionalProperties": False}}}),
+         param={"echo": "response_format", "llamacpp": "response_format.json_schema.schema"}),
+    Case("chat-strict-schema-required-int", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "strict": True, "schema": {"type": "object", "properties": {}, "required": 1,
+                                                "additionalProperties": False}}}),
+         param={"echo": "response_format", "llamacpp": "response_format.json_schema.schema"}),
+    Case("chat-required-tool-bad-schema", CHAT, chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": 5}}}], tool_choice="required"),
+         param={"echo": "tool_choice", "llamacpp": "tools[0].function.parameters"}),
+    Case("chat-tool-message-without-call", CHAT, chat(messages=[M[0], {"role": "tool", "tool_call_id": "c1",
+                                                                       "content": "r"}]),
+         param="messages[1].tool_call_id"),
+    Case("chat-tool-message-wrong-id", CHAT, chat(messages=[M[0], {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "r"}]), param="messages[2].tool_call_id"),
+    Case("chat-tool-call-unanswered", CHAT, chat(messages=[M[0], {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, M[0]]),
+         param="messages[1].tool_calls"),
+    Case("resp-item-type-list", RESP, {"input": [{"type": [], "role": "user", "content": "x"}]},
+         param="input[0].type"),
+    Case("resp-item-type-object", RESP, {"input": [{"type": {"a": 1}, "role": "user", "content": "x"}]},
+         param="input[0].type"),
+    Case("resp-huge-int-in-tool-schema", RESP, {"input": "x", "max_output_tokens": 2, "store": False, "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "object", "x": 2**70}}]}, status=200),
+    Case("resp-output-without-call", RESP, {"input": [{"type": "function_call_output", "call_id": "c1",
+                                                      "output": "r"}]}, param="input[0].call_id"),
+    Case("resp-call-without-output", RESP, {"input": [{"role": "user", "content": "x"}, {
+        "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]}, param="input[1]"),
+    Case("msg-empty-content-list", MSG, anth(messages=[{"role": "user", "content": []}])),
+    Case("msg-empty-content-string", MSG, anth(messages=[{"role": "user", "content": ""}, {"role": "assistant",
+                                                                                         "content": "a"}, M[0]])),
+    Case("msg-empty-final-assistant-ok", MSG, anth(messages=[M[0], {"role": "assistant", "content": ""}]),
+         status=200),
+    Case("msg-metadata-unknown-key", MSG, anth(metadata={"user_id": "u", "session": "s"})),
+    Case("msg-metadata-user-id-int", MSG, anth(metadata={"user_id": 5})),
+    Case("msg-context-edit-unknown-key", MSG, anth(context_management={"edits": [
+        {"type": "clear_thinking_20251015", "keep": "all", "zz": 1}]})),
+    Case("ct-latin1-bytes", CHAT, chat(), status=415, headers={"Content-Type": "text/\xe9"}),
+    Case("ce-latin1-bytes", CHAT, chat(), status=415, headers={**JSON, "Content-Encoding": "\xe9"}),
+    Case("chat-json-schema-no-name", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}), param="response_format.json_schema.name", code="missing_required_parameter"),
+    Case("chat-json-schema-bad-name", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "my schema", "schema": {"type": "object"}}}), param="response_format.json_schema.name"),
+    Case("resp-json-schema-bad-name", RESP, {"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "my schema", "schema": {"type": "object"}}}}, param="text.format.name"),
+    Case("chat-n-stream-null-ok", CHAT, chat(n=None, stream=None), status=200),  # nullable in OpenAI's API
+    Case("cmpl-echo-n-null-ok", CMPL, cmpl(prompt="x", echo=None, n=None, stream=None, max_tokens=None),
+         status=200),
+    Case("resp-store-stream-null-ok", RESP, {"input": "x", "max_output_tokens": 2, "store": None, "stream": None},
+         status=200),
+    Case("audio-nested-multipart", AUDIO, NESTED_PART, param="file",
+         headers={"Content-Type": "multipart/form-data; boundary=octoBOUNDARY"}),
+    Case("audio-base64-part", AUDIO, B64_PART, status=415,
+         headers={"Content-Type": "multipart/form-data; boundary=octoBOUNDARY"}),
 ]
 
 
@@ -448,6 +531,21 @@ def test_corpus(server, case):
     assert "Traceback" not in text and 'File "' not in text, text
     if status >= 400 and case.method != "HEAD":
         check_error(body, case.path, case.expected(case.param, server.engine), case.code, status)
+
+
+def test_a_path_spelled_another_way_is_the_loaded_model(server):
+    """A request naming the served file by another spelling (./, ..) uses the loaded model: it never loads the file
+    again (a copy per spelling would let requests fill the memory)."""
+    if server.engine != "llamacpp":
+        pytest.skip("the echo engine serves no file")
+    from pathlib import Path
+
+    loaded = [m["id"] for m in server.get_json("/v1/models")["data"] if m["state"] == "ready"]
+    path = Path(loaded[0])
+    for other in (f"{path.parent}/./{path.name}", f"{path.parent}/../{path.parent.name}/{path.name}"):
+        status, _, body = send(server, "POST", CHAT, chat(model=other))
+        assert status == 200, body[:300]
+    assert [m["id"] for m in server.get_json("/v1/models")["data"] if m["state"] == "ready"] == loaded
 
 
 def test_corpus_has_enough_cases():
@@ -608,6 +706,8 @@ def test_health_after_the_corpus(server):
     status, _, body = send(server, "GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     assert "unhandled error" not in server.log()
+    # malformed HTTP (the framing tests) is logged in one line each, never as a traceback
+    assert "Traceback" not in server.log(), server.log()[-4000:]
 
 
 # -- auth: every method of every protected route -------------------------------------------------------------------
@@ -638,3 +738,6 @@ def test_every_method_of_every_protected_route_needs_the_key():
         assert send(server, "GET", "/v1/models", None, key)[0] == 200
         assert send(server, "OPTIONS", CHAT, None, key)[0] == 204
         assert send(server, "POST", CHAT, chat(), {**JSON, "x-api-key": "s3cret"})[0] == 200
+        for bad in ({"Authorization": "Bearer \xe9"}, {"x-api-key": "\xe9\xff"}):  # bytes that are not UTF-8
+            status, _, body = send(server, "POST", CHAT, chat(), {**JSON, **bad})
+            assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error", body

@@ -274,3 +274,11 @@ def test_chat_model_refuses_audio(echo_server, clips):
 def test_whisper_model_refuses_chat(server):
     with pytest.raises(openai.BadRequestError, match="transcription"):
         server.openai().chat.completions.create(model=model_name(server), messages=[{"role": "user", "content": "hi"}])
+
+
+def test_whisper_model_refuses_tokenize_and_detokenize(server):
+    """A model without a text tokenizer: a 400 naming the model (detokenize was a 500)."""
+    for path, body in (("/tokenize", {"content": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        status, doc = server.post_json(path, body)
+        assert status == 400 and doc["error"]["param"] == "model", doc
+        assert doc["error"]["code"] == "unsupported_task", doc
