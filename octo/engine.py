@@ -201,6 +201,9 @@ class TranscriptionRequest:
     prompt: str | None = None
     temperature: float = 0.0
     word_timestamps: bool = False
+    # polled by the engine between units of work (Whisper: a 30 s window, a fallback temperature): True once the
+    # client is gone; the engine may then stop this request and return anything (the scheduler discards it)
+    cancelled: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

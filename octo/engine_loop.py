@@ -6,19 +6,15 @@ chunks within the engine's ``prefill_chunk`` budget. Results go back to the even
 ``loop.call_soon_threadsafe`` per step. Stop strings, ``max_tokens``, EOS, the context limit, cancellation,
 per-sequence engine failures and KV pressure are handled here, once, for every engine.
 
-KV pressure (engines whose sequences share one bounded pool report its free cells with ``Engine.kv_room``): a
-new sequence is admitted only when its prompt fits beside what the running ones still have to feed; before each
-step, the youngest sequences are preempted until every decoding sequence has its cell. A preempted sequence keeps
-its tokens, text, stream and engine slot (sampler state); its KV is saved to host memory (``preempt="swap"``,
-through ``Engine.kv_save``) or dropped (``"recompute"``), and it resumes, oldest first, when the pool has room for
-all its tokens: its stream pauses and continues with no token lost or repeated.
+KV pressure (preemption and resumption) lives in ``octo.kv_pressure``, in-flight prefix sharing in ``octo.sharing``,
+constraints, logprobs and tool-call events in ``octo.emission``; all are mixins of :class:`EngineLoop`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,15 +23,18 @@ from typing import Any
 
 from octo.disk_cache import DiskTier
 from octo.emission import Emission, _put
-from octo.engine import Feed, common_prefix
+from octo.engine import Feed, KVHandle, common_prefix
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
 from octo.jobs import Ticket, _Call, _Job
+from octo.kv_pressure import KVPressure, _age, _check_restored, _check_saved
+from octo.pacer import Pacer
 from octo.sharing import PrefixSharing
 
 log = logging.getLogger("octo.scheduler")
+MAX_LOOP_FAILURES = 3  # iterations in a row failing outside a step: the loop gives up (octo.watchdog takes over)
 
 
-class EngineLoop(PrefixSharing, Emission, DiskTier):
+class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
     """Methods that run on the model's engine thread; the state they share lives on the Scheduler."""
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future:
@@ -59,9 +58,11 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
 
     def _run(self) -> None:
         posts: list[tuple[Any, ...]] = []
+        failures = 0  # iterations in a row that failed outside a step
         while True:
             admitted: list[Ticket] = []
             try:
+                self.watchdog.busy(0)  # engine calls between steps (add/remove_sequence, kv_*) are watched too
                 if self._between:
                     self._run_between()
                 with self._lock:
@@ -70,6 +71,7 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
                     if self._stopping:
                         break
                 if idle:
+                    self.watchdog.idle()
                     if self.gate is not None:
                         self.gate.idle()
                     self._wake.get()  # a kick (or stop) wakes us; spurious wake-ups just look again
@@ -90,14 +92,21 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
                     self._start(t, posts)
                 if self._active:
                     self._step(posts)
+                failures = 0
             except BaseException as exc:  # noqa: BLE001 - a fault outside step: fail what runs, keep serving
                 log.exception("the engine loop failed; failing the sequences in flight")
                 for t in [*self._active, *self._preempted, *(t for t in admitted if t.state == "active")]:
                     if t.state == "active":
                         self._fail(t, exc, posts)
+                failures += 1
+                if failures >= MAX_LOOP_FAILURES:  # it fails whatever it runs (kv_room raises): the loop is dead
+                    self._post(posts)  # and the watchdog fails what waits, and restarts it or the worker
+                    self._settling.clear()  # (answered just now)
+                    raise
             if posts:
                 self._post(posts)
                 posts = []
+            self._settling.clear()
         self._shutdown()
 
     def _post(self, posts: list) -> None:
@@ -163,6 +172,7 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
 
         self.watchdog.busy(None)
         self.calls_running = len(jobs)
+        self._settling += jobs  # a wedged call: the watchdog answers them
         try:
             results = list(jobs[0].fn(self.engine, [j.item for j in jobs], done))
             if len(results) != len(jobs):
@@ -171,13 +181,14 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
             results = [exc] * len(jobs)
         finally:
             self.calls_running = 0
-            self.watchdog.idle()
+            self.watchdog.idle(between=True)
         for job, result in zip(jobs, results, strict=True):
             posts.append(_outcome(job.future, result))  # no-op for futures already answered by done()
             job.state = "done"
-            self.total_processed += 1
+            self.total_processed += not job.gone  # an abandoned one counts as cancelled (Scheduler.abandon)
 
     def _run_call(self, job: _Call, posts: list) -> None:
+        self._settling.append(job)  # a wedged call: the watchdog answers it
         self.watchdog.busy(None)
         self.calls_running = 1
         try:
@@ -188,16 +199,16 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
             posts.append((_set_result, job.future, result))
         finally:
             self.calls_running = 0
-            self.watchdog.idle()
+            self.watchdog.idle(between=True)
         job.state = "done"
-        self.total_processed += 1
+        self.total_processed += not job.gone
 
     def _start(self, t: Ticket, posts: list) -> None:
         seq = t.seq
         try:
             self.engine.add_sequence(seq)
-        except BaseException as exc:  # noqa: BLE001
-            self._fail(t, exc, posts, remove=False)
+        except BaseException as exc:  # noqa: BLE001 - remove_sequence gives back what it may have taken
+            self._fail(t, exc, posts)
             return
         if self.cache is not None and t.prompt_lps is None:  # prompt logprobs need every prompt position computed
             handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1, seq.sampling.adapter)
@@ -207,19 +218,24 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
             if handle is not None:
                 try:
                     self.engine.kv_restore(seq, handle, n)
+                    _check_restored(seq, n)
                     t.cached = seq.n_cached
                     if seq.n_cached != n:  # the engine reused less than the index offered
                         self.cache.tokens_reused -= n - seq.n_cached
                 except Exception:  # noqa: BLE001 - a failed restore is a miss, never an error
                     log.exception("KV restore failed; recomputing the prompt")
                     self.cache.restore_failed(n)
-                    self.engine.remove_sequence(seq)
-                    self.engine.add_sequence(seq)
                     seq.n_cached = 0
+                    try:
+                        self.engine.remove_sequence(seq)
+                        self.engine.add_sequence(seq)
+                    except Exception as exc:  # noqa: BLE001 - this request fails alone
+                        self._fail(t, exc, posts)
+                        return
                 if fresh is not None and seq.n_cached > 0:
                     self.cache.insert(fresh)
                 elif fresh is not None:  # the engine refused the disk entry's bytes: not kept
-                    self.engine.kv_free(fresh)
+                    self._free_kv(fresh)
             if t.cached and t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
                 posts.append((_put, t.events, (t.index, "cached", t.cached)))
         if t.prompt_lps is None:
@@ -287,6 +303,7 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
         gate = self.gate
         n_decode = sum(1 for f in feeds if len(f.tokens) == 1 and f.sample)
         n_fed = sum(len(f.tokens) for f in feeds)
+        starts = [f.seq.n_cached for f in feeds]
         self.watchdog.busy(n_fed)
         started = time.perf_counter()
         try:
@@ -302,11 +319,13 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
         except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
             if self._reclaim(n_fed):
                 return
-            if len(self._active) > 1:
+            if len(self._active) > 1 and eng.kv_room() is not None:  # (no shared pool: preempting frees nothing)
                 log.info("%s; preempting the youngest sequence", exc.message)
                 self._preempt(max(self._active, key=_age))
                 return
-            self._fail(self._active[0], exc, posts)
+            for t in owners:
+                if t.state == "active":
+                    self._fail(t, exc, posts)
             return
         except BaseException as exc:  # noqa: BLE001 - fail this step's sequences, keep serving
             log.exception("engine step failed")
@@ -315,28 +334,45 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
                     self._fail(t, exc, posts)
             return
         finally:
-            self.watchdog.idle()
+            self.watchdog.idle(between=True)
         self.steps += 1
         self._pacer.observe(time.perf_counter() - started, n_decode, n_fed - n_decode)
         eos = eng.info.eos_token_ids if eng.info else frozenset()
+        n_vocab = eng.info.n_vocab if eng.info else 0
         token_bytes = eng.token_bytes
-        for f, t, tok in zip(feeds, owners, out, strict=True):
-            if t.extra and t.prompt_lps is not None:
-                self._prompt_logprobs(f, t)
-            if tok is None:
-                continue
+        for f, t, tok, start in zip(feeds, owners, out, starts, strict=True):
             if isinstance(tok, BaseException):  # the engine failed this sequence alone
                 self._fail(t, tok, posts)
                 continue
-            if isinstance(tok, list):  # speculative decoding: several tokens at once, each checked as if alone
-                for x in tok:
-                    if not self._take(f, t, x, eos, posts, n_ctx, token_bytes):
-                        break
-                continue
-            self._take(f, t, tok, eos, posts, n_ctx, token_bytes)
+            try:
+                if t.extra and t.prompt_lps is not None:
+                    self._prompt_logprobs(f, t)
+                if tok is not None and f.sample:  # (a token for a feed that did not ask for one is ignored)
+                    if isinstance(tok, list):  # speculative decoding: several tokens at once, each checked as if alone
+                        for x in tok:
+                            if not self._take(f, t, x, eos, posts, n_ctx, token_bytes, n_vocab):
+                                break
+                    else:
+                        self._take(f, t, tok, eos, posts, n_ctx, token_bytes, n_vocab)
+                seq = f.seq
+                if t.state == "active" and not 0 <= seq.n_cached < len(seq.tokens):  # nothing left to feed: a hang
+                    raise EngineError(
+                        f"The {eng.name} engine broke the step contract: after feeding tokens {start}.."
+                        f"{start + len(f.tokens) - 1}{' and sampling' if f.sample else ''}, it holds {seq.n_cached} "
+                        f"of the sequence's {len(seq.tokens)} tokens in its KV and gave no new token to feed.")
+            except Exception as exc:  # noqa: BLE001 - what the engine gave this sequence (logprobs, ...): it fails alone
+                if not isinstance(exc, EngineError):
+                    log.exception("taking the engine's output for sequence %d failed", t.seq.id)
+                if t.state == "active":
+                    self._fail(t, exc, posts)
 
-    def _take(self, f: Feed, t: Ticket, tok: int, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any) -> bool:
+    def _take(self, f: Feed, t: Ticket, tok: Any, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any,
+              n_vocab: int) -> bool:
         """A sampled token of ``t``: constraint, text, stop strings, limits; False when the sequence ended."""
+        tok = _token_id(tok, n_vocab)
+        if isinstance(tok, EngineError):
+            self._fail(t, tok, posts)
+            return False
         if t.extra and not self._accept(f, t, tok, eos, posts):
             return False
         tokens = t.seq.tokens
@@ -365,84 +401,8 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
             return True
         return False
 
-    # -- KV pressure -----------------------------------------------------------------------------------
-    def _room(self) -> int | None:
-        """KV cells free for new work: the engine's free cells less what the active sequences still have to feed
-        (the rest of their prompts, and the next decode token); None when the engine's KV is not shared."""
-        room = self.engine.kv_room()
-        if room is None:
-            return None
-        return room - sum(len(t.seq.tokens) - t.seq.n_cached for t in self._active)
-
-    def _fit(self, room: int) -> int:
-        """Preempt the youngest sequences until every decoding sequence has a cell for this step and something can
-        move; return the cells left for prompt chunks."""
-        while True:
-            decoding = sum(1 for t in self._active if len(t.seq.tokens) - t.seq.n_cached == 1)
-            spare = room - decoding
-            if spare < 0 or not (decoding or spare > 0):
-                room += self._reclaim(max(1, -spare))  # cached prefixes give their cells back before anyone waits
-                spare = room - decoding
-            if len(self._active) <= 1 or (spare >= 0 and (decoding or spare > 0)):
-                return max(spare, 0)
-            self._preempt(max(self._active, key=_age))
-            room = self.engine.kv_room()  # shared cells stay with their other users: ask, do not add
-
-    def _reclaim(self, cells: int) -> int:
-        """Evict prefix-cache entries that hold cells of the engine's shared pool, least recently used first, until
-        ``cells`` are free again or none is left; returns the cells freed."""
-        if self.cache is None or cells <= 0:
-            return 0
-        before = self.engine.kv_room() or 0
-        freed = 0
-        while freed < cells and self.cache.evict_pool():
-            freed = (self.engine.kv_room() or 0) - before
-        return freed
-
-    def _preempt(self, t: Ticket) -> None:
-        """``t`` gives its KV back and waits in ``_preempted``; its tokens, text and sampler stay as they are."""
-        seq = t.seq
-        self._active.remove(t)
-        self._release_followers(t)  # before its KV goes
-        t.lead = None
-        if self.preempt_mode == "swap" and seq.n_cached > 0:
-            try:
-                t.swap = self.engine.kv_swap_out(seq)
-            except Exception:  # noqa: BLE001 - it is recomputed instead
-                log.exception("KV save for preemption failed; the sequence will be recomputed")
-        self.engine.kv_drop(seq)
-        seq.n_cached = 0
-        t.preemptions += 1
-        self.total_preemptions += 1
-        bisect.insort(self._preempted, t, key=_age)
-
-    def _resume(self, posts: list) -> None:
-        """Bring preempted sequences back, oldest first, while the pool has room for all their tokens."""
-        for t in [t for t in self._preempted if t._cancel]:
-            self._finish(t, "cancelled", posts)
-        room = self._room()
-        while self._preempted:
-            t = self._preempted[0]
-            need = len(t.seq.tokens) + 1
-            if room is not None and self._active and need > room:
-                return
-            self._preempted.pop(0)
-            handle, t.swap = t.swap, None
-            if handle is not None:
-                try:
-                    self.engine.kv_restore(t.seq, handle, len(handle.tokens))
-                except Exception:  # noqa: BLE001 - recompute instead
-                    log.exception("KV restore after preemption failed; recomputing")
-                    self.engine.kv_drop(t.seq)
-                    t.seq.n_cached = 0
-                finally:
-                    self.engine.kv_free(handle)
-            bisect.insort(self._active, t, key=_age)  # the oldest sequences' prompts are fed first
-            self.total_resumed += 1
-            if room is not None:
-                room -= need
-
     def _finish(self, t: Ticket, reason: str, posts: list, flush: bool = True) -> None:
+        self._settling.append(t)
         t.finish = reason
         tail = t.stream.flush() if flush and reason != "cancelled" else ""
         if tail:
@@ -459,10 +419,10 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
             posts.append((_put, t.events, (t.index, "done", result)))
         posts.append((_set_result, t.result, result))
 
-    def _fail(self, t: Ticket, exc: BaseException, posts: list, remove: bool = True) -> None:
+    def _fail(self, t: Ticket, exc: BaseException, posts: list) -> None:
+        self._settling.append(t)
         t.finish = "error"
-        if remove:
-            self._retire(t, save=False)
+        self._retire(t, save=False)
         err = _as_octo_error(exc)
         if t.events is not None:
             posts.append((_put, t.events, (t.index, "done", err)))
@@ -479,20 +439,23 @@ class EngineLoop(PrefixSharing, Emission, DiskTier):
             self._preempted.remove(t)
         if t.swap is not None:
             handle, t.swap = t.swap, None
-            self.engine.kv_free(handle)
+            self._free_kv(handle)
         seq = t.seq
         # a sequence that ended inside a speculative run holds KV past its last token: only its tokens count
         seq.n_cached = min(seq.n_cached, len(seq.tokens))
         if save and self.cache is not None and seq.n_cached > 0:
-            try:
+            handle = None
+            try:  # whatever the engine does here, the request still gets its result
                 handle = self.engine.kv_save(seq)
+                if handle is not None:
+                    _check_saved(handle, seq)
+                    if self.disk is not None and seq.sampling.adapter is None:
+                        self._to_disk(handle, t.n_prompt)
+                    self.cache.insert(handle, seq.sampling.adapter)
             except Exception:  # noqa: BLE001
                 log.exception("KV save failed")
-                handle = None
-            if handle is not None:
-                if self.disk is not None and seq.sampling.adapter is None:
-                    self._to_disk(handle, t.n_prompt)
-                self.cache.insert(handle, seq.sampling.adapter)
+                if isinstance(handle, KVHandle):  # not kept: the engine gets it back
+                    self._free_kv(handle)
         try:
             self.engine.remove_sequence(seq)
         except Exception:  # noqa: BLE001
@@ -522,8 +485,28 @@ def _work(t: Ticket, n_ctx: int) -> int:
     return (len(seq.tokens) - seq.n_cached) + max(0, limit - len(seq.tokens))
 
 
-def _age(t: Ticket) -> int:
-    return t.seq.id  # sequence ids grow with submission: the largest is the youngest
+def safe_free(engine: Any) -> Callable[[Any], None]:
+    """``engine.kv_free`` that logs instead of raising: a handle the engine cannot free is its leak, not a failure
+    of the request (or of the prefix-cache index) that let it go."""
+    def free(handle: Any) -> None:
+        try:
+            engine.kv_free(handle)
+        except Exception:  # noqa: BLE001
+            log.exception("kv_free failed")
+    return free
+
+
+def _token_id(tok: Any, n_vocab: int) -> int | EngineError:
+    """``tok`` as a token id, or the error of an engine that sampled something else (a native engine would crash
+    on a negative id, or one past its vocabulary)."""
+    try:
+        tok = operator.index(tok)  # an int, or a numpy integer
+    except TypeError:
+        return EngineError(f"The engine sampled {tok!r} ({type(tok).__name__}), which is not a token id.")
+    if tok < 0 or (n_vocab and tok >= n_vocab):
+        return EngineError(f"The engine sampled token id {tok}, which is outside its vocabulary"
+                           + (f" (0..{n_vocab - 1})." if n_vocab else "."))
+    return tok
 
 
 def new_engine_thread() -> ThreadPoolExecutor:
@@ -569,59 +552,3 @@ def _consume(fut: asyncio.Future) -> None:
 def _deliver(posts: list) -> None:
     for fn, target, value in posts:
         fn(target, value)
-
-
-class Pacer:
-    """How many prompt tokens one step may carry, from the measured cost of a decode-only step and of a prompt token:
-
-    * beside decoding sequences, enough to stretch the step to at most ``stretch`` times a decode-only step
-      (2.0: a long prompt never slows the running streams below half their speed, and gets the other half);
-      beside a request that is nearly done (``urgent``: at most ``SHORT_WORK`` tokens left to feed and generate),
-      at most ``short_stretch`` (1.25): a short request finishes at close to its own speed, shortest work first,
-      while a long prompt still moves on every step;
-    * in any step, at most ``max_step_s`` seconds of prompt work, so that a request arriving during a long prompt
-      waits one short step, not a long chunk (on fast hardware this is more than ``prefill_chunk`` anyway);
-    * a prompt alone (nothing else running or queued) reads chunks of at most ``lone_step_s`` seconds (at least
-      ``LONE_MIN`` tokens): large enough to cost little prompt speed (128-token chunks read a 1,459-token prompt at
-      0.94x the speed of 256-token ones on a 2-core host, 32-token ones at 0.68x), small enough that a request
-      arriving meanwhile waits at most that long for the chunk in progress.
-
-    ``stretch`` 0 disables all of it (whole ``prefill_chunk`` steps: the most prompt throughput)."""
-
-    MIN_TOKENS = 4
-    LONE_MIN = 64
-    SHORT_WORK = 32
-
-    def __init__(self, stretch: float = 2.0, max_step_s: float = 0.25, lone_step_s: float = 0.6,
-                 short_stretch: float = 1.25) -> None:
-        self.stretch = stretch
-        self.max_step_s = max_step_s
-        self.lone_step_s = lone_step_s
-        self.short_stretch = short_stretch
-        self.decode_s = 0.0  # EWMA seconds of a decode-only step
-        self.token_s = 0.0  # EWMA marginal seconds per prompt token in a step
-
-    def budgets(self, chunk: int, decoding: bool, alone: bool = False, urgent: bool = False) -> tuple[int, int]:
-        """(prompt tokens this step may carry, the part of them for long prompts). ``alone``: one prompt and nothing
-        else running or queued; ``urgent``: a nearly done request runs (see the class)."""
-        if self.stretch <= 0 or not self.token_s:
-            return chunk, chunk
-        if alone:
-            lone = min(chunk, max(self.LONE_MIN, int(self.lone_step_s / self.token_s)))
-            return lone, lone
-        step = min(chunk, max(self.MIN_TOKENS, int(self.max_step_s / self.token_s)))
-        if not (decoding or urgent) or not self.decode_s:
-            return chunk, step
-        stretch = min(self.stretch, self.short_stretch) if urgent else self.stretch
-        return chunk, min(step, max(self.MIN_TOKENS, int((stretch - 1.0) * self.decode_s / self.token_s)))
-
-    def observe(self, seconds: float, n_decode: int, n_prefill: int) -> None:
-        if n_prefill == 0:
-            if n_decode:
-                self.decode_s = seconds if not self.decode_s else 0.8 * self.decode_s + 0.2 * seconds
-            return
-        base = self.decode_s if n_decode else 0.0
-        if n_decode and not base:
-            return
-        per = max(seconds - base, 0.0) / n_prefill
-        self.token_s = per if not self.token_s else 0.8 * self.token_s + 0.2 * per

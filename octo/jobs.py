@@ -142,7 +142,7 @@ class Ticket(_Job):
 
 
 class _Call(_Job):
-    __slots__ = ("fn", "future", "batch_key", "item")
+    __slots__ = ("fn", "future", "batch_key", "item", "gone")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], batch_key: Any = None,
                  item: Any = None) -> None:
@@ -151,3 +151,9 @@ class _Call(_Job):
         self.future: asyncio.Future = loop.create_future()
         self.batch_key = batch_key  # calls with the same key queued together run as one fn(engine, items)
         self.item = item
+        self.gone = False  # the client went away while it ran (an item with a ``cancelled`` field can poll it)
+        if item is not None and hasattr(item, "cancelled") and item.cancelled is None:
+            item.cancelled = self._gone  # TranscriptionRequest.cancelled: the engine stops between windows
+
+    def _gone(self) -> bool:
+        return self.gone

@@ -17,10 +17,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from octo import serving
 from octo.config import ServerConfig
-from octo.engine import Embeddings, Engine, EngineConfig, Task
-from octo.errors import ConfigError, InvalidRequest
+from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
+from octo.engine_loop import safe_free
+from octo.errors import ConfigError, EngineError, InvalidRequest, OctoError
 from octo.jobs import Ticket
 from octo.prefix_cache import PrefixCache
 from octo.scheduler import Scheduler
@@ -98,7 +101,7 @@ class ModelHandle(HandleInfo):
     def start(self, config: ServerConfig, scheduler_cls: type[Scheduler] = Scheduler, **kw: Any) -> None:
         cache = None
         if not config.no_cache and config.cache_size_mb > 0 and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
-            cache = PrefixCache(int(config.cache_size_mb * 2**20), self.engine.kv_free)
+            cache = PrefixCache(int(config.cache_size_mb * 2**20), safe_free(self.engine))
         self.cache = cache
         self.tool_format = config.tool_format
         self.reasoning_format = config.reasoning_format
@@ -150,9 +153,9 @@ class ModelHandle(HandleInfo):
 
     async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[Ticket], asyncio.Queue | None]:
         if size > _OFFLOAD_BYTES:
-            gens, n = await asyncio.get_running_loop().run_in_executor(None, serving.prepare, self, kind, req)
+            gens, n = await asyncio.get_running_loop().run_in_executor(None, prepare, self, kind, req)
         else:
-            gens, n = serving.prepare(self, kind, req)
+            gens, n = prepare(self, kind, req)
         events = asyncio.Queue() if req.stream else None
         return self.scheduler.submit_all(gens, n, events), events
 
@@ -169,17 +172,18 @@ class ModelHandle(HandleInfo):
         return await run_call(self, op, payload)
 
     async def prompt_texts(self, req: Any) -> list[str]:
-        return serving.prompt_texts(self, req)
+        return engine_call(serving.prompt_texts, self, req)
 
     async def count_tokens(self, kind: str, req: Any) -> int:
         """The prompt tokens of a request of ``kind`` ("messages"), rendered as a real one (off the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(None, serving.count_tokens, self, kind, req)
+        return await asyncio.get_running_loop().run_in_executor(None, engine_call, serving.count_tokens, self, kind,
+                                                                req)
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
         """POST /tokenize's answer (octo.api_tokens); a long text is tokenized off the event loop."""
         from octo import api_tokens
 
-        work = functools.partial(api_tokens.tokenize, self, text, add_special, parse_special, with_pieces)
+        work = functools.partial(engine_call, api_tokens.tokenize, self, text, add_special, parse_special, with_pieces)
         if len(text) > _OFFLOAD_BYTES:
             return await asyncio.get_running_loop().run_in_executor(None, work)
         return work()
@@ -188,7 +192,7 @@ class ModelHandle(HandleInfo):
         """POST /detokenize's text (octo.api_tokens): 400 naming ``tokens`` for an id outside the vocabulary."""
         from octo import api_tokens
 
-        work = functools.partial(api_tokens.detokenize, self, tokens)
+        work = functools.partial(engine_call, api_tokens.detokenize, self, tokens)
         if len(tokens) > _OFFLOAD_BYTES // 4:
             return await asyncio.get_running_loop().run_in_executor(None, work)
         return work()
@@ -198,22 +202,74 @@ class ModelHandle(HandleInfo):
 
 
 # -- the model-side work both kinds of handle share (a worker runs these on its own ModelHandle) ------------
+def engine_call(fn: Any, handle: Any, *args: Any) -> Any:
+    """``fn(handle, *args)`` (serving work that calls the engine's ``render_chat``, ``tokenize``, ``token_bytes``),
+    where an engine method that raises or answers nonsense is a 500 ``engine_error``, not the request's fault."""
+    try:
+        return fn(handle, *args)
+    except OctoError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        log.exception("the %s engine failed in %s", handle.engine_name, getattr(fn, "__name__", fn))
+        raise EngineError(f"The {handle.engine_name} engine failed: {type(exc).__name__}: {exc}") from None
+
+
+def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
+    """``serving.prepare`` through :func:`engine_call`, with the prompt tokens the engine made checked."""
+    gens, n = engine_call(serving.prepare, handle, kind, req)
+    for g in gens:
+        g.prompt_tokens = engine_call(check_prompt, handle, g.prompt_tokens)
+    return gens, n
+
+
+def check_prompt(handle: Any, tokens: Any) -> list[int]:
+    """The engine's tokenization of a prompt as a list of token ids; EngineError for anything else (a native engine
+    would crash on a negative id or one past its vocabulary). Two C-speed passes: this runs for every request."""
+    tokens = tokens if isinstance(tokens, list) else list(tokens)
+    if tokens:
+        low, high = min(tokens), max(tokens)  # (TypeError for what is not numbers)
+        n_vocab = handle.info.n_vocab
+        if low < 0 or (n_vocab and high >= n_vocab):
+            raise EngineError(f"The engine's tokenizer produced token id {low if low < 0 else high}, which is outside "
+                              "its vocabulary.")
+    return tokens
+
+
 async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
     if op == "embed":
         texts = embed_texts(handle, payload)
         vectors, n_tokens = [], 0
         for chunk in _embed_chunks(texts):  # each chunk queues anew: other models' steps interleave
-            out = await handle.scheduler.call(lambda engine, chunk=chunk: engine.embed(chunk))
+            out = await handle.scheduler.call(lambda engine, chunk=chunk: _embedded(engine, chunk))
             vectors += out.vectors
             n_tokens += out.n_tokens
         return Embeddings(vectors, n_tokens)
     if op == "transcribe":
         scheduler, engine = handle.scheduler, handle.engine
         if hasattr(engine, "transcribe_batch"):  # batched with other queued requests
-            return await scheduler.call_batch("transcribe", payload,
-                                              lambda eng, reqs, done: eng.transcribe_batch(reqs, done))
-        return await scheduler.call(lambda eng: eng.transcribe(payload))
+            out = await scheduler.call_batch("transcribe", payload,
+                                             lambda eng, reqs, done: eng.transcribe_batch(reqs, done))
+        else:
+            out = await scheduler.call(lambda eng: eng.transcribe(payload))
+        if not isinstance(out, Transcription):
+            raise EngineError(f"The {handle.engine_name} engine's transcription returned {type(out).__name__}.")
+        return out
     raise ValueError(f"unknown call {op!r}")
+
+
+def _embedded(engine: Engine, texts: list[str]) -> Embeddings:
+    """``engine.embed(texts)``, checked (on the engine thread): one finite vector per text, all of one size."""
+    out = engine.embed(texts)
+    if not isinstance(out, Embeddings) or len(out.vectors) != len(texts):
+        got = f"{len(out.vectors)} vectors" if isinstance(out, Embeddings) else type(out).__name__
+        raise EngineError(f"The {engine.name} engine's embed returned {got} for {len(texts)} inputs.")
+    dim = (engine.info.embedding_dim if engine.info else 0) or len(out.vectors[0])
+    for v in out.vectors:
+        if len(v) != dim:
+            raise EngineError(f"The {engine.name} engine's embed returned a vector of {len(v)} dimensions, not {dim}.")
+        if not np.isfinite(np.asarray(v, dtype=np.float64)).all():
+            raise EngineError(f"The {engine.name} engine's embed returned a vector that is not finite (NaN or inf).")
+    return out
 
 
 EMBED_CHUNK_TEXTS = 32
@@ -290,6 +346,9 @@ def load_engine(cls: type[Engine], config: ServerConfig, artifact: str, name: st
         raise
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"Engine '{cls.name}' could not load '{artifact}': {type(exc).__name__}: {exc}") from exc
-    if engine.info is None:
-        raise ConfigError(f"Engine '{cls.name}' returned no model info for '{artifact}'.")
+    info = engine.info
+    if not isinstance(info, ModelInfo) or not isinstance(info.n_ctx, int) or info.n_ctx <= 0 \
+            or not isinstance(info.n_vocab, int) or info.n_vocab < 0:
+        raise ConfigError(f"Engine '{cls.name}' returned no usable model info for '{artifact}' (a ModelInfo with "
+                          f"n_ctx > 0 and n_vocab >= 0): {info!r}.")
     return engine

@@ -12,6 +12,7 @@ which is remembered for this host and artifact so the next start does not crash 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -115,6 +116,11 @@ class WorkerProcess:
         self.send((op, cid, *args))
         try:
             return await asyncio.wait_for(fut, timeout)
+        except asyncio.CancelledError:  # the caller went away: the worker drops the operation (its queued call)
+            if self.alive and op == "call":
+                with contextlib.suppress(Exception):
+                    self.send(("cancel_op", cid))
+            raise
         finally:
             self._pending.pop(cid, None)
 
@@ -331,6 +337,8 @@ class RemoteHandle(HandleInfo):
                 await self.worker.request("threads", n)
             except EngineCrashed:
                 pass  # a restarted worker starts with its full thread count
+            except OctoError as exc:  # its set_threads failed: it computes with what it has
+                log.warning("%s: could not limit its threads to %s: %s", self.name, n, exc.message)
 
     async def share_cores(self, on: bool) -> None:
         """Compute in turns with the other loaded models (octo.arbiter), or freely when alone."""

@@ -17,7 +17,7 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from octo.engine import Engine, SamplingParams
-from octo.engine_loop import EngineLoop, Pacer, _fail_job, new_engine_thread
+from octo.engine_loop import EngineLoop, Pacer, _fail_job, new_engine_thread, safe_free
 from octo.errors import ContextLengthExceeded, InvalidRequest, Overloaded, QueueTimeout
 from octo.jobs import GenerationRequest, Ticket, _Call, _Job
 from octo.prefix_cache import PrefixCache
@@ -32,6 +32,7 @@ class Scheduler(EngineLoop):
                  cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0,
                  dedup: bool = True, disk: Any = None) -> None:
         self.engine = engine
+        self._free_kv = safe_free(engine)
         self.disk = disk  # octo.disk_cache.DiskPrefixCache (--prefix-cache-dir), or None
         self.disk_tokens_reused = 0
         self.max_batch = max_batch
@@ -44,6 +45,7 @@ class Scheduler(EngineLoop):
         self._pending: deque[_Job] = deque()
         self._active: list[Ticket] = []
         self._preempted: list[Ticket] = []  # gave their KV back under pressure; resume oldest first
+        self._settling: list[_Job] = []  # calls running and sequences ended in this iteration, not posted yet
         self.watchdog = Watchdog(self)
         self._pacer = Pacer(step_stretch)
         self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
@@ -247,6 +249,9 @@ class Scheduler(EngineLoop):
                 return
         if isinstance(job, Ticket):
             job.cancel()  # an active sequence keeps the engine thread awake: it leaves at the next step
+        elif not job.gone and job.state == "active":  # a running call: engines that poll stop its item early
+            job.gone = True
+            self.total_cancelled += 1
 
     # -- stats ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 The engine thread marks the start and end of every engine call (a step, an embeddings or audio call). The
 scheduler's sweeper (every 50 ms on the event loop) asks :meth:`Watchdog.check` whether the current call has run
 far longer than it should: a step is *wedged* after ``max(MIN_STEP_S, 20 x`` the slowest time per token seen so
-far ``x`` its tokens``)``, a call after ``CALL_S``. A thread that ended with an error is *dead*. Either way, every
-request waiting on the model gets a 503 at once, new ones get a 503 without queueing, and ``on_fault`` tells the
-owner: an engine worker process exits so the gateway reloads the model in a fresh one; in the gateway
-(``--isolation thread``) a dead loop is restarted and a wedged one is reported until its step returns.
+far ``x`` its tokens``)``, a call after ``CALL_S``, the engine calls between two steps (``add_sequence``,
+``remove_sequence``, ``kv_save``, ...) after ``max(MIN_STEP_S, 20 x`` the slowest step seen``)``. A thread that
+ended with an error is *dead*. Either way, every request waiting on the model gets a 503 at once, new ones get a 503
+without queueing, and ``on_fault`` tells the owner: an engine worker process exits so the gateway reloads the model
+in a fresh one; in the gateway (``--isolation thread``) a dead loop is restarted and a wedged one is reported until
+its step returns.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from octo.engine_loop import _fail_job
 from octo.errors import ModelFailed
+from octo.jobs import Ticket
 
 if TYPE_CHECKING:
     from octo.scheduler import Scheduler
@@ -43,24 +46,34 @@ class Watchdog:
         self._limit = 0.0
         self._tokens = 0
         self._per_token = 0.0  # the slowest seconds per fed token seen
+        self._slowest = 0.0  # the slowest step seen, in seconds
+        self._what = "a step"
         self._wedged_at = 0.0  # the _since of the call that was declared wedged
 
     # -- engine thread ---------------------------------------------------------------------------------
     def busy(self, tokens: int | None) -> None:
-        """An engine call starts: a step feeding ``tokens`` tokens, or a call (None)."""
+        """An engine call starts: a step feeding ``tokens`` tokens, a call (None), or (0) the engine calls between
+        two steps."""
         if tokens is None:
-            limit = CALL_S
-        elif self._per_token:
-            limit = max(self.min_step_s, STEP_MARGIN * self._per_token * tokens)
+            limit, self._what = CALL_S, "a call"
+        elif not self._per_token:
+            limit, self._what = max(self.min_step_s, FIRST_STEP_S), "a step" if tokens else "an engine call"
+        elif tokens:
+            limit, self._what = max(self.min_step_s, STEP_MARGIN * self._per_token * tokens), "a step"
         else:
-            limit = max(self.min_step_s, FIRST_STEP_S)
+            limit, self._what = max(self.min_step_s, STEP_MARGIN * self._slowest), "an engine call between steps"
         self._tokens, self._limit = tokens or 0, limit
         self._since = time.monotonic()
 
-    def idle(self) -> None:
+    def idle(self, between: bool = False) -> None:
+        """The engine call ended; ``between``: the engine thread goes on with the calls between two steps."""
         since, self._since = self._since, 0.0
         if since and self._tokens:
-            self._per_token = max(self._per_token, (time.monotonic() - since) / self._tokens)
+            took = time.monotonic() - since
+            self._per_token = max(self._per_token, took / self._tokens)
+            self._slowest = max(self._slowest, took)
+        if between:
+            self.busy(0)
 
     def thread_exited(self, done: Any) -> None:
         """Done-callback of the engine loop's future (runs on the engine thread)."""
@@ -83,8 +96,8 @@ class Watchdog:
             return
         if self.state == "ok" and since and time.monotonic() - since > self._limit:
             self._wedged_at = since
-            what = "a step" if self._tokens else "a call"
-            self._fault("wedged", f"the engine thread has been stuck in {what} for {time.monotonic() - since:.1f} s")
+            took = time.monotonic() - since
+            self._fault("wedged", f"the engine thread has been stuck in {self._what} for {took:.1f} s")
 
     def check_open(self) -> None:
         if self.state != "ok":
@@ -112,11 +125,13 @@ class Watchdog:
             sched._pending.clear()
             for job in jobs:
                 job.state, job.error = "failed", err
-        running = [*sched._active, *sched._preempted]
+        # (with what the stuck iteration ended or was running: the calls, results it had not posted yet)
+        running = [*sched._active, *sched._preempted, *sched._settling]
         for t in running:
-            t._cancel = True  # should the thread come back, they leave at its next step
-            if t.events is not None:
-                t.events.put_nowait((t.index, "done", err))
+            if isinstance(t, Ticket):
+                t._cancel = True  # should the thread come back, they leave at its next step
+                if t.events is not None:
+                    t.events.put_nowait((t.index, "done", err))
         for job in [*jobs, *running]:
             _fail_job(job, err)
         if self.on_fault is not None:

@@ -35,11 +35,12 @@ from octo.engine import Engine, Task
 from octo.engine_loop import _as_octo_error, new_engine_thread
 from octo.errors import OctoError
 from octo.jobs import Ticket
-from octo.model import ModelHandle, load_engine, local_stats, run_call
+from octo.model import ModelHandle, load_engine, local_stats, prepare, run_call
 from octo.scheduler import Scheduler
 
 log = logging.getLogger("octo.worker")
 FAULT_EXIT = 70  # the worker exits with this after its engine thread was found wedged or dead
+LOOP_STUCK_S = 5.0  # the event loop blocked this long (at least; the queue time-out when longer): the worker exits
 
 
 class Outbox:
@@ -182,6 +183,7 @@ class Worker:
         self.engine_thread = new_engine_thread()
         self.spec: dict[str, Any] = {}
         self.closed = asyncio.Event()
+        self._ops: dict[int, asyncio.Task] = {}  # operations running as tasks, by call id ("cancel_op" ends them)
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def on_message(self, msg: tuple) -> None:
@@ -190,13 +192,17 @@ class Worker:
             self._gen(*msg[1:])
         elif op == "cancel":
             self._cancel(msg[1])
+        elif op == "cancel_op":  # the gateway's caller went away: an embedding or audio call leaves the queue
+            task = self._ops.get(msg[1])
+            if task is not None:
+                task.cancel()
         else:
             handler = getattr(self, f"op_{op}", None)
             cid, args = msg[1], msg[2:]
             if handler is None:
                 self._reply(cid, False, OctoError(f"worker: unknown operation {op!r}"))
             elif asyncio.iscoroutinefunction(handler):
-                self.loop.create_task(self._run(cid, handler, args))
+                self._ops[cid] = self.loop.create_task(self._run(cid, handler, args))
             else:
                 self._call(cid, handler, args)
 
@@ -211,10 +217,14 @@ class Worker:
     async def _run(self, cid: int, handler: Any, args: tuple) -> None:
         try:
             value = await handler(*args)
+        except asyncio.CancelledError:  # cancelled by the gateway: nobody waits for a reply
+            pass
         except BaseException as exc:  # noqa: BLE001
             self._reply(cid, False, _as_octo_error(exc))
         else:
             self._reply(cid, True, value)
+        finally:
+            self._ops.pop(cid, None)
 
     def _reply(self, cid: int, ok: bool, value: Any) -> None:
         self.sender.send(("r", cid, ok, value))
@@ -223,7 +233,7 @@ class Worker:
     def _gen(self, rid: int, kind: str, req: Any) -> None:
         sched = self.handle.scheduler
         try:
-            gens, n = serving.prepare(self.handle, kind, req)
+            gens, n = prepare(self.handle, kind, req)
             expected = serving.sequence_count(kind, req)
             if len(gens) * n != expected:
                 raise OctoError(f"worker: {len(gens) * n} sequences for a request the gateway counted {expected}")
@@ -278,10 +288,32 @@ class Worker:
         self.full_threads = counts[0] if counts else None
         self.handle.start(config, WorkerScheduler, outbox=self.outbox, gate=self.gate)
         self.handle.scheduler.watchdog.on_fault = self._fault
+        self._beat = time.monotonic()
+        self._heartbeat()
+        threading.Thread(target=self._watch_loop, args=(max(LOOP_STUCK_S, config.queue_timeout),),
+                         name="octo-loop-watch", daemon=True).start()
         # as the gateway does after its start-up: the model's Python objects (a tokenizer's vocabulary, ...) live as
         # long as the worker, so full collections need not walk them while the engine thread holds the GIL
         gc.collect()
         gc.freeze()
+
+    def _heartbeat(self) -> None:
+        self._beat = time.monotonic()
+        self.loop.call_later(0.25, self._heartbeat)
+
+    def _watch_loop(self, limit: float) -> None:
+        """(its own thread) This event loop runs the engine's chat template and tokenizer (``serving.prepare``) and
+        delivers every request and cancellation: blocked past ``limit`` (the queue time-out), no request of the
+        model can be admitted, answered or time out, so the worker goes as for a wedged engine thread."""
+        step = min(1.0, limit / 10)
+        late = 0  # checks in a row that found the loop late (twice: not a native call that held the GIL from us)
+        while True:
+            time.sleep(step)
+            stuck = time.monotonic() - self._beat
+            late = late + 1 if stuck > limit else 0
+            if late >= 2:
+                self._fault("wedged", f"the worker's event loop has been blocked for {stuck:.1f} s (in the engine's "
+                            "tokenizer or chat template)")
 
     def _fault(self, state: str, reason: str) -> None:
         """The engine thread is wedged or dead (its requests got a 503): tell the gateway why, and exit, so that
@@ -309,11 +341,11 @@ class Worker:
         if self.gate is not None:
             self.gate.enabled = bool(on)
 
-    def op_prompt_texts(self, req: Any) -> list[str]:
-        return serving.prompt_texts(self.handle, req)
+    async def op_prompt_texts(self, req: Any) -> list[str]:
+        return await self.handle.prompt_texts(req)
 
-    def op_count_tokens(self, kind: str, req: Any) -> int:
-        return serving.count_tokens(self.handle, kind, req)
+    async def op_count_tokens(self, kind: str, req: Any) -> int:
+        return await self.handle.count_tokens(kind, req)
 
     async def op_tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
         return await self.handle.tokenize(text, add_special, parse_special, with_pieces)

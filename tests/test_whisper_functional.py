@@ -282,3 +282,43 @@ def test_whisper_model_refuses_tokenize_and_detokenize(server):
         status, doc = server.post_json(path, body)
         assert status == 400 and doc["error"]["param"] == "model", doc
         assert doc["error"]["code"] == "unsupported_task", doc
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_an_abandoned_transcription_stops_at_its_next_window(ckpt, isolation):
+    """Disconnect = cancel for audio too: a client that gives up on a 5-minute recording (10 windows of 30 s, about
+    a minute of decoding on the random-weight model) frees the engine within a window or two, and counts as
+    cancelled."""
+    import http.client
+    import io
+    import time
+    import wave
+
+    import numpy as np
+
+    pcm = (np.random.default_rng(0).standard_normal(16000 * 300) * 3000).astype(np.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    b = "octoBOUNDARY"
+    body = (f'--{b}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'.encode()
+            + buf.getvalue() + f'\r\n--{b}\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper-1\r\n'
+            f'--{b}--\r\n'.encode())
+    with run_octo(str(ckpt), "--engine", "whisper", "--isolation", isolation, "--max-audio-mb", "50") as s:
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=2)
+        conn.request("POST", "/v1/audio/transcriptions", body=body,
+                     headers={"Content-Type": f"multipart/form-data; boundary={b}"})
+        with pytest.raises(TimeoutError):
+            conn.getresponse()
+        conn.close()
+        gone = time.monotonic()
+        while True:
+            q = s.get_json("/v1/queue/stats")
+            if (q["calls_running"], q["pending"]) == (0, 0):
+                break
+            assert time.monotonic() - gone < 15, q  # the whole recording takes about a minute
+            time.sleep(0.2)
+        assert q["total_cancelled"] == 1 and q["total_processed"] == 0, q

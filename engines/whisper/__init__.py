@@ -271,6 +271,7 @@ class WhisperEngine(Engine):
             prompt=req.prompt or None,
             temperatures=temperatures_from(req.temperature, self.settings.temperature_increment),
             word_timestamps=req.word_timestamps,
+            cancelled=req.cancelled,
         )
 
 

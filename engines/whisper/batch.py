@@ -73,10 +73,16 @@ class Job:
     segment_size: int = 0
     features: torch.Tensor | None = None
     fallback: int = 0
+    cancelled: Any = None  # TranscriptionRequest.cancelled: polled between windows and fallbacks
+
+    @property
+    def gone(self) -> bool:
+        """The client went away: no more windows or fallbacks for this job."""
+        return self.cancelled is not None and bool(self.cancelled())
 
     @property
     def done(self) -> bool:
-        return self.seek >= self.content_frames
+        return self.seek >= self.content_frames or self.gone
 
     @property
     def text(self) -> str:
@@ -183,7 +189,7 @@ def _decode_with_fallback(model, jobs: list[Job], s: Settings) -> dict[Job, Deco
                 results = DecodingTask(model, opts).run(torch.stack([j.features for j in chunk]))
                 for job, result in zip(chunk, results, strict=True):
                     final[job] = result
-                    if _needs_fallback(result, s) and job.fallback + 1 < len(job.temperatures):
+                    if _needs_fallback(result, s) and job.fallback + 1 < len(job.temperatures) and not job.gone:
                         job.fallback += 1
                         pending.append(job)
     return final
