@@ -6,7 +6,9 @@ synthetic tiny GGUF (llama.cpp) with 1 and with 2 replicas (the same file under 
 alternate, so drift on this shared host hits both sides alike.
 
 1. Overhead: p50 latency of a short non-streamed chat request at concurrency 8, local echo vs echo behind Ray Serve
-   (1 replica); the difference is what the cluster path adds (target <= 2 ms).
+   (1 replica); the difference is what the cluster path adds (target <= 2 ms). Then, after both servers stopped,
+   Ray Serve's own floor: a deployment that returns at once, called through a DeploymentHandle at the same
+   concurrency from this driver (``--floor-only`` measures only that).
 2. Throughput: aggregate generated tok/s of llama.cpp with 2 replicas vs 1 at concurrency 8 (greedy, no EOS). On
    a 2-core host two replicas share the same cores, so no gain is expected: the number shows what it is.
 3. Sessions stick: multi-turn conversations (a shared system prompt, each conversation its own history); the share
@@ -162,6 +164,48 @@ async def run(args, local: str, cluster: str, gguf1: str, gguf2: str) -> dict:
     return {"overhead": overhead, "throughput": throughput, "sessions": sticky, "placement": placement}
 
 
+def ray_floor(conc: int, n: int, rounds: int) -> dict:
+    """Ray Serve's own cost of one request on this host, without octo: a deployment that returns at once, called
+    through a DeploymentHandle at concurrency ``conc`` from this driver (a local head, Serve's throughput-optimized
+    mode as octo sets it). What octo's cluster path adds beyond this is octo's."""
+    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, namespace="octo-floor",
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"location": "NoServer"})
+
+        @serve.deployment(max_ongoing_requests=64)
+        class Floor:
+            async def __call__(self, i: int) -> dict:
+                return {"i": i}
+
+        handle = serve.run(Floor.bind(), name="floor", route_prefix=None)
+
+        async def measure() -> list[float]:
+            sem = asyncio.Semaphore(conc)
+
+            async def one(i: int) -> float:
+                async with sem:
+                    t0 = time.perf_counter()
+                    await handle.remote(i)
+                    return time.perf_counter() - t0
+
+            await asyncio.gather(*(one(i) for i in range(32)))  # warm up
+            out: list[float] = []
+            for _ in range(rounds):
+                out += await asyncio.gather(*(one(i) for i in range(n)))
+            return out
+
+        lat = asyncio.run(measure())  # (ray.shutdown below ends Serve too)
+    finally:
+        ray.shutdown()
+    return {"concurrency": conc, "requests": len(lat), "p50_ms": round(statistics.median(lat) * 1000, 3),
+            "p99_ms": round(sorted(lat)[int(0.99 * (len(lat) - 1))] * 1000, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
@@ -172,7 +216,11 @@ def main() -> None:
     ap.add_argument("--convs", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "cluster.json"))
+    ap.add_argument("--floor-only", action="store_true", help="measure only Ray Serve's own floor")
     args = ap.parse_args()
+    if args.floor_only:
+        print(json.dumps(ray_floor(args.concurrency, args.requests, args.rounds), indent=2))
+        return
     from octo.synth.gguf import build_gguf
 
     gguf = build_gguf("tiny", ftype="q8_0")
@@ -197,6 +245,11 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     import ray
 
+    # Ray Serve's own floor, measured after the octo servers stopped (their Ray head included)
+    floor = ray_floor(args.concurrency, args.requests, args.rounds)
+    result["overhead"]["ray_floor"] = floor
+    result["overhead"]["p50_added_beyond_ray_floor_ms"] = round(
+        result["overhead"]["p50_added_ms"] - floor["p50_ms"], 3)
     result["host"] = {"cores": os.cpu_count(), "ray": ray.__version__, "python": sys.version.split()[0]}
     result["seconds"] = round(time.time() - t0, 1)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -62,14 +62,30 @@ async def one_stream(session, base: str, prompt: str, max_tokens: int, bias: dic
             "error": error}
 
 
-async def run_load(base: str, prompts: list[str], max_tokens: int) -> tuple[float, list[dict]]:
+async def run_load(base: str, prompts: list[str], max_tokens: int,
+                   timeline: list | None = None) -> tuple[float, list[dict]]:
+    """Every prompt at once; ``timeline`` (if given) gets (seconds, active, preempted) from the server every second."""
     import aiohttp
 
     bias = lc.no_eos_bias()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=7200)) as s:
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one_stream(s, base, p, max_tokens, bias) for p in prompts))
+        load = asyncio.gather(*(one_stream(s, base, p, max_tokens, bias) for p in prompts))
+        while timeline is not None and not load.done():
+            async with s.get(f"{base}/v1/queue/stats") as r:
+                q = (await r.json())
+            timeline.append((round(time.perf_counter() - t0, 1), q.get("active"), q.get("preempted")))
+            await asyncio.wait([load], timeout=1.0)
+        res = await load
         return time.perf_counter() - t0, res
+
+
+def batch_profile(timeline: list) -> dict:
+    """Seconds spent at each number of running sequences (from the 1 s samples)."""
+    out: dict[str, float] = {}
+    for (t, active, _), (t2, _, _) in zip(timeline, timeline[1:], strict=False):
+        out[str(active)] = round(out.get(str(active), 0.0) + (t2 - t), 1)
+    return dict(sorted(out.items(), key=lambda kv: -int(kv[0]) if kv[0].isdigit() else 0))
 
 
 def queue_stats(base: str) -> dict:
@@ -124,7 +140,8 @@ def main() -> None:
         for _ in range(args.reps):
             for name, base in bases.items():
                 before = queue_stats(base)["total_preemptions"]
-                wall, res = asyncio.run(run_load(base, prompts, args.tokens))
+                timeline: list = []
+                wall, res = asyncio.run(run_load(base, prompts, args.tokens, timeline))
                 failures = [r for r in res if r.get("error") or r.get("finish") != "length"
                             or r.get("tokens") != args.tokens]
                 rates[name].append(args.streams * args.tokens / wall)
@@ -135,6 +152,7 @@ def main() -> None:
                     "identical_to_alone": sum(r.get("text") == a.get("text") for r, a in zip(res, alone, strict=True)),
                     "first_difference": [first_difference(r.get("text") or "", a.get("text") or "")
                                          for r, a in zip(res, alone, strict=True)],
+                    "seconds_at_batch": batch_profile(timeline),
                 }
                 texts[name] = [r.get("text") for r in res]
                 print(name, f"{rates[name][-1]:.1f} tok/s", checks[name], file=sys.stderr, flush=True)
