@@ -130,6 +130,11 @@ def _check_stops(stops: list[str], param: str) -> None:
             raise ValueError(f"stop sequence {i} has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed")
 
 
+def default_if_null(cls, v, info):
+    """A ``mode="before"`` field validator: null, where OpenAI's API lets a field be null, means the field's default."""
+    return cls.model_fields[info.field_name].default if v is None else v
+
+
 class _Sampling(_Model):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -148,10 +153,7 @@ class _Sampling(_Model):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, alias="repeat_penalty")
 
-    @field_validator("n", "stream", mode="before")
-    @classmethod
-    def _null_is_default(cls, v, info):  # OpenAI's API takes null for these (nullable there): the default
-        return cls.model_fields[info.field_name].default if v is None else v
+    _null_is_default = field_validator("n", "stream", mode="before")(default_if_null)
 
     @field_validator("stop")
     @classmethod
@@ -209,10 +211,8 @@ class CompletionRequest(_Sampling):
     response_format: ResponseFormat | None = None  # an extension (vLLM's): structured output on completions
     suffix: str | None = None
 
-    @field_validator("echo", "max_tokens", mode="before")
-    @classmethod
-    def _null_completion_default(cls, v, info):  # nullable in OpenAI's API: the default (max_tokens 16, not "no limit")
-        return cls.model_fields[info.field_name].default if v is None else v
+    # (max_tokens null: its default 16, not "no limit")
+    _null_completion_default = field_validator("echo", "max_tokens", mode="before")(default_if_null)
 
 
 class EmbeddingRequest(_Model):

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other
+from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other, default_if_null
 
 
 class InputText(_Model):
@@ -158,7 +158,4 @@ class ResponsesRequest(_Model):
     max_tool_calls: int | None = None
     keep_alive: float | str | None = None
 
-    @field_validator("store", "stream", mode="before")
-    @classmethod
-    def _null_is_default(cls, v, info):  # OpenAI's API takes null for these (nullable there): the default
-        return cls.model_fields[info.field_name].default if v is None else v
+    _null_is_default = field_validator("store", "stream", mode="before")(default_if_null)

@@ -518,10 +518,10 @@ class RemoteHandle(HandleInfo):
 
     async def stats(self) -> dict[str, Any]:
         if self.state != "ready":  # no worker to ask: nothing is queued or running for this model
-            queue = {"pending": 0, "active": 0, "max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
-                     "max_depth": 0, "total_processed": 0, "total_rejected": 0, "total_timeouts": 0,
-                     "total_cancelled": 0, "batching": self.batching, "steps": 0, "generated_tokens": 0,
-                     "state": self.state}
+            queue = {"pending": 0, "active": 0, "calls_running": 0, "max_batch": self.config.max_batch,
+                     "max_queue": self.config.max_queue, "max_depth": 0, "total_processed": 0, "total_rejected": 0,
+                     "total_timeouts": 0, "total_cancelled": 0, "batching": self.batching, "steps": 0,
+                     "generated_tokens": 0, "state": self.state}
             return {"queue": queue, "cache": None}
         return await self._request("stats")
 

@@ -240,18 +240,20 @@ class Scheduler(EngineLoop):
             self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 
     def abandon(self, job: _Job) -> None:
-        """The client is gone: drop a pending job now, or cancel an active sequence at the next step."""
+        """The client is gone: drop a pending job now, cancel an active sequence at the next step, and mark a running
+        call gone (engines that poll stop its item early)."""
         with self._lock:
             if job.state == "pending":
                 job.state = "cancelled"
                 self._pending.remove(job)
                 self.total_cancelled += 1
                 return
+            if isinstance(job, _Call) and job.state == "active" and not job.gone:
+                job.gone = True
+                self.total_cancelled += 1
+                return
         if isinstance(job, Ticket):
             job.cancel()  # an active sequence keeps the engine thread awake: it leaves at the next step
-        elif not job.gone and job.state == "active":  # a running call: engines that poll stop its item early
-            job.gone = True
-            self.total_cancelled += 1
 
     # -- stats ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
