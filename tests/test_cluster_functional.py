@@ -62,6 +62,13 @@ def _wait(what, check, seconds: float):
         time.sleep(0.5)
 
 
+def _reporting(server, n: int, seconds: float = 60) -> dict:
+    """The cluster once n replicas run and each has reported (Ray lists a replica as soon as it routes to it; its
+    pid and node arrive with its first stats report, each second)."""
+    return _wait(f"{n} replicas reporting", lambda: c if (c := _cluster(server))["replicas"] == n and all(
+        p["node_id"] and p["pid"] for p in c["placement"]) else None, seconds)
+
+
 def _sticky_questions(server, per_replica: int) -> dict[str, list[str]]:
     """Questions (conversations) grouped by the replica their first turn went to."""
     groups: dict[str, list[str]] = {}
@@ -116,9 +123,8 @@ def test_models_file_cluster_keys_are_checked(tmp_path):
 def test_two_replicas_behind_the_front_door():
     with run_octo("echo-m", "--engine", "echo", "--cluster", "ray", "--replicas", "2", "--replica-cpus", "0.5",
                   timeout=START) as server:
-        info = _wait("2 replicas", lambda: c if (c := _cluster(server))["replicas"] == 2 else None, 60)
+        info = _reporting(server, 2)
         assert len({p["replica"] for p in info["placement"]}) == 2
-        assert all(p["node_id"] and p["pid"] for p in info["placement"])
         groups = _sticky_questions(server, 2)
         assert len(groups) == 2, "both replicas answered"
         # a conversation sticks to its replica, turn after turn (streams too)
@@ -164,7 +170,7 @@ def test_backpressure_503_when_every_replica_is_full():
 def test_replica_killed_mid_load_fails_only_its_requests_then_recovers():
     with run_octo("echo-m", "--engine", "echo", "-o", "token_delay_ms=60", "--cluster", "ray", "--replicas", "2",
                   "--replica-cpus", "0.5", timeout=START) as server:
-        _wait("2 replicas", lambda: _cluster(server)["replicas"] == 2, 60)
+        _reporting(server, 2)
         groups = _sticky_questions(server, 2)
         assert len(groups) == 2
         victim, survivor = sorted(groups)
@@ -190,8 +196,8 @@ def test_replica_killed_mid_load_fails_only_its_requests_then_recovers():
                     assert last["choices"][0]["finish_reason"] == "length"
         # new requests are served meanwhile, and Ray Serve brings the replica back
         assert _chat(server, groups[victim][0])[0] == 200
-        _wait("the replica restarted", lambda: _cluster(server)["replicas"] == 2
-              and pid not in {p["pid"] for p in _cluster(server)["placement"]}, 90)
+        _wait("the replica restarted", lambda: (c := _reporting(server, 2, 90))
+              and pid not in {p["pid"] for p in c["placement"]}, 90)
         assert all(_chat(server, q)[0] == 200 for qs in groups.values() for q in qs[:1])
         assert _cluster(server)["requests_lost"] >= 2
 
