@@ -6,6 +6,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Synthetic models built by tests are cached here between runs (git ignores .cache/).
 os.environ.setdefault("OCTO_HOME", str(REPO / ".cache" / "octo-test"))
+# llama.cpp's KV layout is timed at load by default (engines/llamacpp/layout.py); tests that depend on a layout
+# (shared cells, KV-pressure preemption) would depend on a timing. The suite pins the unified pool; tests of the
+# probe and of streams set the layout themselves.
+os.environ.setdefault("OCTO_LLAMACPP_KV_UNIFIED", "true")
 
 from serverproc import run_octo  # noqa: E402
 

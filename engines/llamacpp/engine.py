@@ -1,9 +1,10 @@
 """The llama.cpp engine: continuous batching over llama-cpp-python's low-level API.
 
 One ``llama_context`` holds every active sequence (``n_seq_max = max_batch``, one llama.cpp sequence id per
-request, a unified KV pool by default). Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and
-decode tokens) into one ``llama_batch`` and runs a single ``llama_decode``; each sequence then samples from its
-own logits row with its own native sampler chain. Output constraints (``Feed.mask``) and logprobs work on that row
+request; the KV layout, one unified pool or a stream per sequence, is timed at load unless set: :mod:`.layout`).
+Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and decode tokens) into one ``llama_batch`` and
+runs a single ``llama_decode``; each sequence then samples from its own logits row with its own native sampler
+chain. Output constraints (``Feed.mask``) and logprobs work on that row
 in place before the chain samples (:mod:`.logits`); feeds without them take the plain native path.
 
 Shared prefixes (unified pool): a prefix-cache entry is the cells of a cache sequence id (``llama_memory_seq_cp``
@@ -38,8 +39,8 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
+from . import layout, lora
 from . import logits as lg
-from . import lora
 from .cells import CellBook
 from .embeddings import embed_texts
 from .kvcache import KVCells, Slot
@@ -123,6 +124,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
 
         self._L = L
         path = check_gguf(artifact)
+        self.artifact_path = str(path)
         LogTap.install()
         L.llama_backend_init()
         mp = L.llama_model_default_params()
@@ -150,8 +152,6 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
                                       param="lora")
                 self.adapters = lora.Adapters(L, self.model, self.opts["lora"])
             self._make_context(pooling)
-            if self.opts.get("draft"):
-                self._load_draft(L)
         except BaseException:
             self.unload()
             raise
@@ -170,6 +170,13 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         self.template = ChatTemplate(
             self.gguf_template or CHATML, self._text(self.bos), self._text(L.llama_vocab_eos(self.vocab))
         )
+        try:
+            self._choose_layout(pooling)
+            if self.opts.get("draft"):
+                self._load_draft(L)
+        except BaseException:
+            self.unload()
+            raise
         ftype = L.llama_ftype_name(L.llama_model_ftype(self.model))
         self.info = ModelInfo(
             name=name,
@@ -190,6 +197,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
                 "n_ctx_per_seq": self.n_ctx_seq,
                 "kv_cells": L.llama_n_ctx(self.ctx),
                 "kv_unified": self.kv_unified,
+                "kv_layout": {"chosen": "unified" if self.kv_unified else "streams", **self.kv_layout},
                 "n_seq_max": L.llama_n_seq_max(self.ctx),
                 "n_batch": self.n_batch,
                 "n_ubatch": L.llama_n_ubatch(self.ctx),
@@ -229,7 +237,32 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         n_ctx = self.opts.get("n_ctx", n_ctx_train)
         self.n_threads = self.opts.get("n_threads", physical_cores())
         self.n_threads_batch = self.opts.get("n_threads_batch", self.n_threads)
-        self.kv_unified = self.opts.get("kv_unified", True)
+        self.cache_type = self.opts.get("cache_type", "f16")
+        head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
+        self.cell_bytes = round(L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim
+                                * CACHE_TYPES[self.cache_type])
+        self.ctx = None
+        self.n_ctx_opt = n_ctx
+        self._build_context(pooling, n_ctx, (layout.given(self) or (True, None))[0])  # measured after the load
+
+    def _choose_layout(self, pooling: int) -> None:
+        """The KV layout: the one given, or the faster of the two on this host (:mod:`.layout`)."""
+        n_ctx = self.n_ctx_opt
+        unified, self.kv_layout = layout.choose(self, n_ctx, self.cell_bytes,
+                                                lambda u: self._build_context(pooling, n_ctx, u))
+        if self.kv_layout.get("source") == "measured" or unified != self.kv_unified:
+            self._build_context(pooling, n_ctx, unified)  # afresh: nothing of the probe is left
+
+    def _build_context(self, pooling: int, n_ctx: int, unified: bool) -> None:
+        """The serving context with a KV layout (freeing one built before: the layout probe builds both)."""
+        L = self._L
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = self.mem = None
+        n_ctx_train = L.llama_model_n_ctx_train(self.model)
+        self.kv_unified = unified
+        if self.adapters is not None:
+            self.adapters.active = None  # a new context has no adapter set
         max_batch = self.config.max_batch
         if max_batch > L.llama_max_parallel_sequences():
             raise ConfigError(
@@ -273,7 +306,6 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         cp.n_threads_batch = self.n_threads_batch
         # KV cache type (K and V alike): llama.cpp reads a quantized V cache only inside flash attention, so a
         # quantized cache turns flash attention on (an explicit flash_attn=off with one is refused)
-        self.cache_type = self.opts.get("cache_type", "f16")
         self.flash_attn = self.opts.get("flash_attn", "auto")
         if self.cache_type in ("q8_0", "q4_0"):
             if self.flash_attn == "off":
@@ -301,9 +333,6 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         self.active: dict[int, Sequence] = {}
         self.kv_cells = L.llama_n_ctx(self.ctx)
         self.kv_shares_cells = self.kv_unified
-        head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
-        self.cell_bytes = round(L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim
-                                * CACHE_TYPES[self.cache_type])
 
     def thread_counts(self) -> list[int]:
         """Current threads first, then one fewer: on a busy 2-core host 1 thread can beat 2 (issue 3)."""

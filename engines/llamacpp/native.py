@@ -118,7 +118,9 @@ OPTIONS = {
     "draft_p_min": (_probability, "with draft: a sequence stops drafting at a token the draft gives less probability "
                     "(default 0.75, as llama-server's --draft-p-min; 0: always n_draft)"),
     "draft_max_batch": (_positive, "with draft: speculate only while at most this many sequences decode (default 4)"),
-    "kv_unified": (_bool, "one KV pool shared by all sequences (default true)"),
+    "kv_unified": (_auto_bool, "KV layout: true (one pool shared by all sequences), false (a stream of n_ctx cells per "
+                   "sequence) or auto (default: the faster on an agent-shaped probe at load, cached per host; "
+                   "OCTO_LLAMACPP_KV_UNIFIED sets the default)"),
     "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
     "cache_seqs": (_nonneg, "prefix-cache entries kept as shared cells of the unified pool (default 16; 0: RAM "
                    "snapshots only)"),

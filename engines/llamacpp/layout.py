@@ -1,0 +1,232 @@
+"""Which KV layout serves this model faster on this host: chosen at load by measurement, cached per host and load.
+
+llama.cpp offers two layouts, fixed for a context's life:
+
+* **unified** (``kv_unified=true``): one pool of cells for all sequences. Sequences that share a prefix share its
+  cells (no copy, no recompute), but every decode row attends over the cells in use up to the last one, its
+  neighbours' included (bench/attention.py: 4 x 2,000 distinct tokens decode 0.87-0.89x as fast as in streams).
+* **streams** (``kv_unified=false``): a stream of ``n_ctx`` cells per sequence. A sequence attends only over its own
+  cells; a shared prefix is copied into each stream (a ``llama_state_seq`` snapshot), and the pool is
+  ``max_batch x n_ctx`` cells whatever the load.
+
+Which is faster depends on the model (attention's share of a step), the host and the thread count, so when the user
+does not set ``kv_unified`` the engine times both on an agent-shaped probe through its own serving paths
+(:meth:`kv_save`, :meth:`kv_restore`, :meth:`step`): a prefix of ``PREFIX`` tokens is computed once (the same work
+in either layout, untimed) and kept as a prefix-cache entry; then, ``REPS`` times, ``SEQS`` sequences take it, each
+adds ``OWN`` tokens of its own history and they decode ``DECODE`` tokens together. Each layout's best repetition
+counts, and streams must win by ``MARGIN`` (unified keeps the memory bound and KV-pressure preemption). Streams are
+not tried when their pool would take more than ``MEMORY_SHARE`` of the available memory, nor for one sequence (the
+layouts are then the same). The verdict is cached under ``OCTO_HOME/probe`` keyed by the
+host, the llama.cpp build, the GGUF and every setting the timing depends on; a measurement disturbed by other
+processes (``octo.benchload``) is used for this load only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from octo.engine import Feed, SamplingParams, Sequence
+
+log = logging.getLogger("octo.engines.llamacpp")
+SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
+REPS = 2
+BUDGET_S = 8.0  # the probe's work on a model whose prefill is fast enough; scaled down for slower ones
+DECODE_COST = 4.0
+MARGIN = 0.97  # streams must take at most 97% of unified's time
+MEMORY_SHARE = 0.25
+ENV = "OCTO_LLAMACPP_KV_UNIFIED"  # the default of -o kv_unified for this process (the test suite pins it)
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cache_file(engine: Any, n_ctx: int, cell_bytes: int) -> Path:
+    from .probe import _cpu_flags
+
+    st = os.stat(engine.artifact_path)
+    parts = [_cpu_flags(), engine._L.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
+             n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
+             engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
+             cell_bytes, 3]  # the last: this probe's version
+    key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
+    home = Path(os.environ.get("OCTO_HOME") or Path.home() / ".cache" / "octo").expanduser()
+    return home / "probe" / f"llamacpp-layout-{key}.json"
+
+
+def given(engine: Any) -> tuple[bool, dict[str, Any]] | None:
+    """The layout when the user (option, environment) or the load's shape decides it; None: measure."""
+    choice = engine.opts.get("kv_unified", "auto")
+    if choice != "auto":
+        return choice == "true", {"source": "option"}
+    env = os.environ.get(ENV, "").strip()
+    if env and env.lower() != "auto":
+        from octo.errors import ConfigError
+
+        from .native import _auto_bool
+
+        try:
+            return _auto_bool(env) == "true", {"source": ENV}
+        except ValueError:
+            raise ConfigError(f"{ENV}={env!r}: expected true, false or auto", param="kv_unified") from None
+    if engine.is_embedding:
+        return True, {"source": "embedding model (one sequence per input)"}
+    if engine.config.max_batch < 2:
+        return True, {"source": "max_batch 1: the layouts are the same"}
+    if "kv_cells" in engine.opts:
+        return True, {"source": "option kv_cells (a unified pool's size)"}
+    return None
+
+
+def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple[bool, dict[str, Any]]:
+    """(unified?, how it was chosen). ``make_context(unified)`` builds the serving context with a layout (and frees
+    the previous one); after a measurement (``source`` "measured") the caller builds the chosen one afresh."""
+    if (decided := given(engine)) is not None:
+        return decided
+    streams_bytes = n_ctx * engine.config.max_batch * cell_bytes
+    avail = _available_memory()
+    if avail is not None and streams_bytes > MEMORY_SHARE * avail:
+        return True, {"source": "memory", "streams_kv_bytes": streams_bytes, "available_bytes": avail}
+    path = _cache_file(engine, n_ctx, cell_bytes)
+    try:
+        cached = json.loads(path.read_text())
+        return bool(cached["unified"]), {**cached["verdict"], "cached": True}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from octo.benchload import LoadMonitor
+
+    mon = LoadMonitor().start()
+    t0 = time.perf_counter()
+    times: dict[bool, list[float]] = {}
+    n_ctx_train = engine._L.llama_model_n_ctx_train(engine.model)
+    pool = min(n_ctx * engine.config.max_batch, max(n_ctx_train, n_ctx))
+    try:
+        make_context(True)
+        rate = _prefill_rate(engine)
+        shape = _shape(engine.config.max_batch, n_ctx, pool, rate)
+        for unified in (True, False):
+            if not unified:
+                make_context(unified)
+            times[unified] = _workload(engine, *shape, reps=REPS)
+    except Exception as exc:  # noqa: BLE001 - a probe that fails costs the choice, never the load
+        log.warning("llamacpp: the KV layout probe failed (%s: %s); using the unified pool", type(exc).__name__, exc)
+        return True, {"source": f"probe failed ({type(exc).__name__}: {exc})"}
+    conditions = mon.stop()
+    unified_s, streams_s = min(times[True]), min(times[False])
+    unified = streams_s > MARGIN * unified_s
+    verdict = {"source": "measured", "unified_s": round(unified_s, 4), "streams_s": round(streams_s, 4),
+               "streams_over_unified": round(streams_s / unified_s, 3) if unified_s else None,
+               "probe": dict(zip(("seqs", "prefix", "own", "decode"), shape, strict=True)),
+               "prefill_tok_s": round(rate, 1), "probe_seconds": round(time.perf_counter() - t0, 2),
+               "disturbed": conditions["disturbed"]}
+    log.info("llamacpp: KV layout %s (agent probe: unified %.3f s, streams %.3f s)",
+             "unified" if unified else "streams", unified_s, streams_s)
+    if not conditions["disturbed"]:
+        from octo.atomic import write_json
+
+        try:
+            write_json(path, {"unified": unified, "verdict": verdict})
+        except OSError:
+            log.debug("could not cache the layout verdict at %s", path, exc_info=True)
+    return unified, verdict
+
+
+def _shape(max_batch: int, n_ctx: int, pool: int, rate: float | None = None) -> tuple[int, int, int, int]:
+    """(sequences, prefix, own, decode): the probe, scaled down to fit a sequence's context, the unified pool and,
+    given the model's prefill rate (tok/s), about ``BUDGET_S`` of work (a large model on a CPU gets a small probe)."""
+    seqs = min(SEQS, max_batch)
+    scale = min(1.0, (n_ctx - 8) / (PREFIX + OWN + DECODE), (pool - 8) / (PREFIX + seqs * (OWN + DECODE)))
+    if rate:  # the probe's work in prefill-token equivalents (a decode row costs about DECODE_COST of them)
+        work = 2 * PREFIX + 2 * REPS * seqs * (OWN + DECODE_COST * DECODE)
+        scale = min(scale, BUDGET_S * rate / work)
+    return seqs, max(16, int(PREFIX * scale)), max(4, int(OWN * scale)), max(2, int(DECODE * scale))
+
+
+def _prefill_rate(engine: Any) -> float:
+    """Prompt tokens per second on the current context: 32 tokens after an untimed 8 (the first decode is slow)."""
+    vocab = max(2, engine.n_vocab - 1)
+    seq = Sequence(799_999, [(11 * i + 5) % vocab for i in range(41)], SamplingParams(temperature=0.0))
+    engine.add_sequence(seq)
+    try:
+        _check(engine.step([Feed(seq, seq.tokens[:8], False)]))
+        t0 = time.perf_counter()
+        _check(engine.step([Feed(seq, seq.tokens[8:40], False)]))
+        return 32 / max(time.perf_counter() - t0, 1e-6)
+    finally:
+        engine.remove_sequence(seq)
+
+
+def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int, reps: int = REPS) -> list[float]:
+    """Seconds of each repetition of the probe on the engine's current context: the shared prefix is computed once
+    (the same work in either layout, untimed); each repetition times the other sequences taking it (shared cells or
+    a copy), every sequence's own history and ``decode`` steps of all of them together. Its sequences are removed
+    after."""
+    vocab = max(2, engine.n_vocab - 1)
+    shared = [(13 * i + 7) % vocab for i in range(prefix)]
+    lead = Sequence(800_000, shared + [1], SamplingParams(temperature=0.0))
+    chunk = max(1, engine.prefill_chunk)
+    times = []
+    engine.add_sequence(lead)
+    try:
+        while lead.n_cached < prefix:
+            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + chunk)]
+            _check(engine.step([Feed(lead, part, False)]))
+        cached = engine.kv_save(lead)  # a prefix-cache entry: cells of a cache sequence (unified) or a RAM snapshot
+    finally:
+        engine.remove_sequence(lead)
+    if cached is None:
+        raise RuntimeError("the engine kept no prefix-cache entry")
+    try:
+        for r in range(reps):
+            run = [Sequence(800_001 + k, shared + [(31 * i + 17 * k + 5 * r + 3) % vocab for i in range(own)],
+                            SamplingParams(temperature=0.0)) for k in range(seqs)]
+            t0 = time.perf_counter()
+            try:
+                for s in run:  # they take the prefix: shared cells (unified) or a copy (streams)
+                    engine.add_sequence(s)
+                    engine.kv_restore(s, cached, prefix)
+                    if s.n_cached != prefix:
+                        raise RuntimeError(f"the cached prefix was not restored ({s.n_cached} of {prefix} tokens)")
+                pending = list(run)
+                while pending:  # each one's own history, packed into steps as the scheduler does
+                    feeds, budget = [], chunk
+                    for s in pending:
+                        if budget <= 0:
+                            break
+                        part = s.tokens[s.n_cached:s.n_cached + budget]
+                        feeds.append(Feed(s, part, s.n_cached + len(part) >= len(s.tokens)))
+                        budget -= len(part)
+                    for f, out in zip(feeds, _check(engine.step(feeds)), strict=True):
+                        if f.sample:
+                            f.seq.tokens.append(out)
+                            pending.remove(f.seq)
+                for _ in range(decode):
+                    outs = _check(engine.step([Feed(s, s.tokens[-1:], True) for s in run]))
+                    for s, out in zip(run, outs, strict=True):
+                        s.tokens.append(out)
+                times.append(time.perf_counter() - t0)
+            finally:
+                for s in run:
+                    engine.remove_sequence(s)
+        return times
+    finally:
+        engine.kv_free(cached)
+
+
+def _check(outs: list[Any]) -> list[Any]:
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    return outs

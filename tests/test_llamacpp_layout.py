@@ -1,0 +1,190 @@
+"""llama.cpp's KV layout chosen at load by measurement (engines/llamacpp/layout.py): the probe times both layouts
+through the engine's own serving paths, the faster wins (streams by a margin), the verdict is cached per host and
+load settings, and the serving context really has the chosen layout.
+
+The suite pins ``OCTO_LLAMACPP_KV_UNIFIED=true`` (conftest) so other tests do not depend on a timing; these tests
+unset it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'octo[llamacpp]')")
+pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'octo[llamacpp]')")
+
+from octo.engines.llamacpp import LlamaCppEngine, layout  # noqa: E402
+
+from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
+from octo.errors import ConfigError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    from octo.synth.gguf import build_gguf
+
+    return str(build_gguf("tiny", ftype="q8_0"))
+
+
+@pytest.fixture
+def auto(monkeypatch, tmp_path):
+    """No pinned layout, and a probe cache of this test's own."""
+    monkeypatch.delenv(layout.ENV, raising=False)
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    return tmp_path
+
+
+def _load(path: str, max_batch: int = 4, **opts: str) -> LlamaCppEngine:
+    e = LlamaCppEngine(EngineConfig(max_batch=max_batch, options={"n_ctx": "512", **opts}))
+    e.load(path, "tiny")
+    return e
+
+
+def _greedy(e: LlamaCppEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    seqs = [Sequence(i, list(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        e.add_sequence(s)
+        out = e.step([Feed(s, s.tokens, True)])
+        s.tokens.append(out[0])
+    for _ in range(n - 1):
+        for s, tok in zip(seqs, e.step([Feed(s, s.tokens[-1:], True) for s in seqs]), strict=True):
+            s.tokens.append(tok)
+    for s in seqs:
+        e.remove_sequence(s)
+    return [s.tokens[len(p):] for s, p in zip(seqs, prompts, strict=True)]
+
+
+def test_measured_at_load_then_cached(gguf_path, auto):
+    e = _load(gguf_path)
+    try:
+        lay = e.info.extra["kv_layout"]
+        assert lay["source"] == "measured" and not lay.get("cached")
+        assert lay["unified_s"] > 0 and lay["streams_s"] > 0
+        assert lay["probe"] == {"seqs": 4, "prefix": lay["probe"]["prefix"], "own": lay["probe"]["own"],
+                                "decode": lay["probe"]["decode"]} and lay["probe"]["prefix"] > lay["probe"]["own"]
+        # the verdict follows the numbers: streams only when faster by the margin
+        streams = lay["streams_s"] <= layout.MARGIN * lay["unified_s"]
+        assert lay["chosen"] == ("streams" if streams else "unified") and e.kv_unified is (not streams)
+        assert e.info.extra["kv_unified"] is e.kv_unified and e.kv_shares_cells is e.kv_unified
+        assert not e.active and e.book.used() == 0, "the probe's sequences are gone"
+        tokens = _greedy(e, [e.tokenize("hello there"), e.tokenize("a longer prompt about engines")], 6)
+        assert all(len(t) == 6 for t in tokens)
+    finally:
+        e.unload()
+    files = list((auto / "probe").glob("llamacpp-layout-*.json"))
+    if lay["disturbed"]:  # measured while other processes competed: used for that load only
+        assert not files
+        return
+    assert len(files) == 1 and json.loads(files[0].read_text())["unified"] is e.kv_unified
+    again = _load(gguf_path)
+    try:
+        assert again.info.extra["kv_layout"]["cached"] is True
+        assert again.kv_unified is e.kv_unified
+    finally:
+        again.unload()
+    other = _load(gguf_path, max_batch=3)  # another setting the timing depends on: measured again
+    try:
+        assert not other.info.extra["kv_layout"].get("cached")
+    finally:
+        other.unload()
+
+
+@pytest.mark.parametrize("faster", ["streams", "unified"])
+def test_the_faster_layout_serves(gguf_path, auto, monkeypatch, faster):
+    """The verdict drives the serving context: with the probe's timings scripted, the context has that layout."""
+    real = layout._workload
+
+    def timed(engine, *shape, reps):
+        assert len(real(engine, *shape, reps=reps)) == reps  # the probe still runs through the engine
+        return [1.0, 1.5] if engine.kv_unified == (faster == "unified") else [2.0, 2.5]
+
+    monkeypatch.setattr(layout, "_workload", timed)
+    e = _load(gguf_path)
+    try:
+        assert e.info.extra["kv_layout"]["chosen"] == faster
+        assert e.kv_unified is (faster == "unified") and e.kv_shares_cells is e.kv_unified
+        L = e._L  # a unified pool is one sequence's whole context; streams are n_ctx cells each
+        assert L.llama_n_ctx_seq(e.ctx) == (L.llama_n_ctx(e.ctx) if faster == "unified" else 512)
+        assert (e.n_cache_seqs > 0) is (faster == "unified")
+        assert (e.kv_room() is None) is (faster == "streams")
+        assert _greedy(e, [e.tokenize("same text"), e.tokenize("same text")], 5)[0] != []
+    finally:
+        e.unload()
+
+
+def test_streams_win_only_by_the_margin(gguf_path, auto, monkeypatch):
+    monkeypatch.setattr(layout, "_workload", lambda engine, *shape, reps: [1.0] if engine.kv_unified else [0.99])
+    e = _load(gguf_path)
+    try:
+        assert e.kv_unified and e.info.extra["kv_layout"]["streams_over_unified"] == 0.99
+    finally:
+        e.unload()
+
+
+def test_no_probe_when_the_choice_is_given_or_moot(gguf_path, auto, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(layout, "_workload", boom)
+    for opts, source, unified in (({"kv_unified": "false"}, "option", False), ({"kv_unified": "true"}, "option", True),
+                                  ({"kv_cells": "1024"}, "option kv_cells", True)):
+        e = _load(gguf_path, **opts)
+        try:
+            assert e.info.extra["kv_layout"]["source"].startswith(source) and e.kv_unified is unified
+        finally:
+            e.unload()
+    e = _load(gguf_path, max_batch=1)
+    try:
+        assert e.info.extra["kv_layout"]["source"].startswith("max_batch 1") and e.kv_unified
+    finally:
+        e.unload()
+    monkeypatch.setenv(layout.ENV, "false")
+    e = _load(gguf_path)
+    try:
+        assert e.info.extra["kv_layout"]["source"] == layout.ENV and not e.kv_unified
+    finally:
+        e.unload()
+    monkeypatch.setenv(layout.ENV, "sideways")
+    with pytest.raises(ConfigError, match=layout.ENV):
+        _load(gguf_path)
+    with pytest.raises(ConfigError, match="kv_unified"):
+        LlamaCppEngine(EngineConfig(options={"kv_unified": "maybe"}))
+
+
+def test_streams_that_would_not_fit_memory_are_not_tried(gguf_path, auto, monkeypatch):
+    monkeypatch.setattr(layout, "_available_memory", lambda: 1024)
+    monkeypatch.setattr(layout, "_workload", lambda *a: (_ for _ in ()).throw(AssertionError("probed")))
+    e = _load(gguf_path)
+    try:
+        lay = e.info.extra["kv_layout"]
+        assert lay["source"] == "memory" and lay["streams_kv_bytes"] > 1024 and e.kv_unified
+    finally:
+        e.unload()
+
+
+def test_a_failing_probe_costs_the_choice_not_the_load(gguf_path, auto, monkeypatch):
+    def fails(engine, *shape, reps):
+        raise RuntimeError("probe broke")
+
+    monkeypatch.setattr(layout, "_workload", fails)
+    e = _load(gguf_path)
+    try:
+        assert e.kv_unified and "probe broke" in e.info.extra["kv_layout"]["source"]
+        assert _greedy(e, [e.tokenize("still serves")], 3)[0]
+    finally:
+        e.unload()
+    assert not list((auto / "probe").glob("llamacpp-layout-*.json"))
+
+
+def test_probe_shape_fits_small_contexts_and_slow_models():
+    assert layout._shape(16, 4096, 4096) == (4, layout.PREFIX, layout.OWN, layout.DECODE)
+    assert layout._shape(16, 4096, 4096, rate=10_000.0) == (4, layout.PREFIX, layout.OWN, layout.DECODE)
+    seqs, prefix, own, decode = layout._shape(4, 256, 256)
+    assert seqs == 4 and prefix + own + decode <= 256 - 8 and prefix + seqs * (own + decode) <= 256 - 8
+    assert layout._shape(2, 64, 128)[0] == 2
+    # a model prefilling 30 tok/s (a 7B on 2 cores) gets a probe of about BUDGET_S, at a floor of work
+    seqs, prefix, own, decode = layout._shape(16, 4096, 4096, rate=30.0)
+    work = 2 * prefix + 2 * layout.REPS * seqs * (own + layout.DECODE_COST * decode)
+    assert prefix < layout.PREFIX and work <= 2 * layout.BUDGET_S * 30
+    assert (prefix, own, decode) >= (16, 4, 2)
