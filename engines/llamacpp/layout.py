@@ -16,7 +16,8 @@ in either layout, untimed) and kept as a prefix-cache entry; then, ``REPS`` time
 adds ``OWN`` tokens of its own history and they decode ``DECODE`` tokens together. Each layout's best repetition
 counts, and streams must win by ``MARGIN`` (unified keeps the memory bound and KV-pressure preemption). Streams are
 not tried when their pool would take more than ``MEMORY_SHARE`` of the available memory, nor for one sequence (the
-layouts are then the same). The verdict is cached under ``OCTO_HOME/probe`` keyed by the
+layouts are then the same). The probe's contexts hold ``N_CTX`` cells per sequence, what its work needs (a step
+costs the cells in use, not the pool's size). The verdict is cached under ``OCTO_HOME/probe`` keyed by the
 host, the llama.cpp build, the GGUF and every setting the timing depends on; a measurement disturbed by other
 processes (``octo.benchload``) is used for this load only.
 """
@@ -35,6 +36,7 @@ from octo.engine import Feed, SamplingParams, Sequence
 
 log = logging.getLogger("octo.engines.llamacpp")
 SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
+N_CTX = 512  # the probe's contexts: n_ctx per sequence (its work fits; allocating the serving size would cost seconds)
 REPS = 2
 BUDGET_S = 8.0  # the probe's work on a model whose prefill is fast enough; scaled down for slower ones
 DECODE_COST = 4.0
@@ -60,7 +62,7 @@ def _cache_file(engine: Any, n_ctx: int, cell_bytes: int) -> Path:
     parts = [_cpu_flags(), engine._L.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
-             cell_bytes, 3]  # the last: this probe's version
+             cell_bytes, 4]  # the last: this probe's version
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
     home = Path(os.environ.get("OCTO_HOME") or Path.home() / ".cache" / "octo").expanduser()
     return home / "probe" / f"llamacpp-layout-{key}.json"
@@ -111,6 +113,7 @@ def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple
     t0 = time.perf_counter()
     times: dict[bool, list[float]] = {}
     n_ctx_train = engine._L.llama_model_n_ctx_train(engine.model)
+    n_ctx = min(n_ctx, N_CTX)
     pool = min(n_ctx * engine.config.max_batch, max(n_ctx_train, n_ctx))
     try:
         make_context(True)
@@ -155,15 +158,15 @@ def _shape(max_batch: int, n_ctx: int, pool: int, rate: float | None = None) -> 
 
 
 def _prefill_rate(engine: Any) -> float:
-    """Prompt tokens per second on the current context: 32 tokens after an untimed 8 (the first decode is slow)."""
+    """Prompt tokens per second on the current context: 64 tokens after an untimed 8 (the first decode is slow)."""
     vocab = max(2, engine.n_vocab - 1)
-    seq = Sequence(799_999, [(11 * i + 5) % vocab for i in range(41)], SamplingParams(temperature=0.0))
+    seq = Sequence(799_999, [(11 * i + 5) % vocab for i in range(73)], SamplingParams(temperature=0.0))
     engine.add_sequence(seq)
     try:
         _check(engine.step([Feed(seq, seq.tokens[:8], False)]))
         t0 = time.perf_counter()
-        _check(engine.step([Feed(seq, seq.tokens[8:40], False)]))
-        return 32 / max(time.perf_counter() - t0, 1e-6)
+        _check(engine.step([Feed(seq, seq.tokens[8:72], False)]))
+        return 64 / max(time.perf_counter() - t0, 1e-6)
     finally:
         engine.remove_sequence(seq)
 
