@@ -63,9 +63,11 @@ def test_measured_at_load_then_cached(gguf_path, auto):
         assert lay["unified_s"] > 0 and lay["streams_s"] > 0
         assert lay["probe"] == {"seqs": 4, "prefix": lay["probe"]["prefix"], "own": lay["probe"]["own"],
                                 "decode": lay["probe"]["decode"]} and lay["probe"]["prefix"] > lay["probe"]["own"]
-        # the verdict follows the numbers: streams only when faster by the margin
-        streams = lay["streams_s"] <= layout.MARGIN * lay["unified_s"]
-        assert lay["chosen"] == ("streams" if streams else "unified") and e.kv_unified is (not streams)
+        # the verdict follows the numbers: streams only when faster by the margin on both probes
+        assert lay["solo_unified_s"] > 0 and lay["solo_streams_s"] > 0
+        streams = (lay["streams_s"] <= layout.MARGIN * lay["unified_s"]
+                   and lay["solo_streams_s"] <= layout.MARGIN * lay["solo_unified_s"])
+        assert lay["chosen"] == ("streams" if streams else "unified") and e.kv_unified is (not streams), lay
         assert e.info.extra["kv_unified"] is e.kv_unified and e.kv_shares_cells is e.kv_unified
         assert not e.active and e.book.used() == 0, "the probe's sequences are gone"
         tokens = _greedy(e, [e.tokenize("hello there"), e.tokenize("a longer prompt about engines")], 6)
@@ -96,8 +98,9 @@ def test_the_faster_layout_serves(gguf_path, auto, monkeypatch, faster):
     real = layout._workload
 
     def timed(engine, *shape, reps):
-        assert len(real(engine, *shape, reps=reps)) == reps  # the probe still runs through the engine
-        return [1.0, 1.5] if engine.kv_unified == (faster == "unified") else [2.0, 2.5]
+        agent, solo = real(engine, *shape, reps=reps)  # the probe still runs through the engine
+        assert len(agent) == len(solo) == reps and min(agent + solo) > 0
+        return ([1.0, 1.5], [0.5]) if engine.kv_unified == (faster == "unified") else ([2.0, 2.5], [1.0])
 
     monkeypatch.setattr(layout, "_workload", timed)
     e = _load(gguf_path)
@@ -113,11 +116,16 @@ def test_the_faster_layout_serves(gguf_path, auto, monkeypatch, faster):
         e.unload()
 
 
-def test_streams_win_only_by_the_margin(gguf_path, auto, monkeypatch):
-    monkeypatch.setattr(layout, "_workload", lambda engine, *shape, reps: [1.0] if engine.kv_unified else [0.99])
+@pytest.mark.parametrize("agent, solo, chosen", [(0.96, 0.5, "unified"), (0.5, 0.96, "unified"),
+                                                 (0.94, 0.94, "streams")])
+def test_streams_win_only_by_the_margin_on_both_probes(gguf_path, auto, monkeypatch, agent, solo, chosen):
+    monkeypatch.setattr(layout, "_workload",
+                        lambda engine, *shape, reps: ([1.0], [1.0]) if engine.kv_unified else ([agent], [solo]))
     e = _load(gguf_path)
     try:
-        assert e.kv_unified and e.info.extra["kv_layout"]["streams_over_unified"] == 0.99
+        lay = e.info.extra["kv_layout"]
+        assert lay["chosen"] == chosen and (lay["streams_over_unified"], lay["solo_streams_over_unified"]) == (agent,
+                                                                                                          solo)
     finally:
         e.unload()
 

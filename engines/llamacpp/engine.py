@@ -247,9 +247,9 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
 
     def _choose_layout(self, pooling: int) -> None:
         """The KV layout: the one given, or the faster of the two on this host (:mod:`.layout`)."""
-        n_ctx = self.n_ctx_opt  # the probe's contexts are as small as its work (a step's cost is the cells in use)
+        n_ctx = self.n_ctx_opt  # the probe runs on the serving contexts: a step's cost may depend on their size
         unified, self.kv_layout = layout.choose(self, n_ctx, self.cell_bytes,
-                                                lambda u: self._build_context(pooling, min(n_ctx, layout.N_CTX), u))
+                                                lambda u: self._build_context(pooling, n_ctx, u))
         if self.kv_layout.get("source") == "measured" or unified != self.kv_unified:
             self._build_context(pooling, n_ctx, unified)  # afresh: nothing of the probe is left
 

@@ -10,14 +10,15 @@ llama.cpp offers two layouts, fixed for a context's life:
   ``max_batch x n_ctx`` cells whatever the load.
 
 Which is faster depends on the model (attention's share of a step), the host and the thread count, so when the user
-does not set ``kv_unified`` the engine times both on an agent-shaped probe through its own serving paths
-(:meth:`kv_save`, :meth:`kv_restore`, :meth:`step`): a prefix of ``PREFIX`` tokens is computed once (the same work
-in either layout, untimed) and kept as a prefix-cache entry; then, ``REPS`` times, ``SEQS`` sequences take it, each
-adds ``OWN`` tokens of its own history and they decode ``DECODE`` tokens together. Each layout's best repetition
-counts, and streams must win by ``MARGIN`` (unified keeps the memory bound and KV-pressure preemption). Streams are
-not tried when their pool would take more than ``MEMORY_SHARE`` of the available memory, nor for one sequence (the
-layouts are then the same). The probe's contexts hold ``N_CTX`` cells per sequence, what its work needs (a step
-costs the cells in use, not the pool's size). The verdict is cached under ``OCTO_HOME/probe`` keyed by the
+does not set ``kv_unified`` the engine times both, on its serving contexts, through its own serving paths
+(:meth:`kv_save`, :meth:`kv_restore`, :meth:`step`). A prefix of ``PREFIX`` tokens is computed once (the same work in
+either layout, untimed) and kept as a prefix-cache entry; then, ``REPS`` times, an agent-shaped probe (``SEQS``
+sequences take the prefix, each adds ``OWN`` tokens of its own history, they decode ``DECODE`` tokens together) and a
+solo one (one sequence takes it and decodes ``SOLO`` tokens alone: the short-stream case). Each probe's best
+repetition counts, and streams must beat unified by ``MARGIN`` on both (unified keeps the memory bound and
+KV-pressure preemption; a choice made on noise would cost more than it saves). Streams are not tried when their pool
+would take more than ``MEMORY_SHARE`` of the available memory, nor for one sequence (the layouts are then the same).
+The verdict is cached under ``OCTO_HOME/probe`` keyed by the
 host, the llama.cpp build, the GGUF and every setting the timing depends on; a measurement disturbed by other
 processes (``octo.benchload``) is used for this load only.
 """
@@ -36,11 +37,11 @@ from octo.engine import Feed, SamplingParams, Sequence
 
 log = logging.getLogger("octo.engines.llamacpp")
 SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
-N_CTX = 512  # the probe's contexts: n_ctx per sequence (its work fits; allocating the serving size would cost seconds)
+SOLO = 16  # decode steps of one sequence alone (the short-stream case)
 REPS = 2
 BUDGET_S = 8.0  # the probe's work on a model whose prefill is fast enough; scaled down for slower ones
 DECODE_COST = 4.0
-MARGIN = 0.97  # streams must take at most 97% of unified's time
+MARGIN = 0.95  # streams must take at most 95% of unified's time, on both probes
 MEMORY_SHARE = 0.25
 ENV = "OCTO_LLAMACPP_KV_UNIFIED"  # the default of -o kv_unified for this process (the test suite pins it)
 
@@ -62,7 +63,7 @@ def _cache_file(engine: Any, n_ctx: int, cell_bytes: int) -> Path:
     parts = [_cpu_flags(), engine._L.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
-             cell_bytes, 4]  # the last: this probe's version
+             cell_bytes, 5]  # the last: this probe's version
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
     home = Path(os.environ.get("OCTO_HOME") or Path.home() / ".cache" / "octo").expanduser()
     return home / "probe" / f"llamacpp-layout-{key}.json"
@@ -111,12 +112,12 @@ def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple
 
     mon = LoadMonitor().start()
     t0 = time.perf_counter()
-    times: dict[bool, list[float]] = {}
+    times: dict[bool, tuple[list[float], list[float]]] = {}
     n_ctx_train = engine._L.llama_model_n_ctx_train(engine.model)
-    n_ctx = min(n_ctx, N_CTX)
     pool = min(n_ctx * engine.config.max_batch, max(n_ctx_train, n_ctx))
     try:
-        make_context(True)
+        if not (engine.ctx and engine.kv_unified):  # the engine's first context is a fresh unified one
+            make_context(True)
         rate = _prefill_rate(engine)
         shape = _shape(engine.config.max_batch, n_ctx, pool, rate)
         for unified in (True, False):
@@ -127,10 +128,13 @@ def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple
         log.warning("llamacpp: the KV layout probe failed (%s: %s); using the unified pool", type(exc).__name__, exc)
         return True, {"source": f"probe failed ({type(exc).__name__}: {exc})"}
     conditions = mon.stop()
-    unified_s, streams_s = min(times[True]), min(times[False])
-    unified = streams_s > MARGIN * unified_s
+    unified_s, streams_s = min(times[True][0]), min(times[False][0])
+    unified_solo, streams_solo = min(times[True][1]), min(times[False][1])
+    unified = streams_s > MARGIN * unified_s or streams_solo > MARGIN * unified_solo
     verdict = {"source": "measured", "unified_s": round(unified_s, 4), "streams_s": round(streams_s, 4),
                "streams_over_unified": round(streams_s / unified_s, 3) if unified_s else None,
+               "solo_unified_s": round(unified_solo, 4), "solo_streams_s": round(streams_solo, 4),
+               "solo_streams_over_unified": round(streams_solo / unified_solo, 3) if unified_solo else None,
                "probe": dict(zip(("seqs", "prefix", "own", "decode"), shape, strict=True)),
                "prefill_tok_s": round(rate, 1), "probe_seconds": round(time.perf_counter() - t0, 2),
                "disturbed": conditions["disturbed"]}
@@ -171,16 +175,18 @@ def _prefill_rate(engine: Any) -> float:
         engine.remove_sequence(seq)
 
 
-def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int, reps: int = REPS) -> list[float]:
-    """Seconds of each repetition of the probe on the engine's current context: the shared prefix is computed once
-    (the same work in either layout, untimed); each repetition times the other sequences taking it (shared cells or
-    a copy), every sequence's own history and ``decode`` steps of all of them together. Its sequences are removed
-    after."""
+def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int,
+              reps: int = REPS) -> tuple[list[float], list[float]]:
+    """Seconds of each repetition of the two probes on the engine's current context. The shared prefix is computed
+    once (the same work in either layout, untimed). Agent: ``seqs`` sequences take it (shared cells or a copy), add
+    their own history and decode ``decode`` steps together. Solo: one sequence takes it and decodes ``SOLO`` steps
+    alone. Its sequences are removed after."""
     vocab = max(2, engine.n_vocab - 1)
     shared = [(13 * i + 7) % vocab for i in range(prefix)]
     lead = Sequence(800_000, shared + [1], SamplingParams(temperature=0.0))
     chunk = max(1, engine.prefill_chunk)
-    times = []
+    times: list[float] = []
+    solo: list[float] = []
     engine.add_sequence(lead)
     try:
         while lead.n_cached < prefix:
@@ -223,7 +229,18 @@ def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int, reps: 
             finally:
                 for s in run:
                     engine.remove_sequence(s)
-        return times
+            one = Sequence(800_100 + r, shared + [(7 * r + 11) % vocab], SamplingParams(temperature=0.0))
+            engine.add_sequence(one)
+            try:
+                engine.kv_restore(one, cached, prefix)
+                one.tokens.append(_check(engine.step([Feed(one, one.tokens[one.n_cached:], True)]))[0])
+                t0 = time.perf_counter()
+                for _ in range(SOLO):
+                    one.tokens.append(_check(engine.step([Feed(one, one.tokens[-1:], True)]))[0])
+                solo.append(time.perf_counter() - t0)
+            finally:
+                engine.remove_sequence(one)
+        return times, solo
     finally:
         engine.kv_free(cached)
 
