@@ -110,6 +110,7 @@ class LocalCandidate(Candidate):
     def handle(self, aliases: tuple[str, ...], **kw: Any) -> ModelHandle:
         handle = ModelHandle(self.name, aliases, self.cls.name, self.engine, self.artifact, **kw)
         handle.engine_thread = self.thread
+        handle.guard_loop = True  # in the gateway: its tokenizer and template must not block the server's loop
         return handle
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,13 +24,14 @@ from octo import serving
 from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
 from octo.engine_loop import safe_free
-from octo.errors import ConfigError, EngineError, InvalidRequest, OctoError
+from octo.errors import ConfigError, EngineError, InvalidRequest, ModelFailed, OctoError
 from octo.jobs import Ticket
 from octo.prefix_cache import PrefixCache
 from octo.scheduler import Scheduler
 
 log = logging.getLogger("octo.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls
+PREP_STUCK_S = 5.0  # in the gateway: the engine's tokenizer or template stuck this long (or the queue time-out)
 
 
 class HandleInfo:
@@ -77,17 +79,53 @@ class ModelHandle(HandleInfo):
     engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
     tool_format: str | None = None  # --tool-format (None: detected from the chat template)
     reasoning_format: str = "parsed"  # --reasoning-format
+    # In the gateway (--isolation thread) the engine's tokenizer and chat template run off the event loop, timed: one
+    # that hangs would stop every route of the server (a worker process has its own loop and a watch on it instead)
+    guard_loop: bool = False
+    prep_limit: float = PREP_STUCK_S
+    _prep_stuck: int = 0  # calls past prep_limit still running: the model refuses requests until they return
     isolation = "thread"
 
     @property
     def state(self) -> str:
-        """"ready", or what the watchdog found: "wedged" (a step that does not return), "failed" (a dead loop)."""
+        """"ready", or what the watchdog found: "wedged" (a step that does not return, or a tokenizer or template
+        call), "failed" (a dead loop)."""
+        if self._prep_stuck:
+            return "wedged"
         dog = self.scheduler.watchdog if self.scheduler is not None else None
         return "ready" if dog is None or dog.state == "ok" else ("wedged" if dog.state == "wedged" else "failed")
 
     @property
     def reason(self) -> str | None:
+        if self._prep_stuck:
+            return self._prep_reason()
         return self.scheduler.watchdog.reason if self.scheduler is not None else None
+
+    def _prep_reason(self) -> str:
+        return (f"the {self.engine_name} engine's tokenizer or chat template has been stuck for over "
+                f"{self.prep_limit:g} s")
+
+    async def _engine_work(self, fn: Any, *args: Any, big: bool = False) -> Any:
+        """``fn(*args)`` (serving work that calls the engine's tokenizer or template): inline when small, else on a
+        thread; in the gateway (``guard_loop``) always on a thread of its own and timed, and one past ``prep_limit``
+        is a 503 and marks the model wedged until it returns."""
+        loop = asyncio.get_running_loop()
+        if not self.guard_loop:
+            return await loop.run_in_executor(None, fn, *args) if big else fn(*args)
+        fut = _on_daemon_thread(loop, fn, *args)
+        done, _ = await asyncio.wait({fut}, timeout=self.prep_limit)
+        if done:
+            return fut.result()
+        self._prep_stuck += 1
+        log.error("model %s: %s", self.name, self._prep_reason())
+
+        def unstuck(_: Any) -> None:
+            self._prep_stuck -= 1
+            if not self._prep_stuck:
+                log.warning("model %s: its tokenizer or chat template returned; serving again", self.name)
+
+        fut.add_done_callback(unstuck)
+        raise ModelFailed(f"The model cannot serve requests now: {self._prep_reason()}.", headers={"Retry-After": "5"})
 
     @property
     def info(self):
@@ -105,6 +143,7 @@ class ModelHandle(HandleInfo):
         self.cache = cache
         self.tool_format = config.tool_format
         self.reasoning_format = config.reasoning_format
+        self.prep_limit = max(PREP_STUCK_S, config.queue_timeout)
         if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
             _prepare_vocab(self.engine)
         disk = self._disk_cache(config) if cache is not None and config.prefix_cache_dir else None
@@ -148,14 +187,14 @@ class ModelHandle(HandleInfo):
 
     # -- requests ----------------------------------------------------------------------------------------
     async def ensure_ready(self) -> None:
+        if self._prep_stuck:
+            raise ModelFailed(f"The model cannot serve requests now: {self._prep_reason()}.",
+                              headers={"Retry-After": "5"})
         if self.scheduler is not None:
             self.scheduler.watchdog.check_open()  # wedged or dead: 503 at once
 
     async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[Ticket], asyncio.Queue | None]:
-        if size > _OFFLOAD_BYTES:
-            gens, n = await asyncio.get_running_loop().run_in_executor(None, prepare, self, kind, req)
-        else:
-            gens, n = prepare(self, kind, req)
+        gens, n = await self._engine_work(prepare, self, kind, req, big=size > _OFFLOAD_BYTES)
         events = asyncio.Queue() if req.stream else None
         return self.scheduler.submit_all(gens, n, events), events
 
@@ -172,33 +211,51 @@ class ModelHandle(HandleInfo):
         return await run_call(self, op, payload)
 
     async def prompt_texts(self, req: Any) -> list[str]:
-        return engine_call(serving.prompt_texts, self, req)
+        return await self._engine_work(engine_call, serving.prompt_texts, self, req)
 
     async def count_tokens(self, kind: str, req: Any) -> int:
         """The prompt tokens of a request of ``kind`` ("messages"), rendered as a real one (off the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(None, engine_call, serving.count_tokens, self, kind,
-                                                                req)
+        return await self._engine_work(engine_call, serving.count_tokens, self, kind, req, big=True)
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
         """POST /tokenize's answer (octo.api_tokens); a long text is tokenized off the event loop."""
         from octo import api_tokens
 
         work = functools.partial(engine_call, api_tokens.tokenize, self, text, add_special, parse_special, with_pieces)
-        if len(text) > _OFFLOAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(None, work)
-        return work()
+        return await self._engine_work(work, big=len(text) > _OFFLOAD_BYTES)
 
     async def detokenize(self, tokens: list[int]) -> str:
         """POST /detokenize's text (octo.api_tokens): 400 naming ``tokens`` for an id outside the vocabulary."""
         from octo import api_tokens
 
         work = functools.partial(engine_call, api_tokens.detokenize, self, tokens)
-        if len(tokens) > _OFFLOAD_BYTES // 4:
-            return await asyncio.get_running_loop().run_in_executor(None, work)
-        return work()
+        return await self._engine_work(work, big=len(tokens) > _OFFLOAD_BYTES // 4)
 
     async def stats(self) -> dict[str, Any]:
         return local_stats(self)
+
+
+def _on_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread of its own (one that never returns must not keep the process from exiting,
+    as a pool's thread would); its outcome as a future of ``loop``."""
+    fut = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            out = (True, fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            out = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *out)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name="octo-prep", daemon=True).start()
+    return fut
 
 
 # -- the model-side work both kinds of handle share (a worker runs these on its own ModelHandle) ------------

@@ -148,3 +148,42 @@ def test_a_tokenizer_that_never_returns_costs_the_worker_not_the_server():
         assert time.monotonic() - t0 < 8
         status, body = server.post_json("/v1/chat/completions", _chat("hello again"))
         assert status == 200 and body["choices"][0]["message"]["content"] == "hello again"
+
+
+def test_a_tokenizer_that_never_returns_in_the_gateway_is_a_503_not_a_dead_server():
+    # in the gateway (--isolation thread) the chat template and tokenizer run off the event loop, timed (at least
+    # 5 s): past that the request is a 503, the model says it is wedged and refuses requests at once while the call
+    # runs on; every other route answers meanwhile, and the model serves again once the call returns
+    with run_octo(*SERVE, "--isolation", "thread", "--queue-timeout", "1", "-o", "slow_s=9") as server:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async def health_while() -> list[float]:
+                    took = []
+                    for _ in range(10):
+                        t = time.monotonic()
+                        async with s.get(server.url("/health")) as r:
+                            await r.read()
+                        took.append(time.monotonic() - t)
+                        await asyncio.sleep(0.4)
+                    return took
+
+                async def slow() -> tuple[int, dict]:
+                    async with s.post(server.url("/v1/chat/completions"), json=_chat("one two TOKSLOW three")) as r:
+                        return r.status, await r.json()
+
+                return await asyncio.gather(slow(), health_while())
+
+        t0 = time.monotonic()
+        (status, body), health = asyncio.run(go())
+        assert status == 503 and body["error"]["code"] == "model_failed" and "stuck" in body["error"]["message"]
+        assert 4.5 < time.monotonic() - t0 < 8 and max(health) < 1.0, health  # the loop never stopped
+        status, health = server.get_status("/health")
+        assert status == 503 and health["state"] == "wedged"
+        t = time.monotonic()
+        status, body = server.post_json("/v1/chat/completions", _chat("hello"))
+        assert status == 503 and body["error"]["code"] == "model_failed" and time.monotonic() - t < 1
+        deadline = time.monotonic() + 15  # the stuck call returns after 9 s: serving again
+        while server.get_status("/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = server.post_json("/v1/chat/completions", _chat("hello again"))
+        assert status == 200 and body["choices"][0]["message"]["content"] == "hello again"
