@@ -39,15 +39,15 @@ class Emission:
                 f.mask = t.matcher.bitmask()
             if t.lps is not None:
                 f.logprobs = t.req.logprobs
-            if t.req.min_tokens and len(t.seq.tokens) - t.n_prompt < t.req.min_tokens:
+            if t.req.ignore_eos or (t.req.min_tokens and len(t.seq.tokens) - t.n_prompt < t.req.min_tokens):
                 self._forbid_end(f)
         if t.prompt_lps is not None and t.seq.n_cached < t.n_prompt:
             f.prompt_logprobs = t.req.prompt_logprobs
 
     def _forbid_end(self, f: Feed) -> None:
-        """``min_tokens`` not reached: the sequence may not end at this step. Engines with masks get the end-of-sequence
-        bits cleared (a constraint whose grammar allows nothing but the end keeps its mask: it has the last word),
-        the others ``Feed.no_eos``."""
+        """``min_tokens`` not reached, or ``ignore_eos``: the sequence may not end at this step. Engines with masks get
+        the end-of-sequence bits cleared (a constraint whose grammar allows nothing but the end keeps its mask: it has
+        the last word), the others ``Feed.no_eos``."""
         eng = self.engine
         if not eng.supports_masks:
             f.no_eos = True

@@ -40,6 +40,7 @@ class GenerationRequest:
     prompt_logprobs: int = -1  # >= 0: the same for every prompt token after the first (completions echo)
     tools: ToolSpec | None = None  # parse tool calls out of the output
     min_tokens: int = 0  # no end of sequence and no stop string before this many generated tokens
+    ignore_eos: bool = False  # never end at an end-of-sequence token (max_tokens, a stop string or the context do)
     reasoning: bool = False  # split <think> text out of the answer (octo.reasoning)
     reasoning_opened: bool = False  # the prompt ends inside an opened <think> block
 
@@ -109,7 +110,8 @@ class Ticket(_Job):
         self.lps: list | None = [] if req.logprobs >= 0 else None
         self.prompt_lps: list | None = [] if req.prompt_logprobs >= 0 else None
         # anything the engine step must be told beyond tokens (a mask, logprobs)
-        self.extra = self.matcher is not None or req.logprobs >= 0 or req.prompt_logprobs >= 0 or req.min_tokens > 0
+        self.extra = (self.matcher is not None or req.logprobs >= 0 or req.prompt_logprobs >= 0 or req.min_tokens > 0
+                      or req.ignore_eos)
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""

@@ -152,6 +152,7 @@ class _Sampling(_Model):
     keep_alive: float | str | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, alias="repeat_penalty")
+    ignore_eos: bool | None = None  # vLLM's and llama-server's: never end at an end-of-sequence token (stops still do)
 
     _null_is_default = field_validator("n", "stream", mode="before")(default_if_null)
 

@@ -161,6 +161,13 @@ def _unanswered(open_calls: dict[str, int]) -> InvalidRequest:
                           param=f"messages[{i}].tool_calls")
 
 
+def ignore_eos(engine: Any, value: bool | None) -> bool:
+    """``ignore_eos`` checked: an engine that can keep a sequence from ending (as for ``min_tokens``)."""
+    if value and not (getattr(engine, "supports_masks", False) or getattr(engine, "supports_min_tokens", False)):
+        raise UnsupportedParameter("ignore_eos", f"the {engine.name} engine cannot keep a sequence from ending")
+    return bool(value)
+
+
 def min_tokens(engine: Any, value: int | None, max_tokens: int | None, max_param: str = "max_tokens") -> int:
     """``min_tokens`` checked: at most the request's max_tokens, and an engine that can keep a sequence from ending."""
     if not value:
@@ -204,7 +211,8 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
                              min_tokens=min_tokens(engine, req.min_tokens, max_tokens,
                                                    "max_completion_tokens" if req.max_completion_tokens else
                                                    "max_tokens"),
-                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt))
+                             ignore_eos=ignore_eos(engine, req.ignore_eos), reasoning=reasons,
+                             reasoning_opened=reasons and prompt_opens_thinking(prompt))
 
 
 def usage(results: list[Result]) -> dict[str, Any]:
@@ -298,7 +306,8 @@ def completion_generations(handle: Any, req: CompletionRequest) -> list[Generati
                                         f"{where[0].lower() + where[1:]} has {len(toks)} tokens.", param="prompt")
     least = min_tokens(engine, req.min_tokens, req.max_tokens)
     return [GenerationRequest(t, sampling, req.max_tokens, _stops(req.stop), req.stream, grammar=grammar,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_tokens=least)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, min_tokens=least,
+                              ignore_eos=ignore_eos(engine, req.ignore_eos))
             for t in token_lists]
 
 

@@ -65,3 +65,22 @@ def test_bad_min_tokens_are_400s(client):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, "x", max_completion_tokens=3, extra_body={"min_tokens": 4})
     assert "max_completion_tokens" in e.value.body["message"]
+
+
+def test_ignore_eos_runs_to_max_tokens_and_stops_still_end(client):
+    """``ignore_eos`` (vLLM's, llama-server's): the sequence never ends at its end token, so max_tokens (or the
+    context) ends it; a stop string still does (unlike min_tokens)."""
+    r = chat(client, "one two three", max_tokens=8, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == "one two three one two three one two"
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    r = chat(client, "one two three", max_tokens=8, extra_body={"ignore_eos": False})
+    assert r.choices[0].message.content == "one two three" and r.choices[0].finish_reason == "stop"
+    r = chat(client, "a b c d", max_tokens=30, stop=["d"], extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == "a b c " and r.choices[0].finish_reason == "stop"
+    c = client.completions.create(model=MODEL, prompt="x y", max_tokens=5, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(c)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "x y x y x"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "x", extra_body={"ignore_eos": "sometimes"})
+    assert e.value.body["param"] == "ignore_eos" or "ignore_eos" in e.value.body["message"]

@@ -165,6 +165,13 @@ def test_min_tokens_holds_back_the_end(server):
         c = client.completions.create(model=server.model, prompt="Once upon", max_tokens=50, logit_bias=bias,
                                       extra_body={"min_tokens": n})
         assert c.usage.completion_tokens == n and c.choices[0].finish_reason == "stop", c
+    # ignore_eos: the end never comes, whatever its bias; max_tokens ends it
+    r = client.chat.completions.create(model=server.model, messages=MSG, max_tokens=9, logit_bias=bias,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 9 and r.choices[0].finish_reason == "length", r
+    c = client.completions.create(model=server.model, prompt="Once upon", max_tokens=9, logit_bias=bias,
+                                  extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 9 and c.choices[0].finish_reason == "length", c
 
 
 def test_json_object_parses(server):
