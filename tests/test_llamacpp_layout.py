@@ -171,14 +171,21 @@ def test_streams_that_would_not_fit_memory_are_not_tried(gguf_path, auto, monkey
         e.unload()
 
 
-def test_a_failing_probe_costs_the_choice_not_the_load(gguf_path, auto, monkeypatch):
+@pytest.mark.parametrize("phase", ["unified", "streams"])
+def test_a_failing_probe_costs_the_choice_not_the_load(gguf_path, auto, monkeypatch, phase):
+    real = layout._workload
+
     def fails(engine, *shape, reps):
-        raise RuntimeError("probe broke")
+        if engine.kv_unified == (phase == "unified"):
+            engine.add_sequence(Sequence(123, [1, 2, 3], SamplingParams(temperature=0)))  # left behind
+            raise RuntimeError("probe broke")
+        return real(engine, *shape, reps=reps)
 
     monkeypatch.setattr(layout, "_workload", fails)
     e = _load(gguf_path)
     try:
         assert e.kv_unified and "probe broke" in e.info.extra["kv_layout"]["source"]
+        assert not e.active and e.book.used() == 0, "a fresh context: nothing of the probe is left"
         assert _greedy(e, [e.tokenize("still serves")], 3)[0]
     finally:
         e.unload()

@@ -250,7 +250,8 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         n_ctx = self.n_ctx_opt  # the probe runs on the serving contexts: a step's cost may depend on their size
         unified, self.kv_layout = layout.choose(self, n_ctx, self.cell_bytes,
                                                 lambda u: self._build_context(pooling, n_ctx, u))
-        if self.kv_layout.get("source") == "measured" or unified != self.kv_unified:
+        probed = str(self.kv_layout.get("source")).startswith(("measured", "probe failed"))
+        if probed or unified != self.kv_unified or not self.ctx:
             self._build_context(pooling, n_ctx, unified)  # afresh: nothing of the probe is left
 
     def _build_context(self, pooling: int, n_ctx: int, unified: bool) -> None:
