@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,8 +80,9 @@ class ModelHandle(HandleInfo):
     engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
     tool_format: str | None = None  # --tool-format (None: detected from the chat template)
     reasoning_format: str = "parsed"  # --reasoning-format
-    # In the gateway (--isolation thread) the engine's tokenizer and chat template run off the event loop, timed: one
-    # that hangs would stop every route of the server (a worker process has its own loop and a watch on it instead)
+    # In the gateway by --isolation thread (an engine that does not declare itself safe there), the engine's tokenizer
+    # and chat template run off the event loop, timed: one that hangs would stop every route of the server (a worker
+    # process has its own loop and a watch on it instead)
     guard_loop: bool = False
     prep_limit: float = PREP_STUCK_S
     _prep_stuck: int = 0  # calls past prep_limit still running: the model refuses requests until they return
@@ -107,12 +109,12 @@ class ModelHandle(HandleInfo):
 
     async def _engine_work(self, fn: Any, *args: Any, big: bool = False) -> Any:
         """``fn(*args)`` (serving work that calls the engine's tokenizer or template): inline when small, else on a
-        thread; in the gateway (``guard_loop``) always on a thread of its own and timed, and one past ``prep_limit``
-        is a 503 and marks the model wedged until it returns."""
+        thread; in the gateway (``guard_loop``) always on a thread (``_PrepThreads``) and timed, and one past
+        ``prep_limit`` is a 503 and marks the model wedged until it returns."""
         loop = asyncio.get_running_loop()
         if not self.guard_loop:
             return await loop.run_in_executor(None, fn, *args) if big else fn(*args)
-        fut = _on_daemon_thread(loop, fn, *args)
+        fut = _PREP.run(loop, fn, *args)
         done, _ = await asyncio.wait({fut}, timeout=self.prep_limit)
         if done:
             return fut.result()
@@ -235,27 +237,53 @@ class ModelHandle(HandleInfo):
         return local_stats(self)
 
 
-def _on_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future:
-    """``fn(*args)`` on a daemon thread of its own (one that never returns must not keep the process from exiting,
-    as a pool's thread would); its outcome as a future of ``loop``."""
-    fut = loop.create_future()
+class _PrepThreads:
+    """Daemon threads for the gateway's prompt preparation (``ModelHandle.guard_loop``): kept between requests (a
+    thread per request would cost its start on every request), never joined at exit (one stuck in an engine call must
+    not keep the process alive, as a pool's thread would), and a busy or stuck one never makes a request wait: a new
+    thread starts whenever none is idle. At most ``MAX_IDLE`` wait for work."""
 
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            fut.set_result(value) if ok else fut.set_exception(value)
+    MAX_IDLE = 4
 
-    def run() -> None:
-        try:
-            out = (True, fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            out = (False, exc)
-        try:
-            loop.call_soon_threadsafe(settle, *out)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits
-            pass
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
 
-    threading.Thread(target=run, name="octo-prep", daemon=True).start()
-    return fut
+    def run(self, loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future:
+        """``fn(*args)`` on one of the threads; its outcome as a future of ``loop``."""
+        fut = loop.create_future()
+        with self._lock:
+            start = self._idle == 0
+            self._idle -= not start  # an idle thread takes it
+        self._jobs.put((loop, fut, fn, args))
+        if start:
+            threading.Thread(target=self._serve, name="octo-prep", daemon=True).start()
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            loop, fut, fn, args = self._jobs.get()
+            try:
+                out = (True, fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                out = (False, exc)
+            try:
+                loop.call_soon_threadsafe(_settle, fut, *out)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits
+                pass
+            with self._lock:
+                if self._idle >= self.MAX_IDLE:
+                    return
+                self._idle += 1
+
+
+def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value) if ok else fut.set_exception(value)
+
+
+_PREP = _PrepThreads()
 
 
 # -- the model-side work both kinds of handle share (a worker runs these on its own ModelHandle) ------------
