@@ -24,7 +24,7 @@ import numpy as np
 from octo import serving
 from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
-from octo.engine_loop import safe_free
+from octo.engine_loop import _set_exception, _set_result, safe_free
 from octo.errors import ConfigError, EngineError, InvalidRequest, ModelFailed, OctoError
 from octo.jobs import Ticket
 from octo.prefix_cache import PrefixCache
@@ -107,6 +107,9 @@ class ModelHandle(HandleInfo):
         return (f"the {self.engine_name} engine's tokenizer or chat template has been stuck for over "
                 f"{self.prep_limit:g} s")
 
+    def _prep_failed(self) -> ModelFailed:
+        return ModelFailed(f"The model cannot serve requests now: {self._prep_reason()}.", headers={"Retry-After": "5"})
+
     async def _engine_work(self, fn: Any, *args: Any, big: bool = False) -> Any:
         """``fn(*args)`` (serving work that calls the engine's tokenizer or template): inline when small, else on a
         thread; in the gateway (``guard_loop``) always on a thread (``_PrepThreads``) and timed, and one past
@@ -127,7 +130,7 @@ class ModelHandle(HandleInfo):
                 log.warning("model %s: its tokenizer or chat template returned; serving again", self.name)
 
         fut.add_done_callback(unstuck)
-        raise ModelFailed(f"The model cannot serve requests now: {self._prep_reason()}.", headers={"Retry-After": "5"})
+        raise self._prep_failed()
 
     @property
     def info(self):
@@ -190,8 +193,7 @@ class ModelHandle(HandleInfo):
     # -- requests ----------------------------------------------------------------------------------------
     async def ensure_ready(self) -> None:
         if self._prep_stuck:
-            raise ModelFailed(f"The model cannot serve requests now: {self._prep_reason()}.",
-                              headers={"Retry-After": "5"})
+            raise self._prep_failed()
         if self.scheduler is not None:
             self.scheduler.watchdog.check_open()  # wedged or dead: 503 at once
 
@@ -265,22 +267,17 @@ class _PrepThreads:
         while True:
             loop, fut, fn, args = self._jobs.get()
             try:
-                out = (True, fn(*args))
+                out = (_set_result, fut, fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                out = (False, exc)
+                out = (_set_exception, fut, exc)
             try:
-                loop.call_soon_threadsafe(_settle, fut, *out)
+                loop.call_soon_threadsafe(*out)
             except RuntimeError:  # the loop closed meanwhile: nobody waits
                 pass
             with self._lock:
                 if self._idle >= self.MAX_IDLE:
                     return
                 self._idle += 1
-
-
-def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value) if ok else fut.set_exception(value)
 
 
 _PREP = _PrepThreads()

@@ -161,10 +161,16 @@ def _unanswered(open_calls: dict[str, int]) -> InvalidRequest:
                           param=f"messages[{i}].tool_calls")
 
 
+def _hold_end(engine: Any, param: str) -> None:
+    """``param`` keeps a sequence from ending: an engine that can (masks, or ``Feed.no_eos``), else a 400 naming it."""
+    if not (getattr(engine, "supports_masks", False) or getattr(engine, "supports_min_tokens", False)):
+        raise UnsupportedParameter(param, f"the {engine.name} engine cannot keep a sequence from ending")
+
+
 def ignore_eos(engine: Any, value: bool | None) -> bool:
     """``ignore_eos`` checked: an engine that can keep a sequence from ending (as for ``min_tokens``)."""
-    if value and not (getattr(engine, "supports_masks", False) or getattr(engine, "supports_min_tokens", False)):
-        raise UnsupportedParameter("ignore_eos", f"the {engine.name} engine cannot keep a sequence from ending")
+    if value:
+        _hold_end(engine, "ignore_eos")
     return bool(value)
 
 
@@ -175,8 +181,7 @@ def min_tokens(engine: Any, value: int | None, max_tokens: int | None, max_param
     if max_tokens is not None and value > max_tokens:
         raise InvalidRequest(f"min_tokens ({value}) must be less than or equal to {max_param} ({max_tokens}).",
                              param="min_tokens")
-    if not (getattr(engine, "supports_masks", False) or getattr(engine, "supports_min_tokens", False)):
-        raise UnsupportedParameter("min_tokens", f"the {engine.name} engine cannot keep a sequence from ending")
+    _hold_end(engine, "min_tokens")
     return value
 
 

@@ -241,7 +241,6 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
         self.cell_bytes = round(L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim
                                 * CACHE_TYPES[self.cache_type])
-        self.ctx = None
         self.n_ctx_opt = n_ctx
         self._build_context(pooling, n_ctx, (layout.given(self) or (True, None))[0])  # measured after the load
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from octo.engine import Feed, SamplingParams, Sequence
+from octo.paths import octo_home
 
 log = logging.getLogger("octo.engines.llamacpp")
 SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
@@ -65,8 +66,7 @@ def _cache_file(engine: Any, n_ctx: int, cell_bytes: int) -> Path:
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
              cell_bytes, 5]  # the last: this probe's version
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
-    home = Path(os.environ.get("OCTO_HOME") or Path.home() / ".cache" / "octo").expanduser()
-    return home / "probe" / f"llamacpp-layout-{key}.json"
+    return octo_home() / "probe" / f"llamacpp-layout-{key}.json"
 
 
 def given(engine: Any) -> tuple[bool, dict[str, Any]] | None:
@@ -113,13 +113,11 @@ def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple
     mon = LoadMonitor().start()
     t0 = time.perf_counter()
     times: dict[bool, tuple[list[float], list[float]]] = {}
-    n_ctx_train = engine._L.llama_model_n_ctx_train(engine.model)
-    pool = min(n_ctx * engine.config.max_batch, max(n_ctx_train, n_ctx))
     try:
         if not (engine.ctx and engine.kv_unified):  # the engine's first context is a fresh unified one
             make_context(True)
         rate = _prefill_rate(engine)
-        shape = _shape(engine.config.max_batch, n_ctx, pool, rate)
+        shape = _shape(engine.config.max_batch, n_ctx, engine.kv_cells, rate)
         for unified in (True, False):
             if not unified:
                 make_context(unified)

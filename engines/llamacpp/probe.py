@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -39,9 +38,10 @@ def _cpu_flags() -> str:
 
 
 def _cache_file(version: str) -> Path:
-    home = Path(os.environ.get("OCTO_HOME") or Path.home() / ".cache" / "octo").expanduser()
+    from octo.paths import octo_home
+
     key = hashlib.sha256(f"{_cpu_flags()}|{version}".encode()).hexdigest()[:20]
-    return home / "probe" / f"llamacpp-repack-{key}.json"
+    return octo_home() / "probe" / f"llamacpp-repack-{key}.json"
 
 
 def repack_safe(version: str) -> bool:
