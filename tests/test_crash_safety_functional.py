@@ -150,7 +150,11 @@ def test_a_killed_hub_download_is_redone_and_its_partial_blob_removed(slow_hub, 
     hub, env = slow_hub
     data = gguf_bytes() + os.urandom(3 << 20)  # 48 chunks: about a second to send
     hub.add_repo("org/Big-GGUF", {"Big-Q4_K_M.gguf": data})
-    code = fetch_code("llamacpp", "hf://org/Big-GGUF/Big-Q4_K_M.gguf", "gguf")
+    # huggingface_hub writes its temporary blob 10 MiB at a time (constants.DOWNLOAD_CHUNK_SIZE), so a 3 MiB body
+    # lands in one write just before the rename: the kill would race that instant. 64 KiB writes give a partial
+    # blob for the whole transfer, as a real multi-GiB download has.
+    code = ("import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1 << 16\n"
+            + fetch_code("llamacpp", "hf://org/Big-GGUF/Big-Q4_K_M.gguf", "gguf"))
     blobs = tmp_path / "hf" / "hub" / "models--org--Big-GGUF" / "blobs"
 
     def partial() -> bool:  # huggingface_hub's temporary blob, with part of the body in it
