@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 import click
 
@@ -289,14 +290,11 @@ def _loop_label(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
 
-async def _serve(config: ServerConfig, specs: list) -> None:
-    from aiohttp import web
-
-    from octo.plugins import engine_registry, load_plugins
+async def _start_registry(config: ServerConfig, specs: list, pm: Any) -> Any:
+    """The registry with the models named at start-up loaded (and the Ray cluster joined, with --cluster)."""
+    from octo.plugins import engine_registry
     from octo.registry import Registry
-    from octo.server import create_app
 
-    pm = load_plugins(config.plugins_dir)
     registry = Registry(config, engine_registry(pm), say=lambda m: click.echo(m, err=True))
     if config.cluster:  # each model a Ray Serve deployment (octo.cluster); without --cluster ray is never imported
         import importlib.util
@@ -312,15 +310,44 @@ async def _serve(config: ServerConfig, specs: list) -> None:
             raise click.ClickException(f"--cluster {config.cluster}: {type(exc).__name__}: {exc}") from None
     try:  # engine workers are children of this event loop's thread: they die with it, never before
         await registry.start(specs)
-    except OctoError as err:
+    except BaseException as exc:
         await registry.close()
-        raise click.ClickException(err.message) from None
-    app = create_app(config, registry, plugin_manager=pm)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else config.port
+        if isinstance(exc, OctoError):
+            raise click.ClickException(exc.message) from None
+        raise
+    return registry
+
+
+async def _serve(config: ServerConfig, specs: list) -> None:
+    from aiohttp import web
+
+    from octo import listen
+    from octo.plugins import load_plugins
+    from octo.server import create_app, error_response
+
+    try:  # the port first: in use is an error now, not after the load, and nothing started meanwhile takes it
+        socks = listen.open_sockets(config.host, config.port)
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
+    loading = await listen.loading_responder(socks, error_response)  # a 503 until the API serves
+    registry = None
+    try:
+        pm = load_plugins(config.plugins_dir)
+        registry = await _start_registry(config, specs, pm)
+        app = create_app(config, registry, plugin_manager=pm)
+        await loading.cleanup()  # closes its duplicates of the sockets; the API takes them over, backlog and all
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()  # (activates the loaded models)
+        for sock in socks:
+            await web.SockSite(runner, sock).start()
+    except BaseException:  # whatever failed, nothing stays running: the process ends instead of hanging
+        await loading.cleanup()
+        if registry is not None:
+            await registry.close()
+        for sock in socks:
+            sock.close()
+        raise
+    port = socks[0].getsockname()[1]
     # Everything loaded so far (libraries, model, app) lives as long as the server: move it out of the cyclic
     # GC's sight, so full collections stay short (bench/overhead.py: p99 at concurrency 64 went from 45 to 14 ms).
     gc.collect()

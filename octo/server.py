@@ -56,7 +56,7 @@ class _MalformedRequestLog(logging.Filter):
 _MALFORMED_REQUEST_LOG = _MalformedRequestLog()
 
 
-def _error_response(request: web.Request, err: OctoError) -> web.Response:
+def error_response(request: web.Request, err: OctoError) -> web.Response:
     path = request.path
     if (path[3:] if path.startswith("/v1/") else path).startswith("/messages"):  # /v1/messages and /messages
         body = api_anthropic.anthropic_error_body(err)
@@ -109,11 +109,11 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
         resp = await handler(request)
         status = resp.status
     except OctoError as err:
-        resp = _error_response(request, err)
+        resp = error_response(request, err)
         status = err.status
     except web.HTTPException as exc:
         err = _from_http(exc)
-        resp = _error_response(request, err)
+        resp = error_response(request, err)
         status = err.status
     except asyncio.CancelledError:
         status = 499  # client closed the connection
@@ -124,7 +124,7 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         err = OctoError("Internal server error; see the server log for details.")
-        resp = _error_response(request, err)
+        resp = error_response(request, err)
     finally:
         if counted:
             state.inflight -= 1

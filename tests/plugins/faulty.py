@@ -26,6 +26,7 @@ Faults of the other engine methods (words in the prompt, or in an embeddings inp
   -o kv_room=fail                  ``kv_room`` raises
   -o info=bad                      ``load`` gives a ModelInfo with n_ctx 0
   -o slow_s=N                      how long TOKSLOW and REMOVEHANG take (default 3600)
+  -o load_s=N                      ``load`` takes N seconds (default 0)
 ``crashy`` dies of SIGSEGV in its first decode step and declares no fallback (a selection candidate that crashes);
 ``hangy`` never returns from a step (one that hangs); ``steady`` never crashes. All three claim GGUF files, so a
 GGUF path makes them candidates.
@@ -48,7 +49,8 @@ _FAULT_WORDS = frozenset({"HANG", "STEPFAIL", "SEQFAIL", "BYTESFAIL", "ADDFAIL",
                           "SAVEBAD", "SAVEWRONG", "SAVENEG", "FREEFAIL", "RESTOREOVER"})
 _BAD_TOKENS = {"NEGTOK": -1, "BIGTOK": 10**9, "STRTOK": "x", "EMPTYTOK": []}
 _OWN = {"crash_in": ("none", "load", "warmup", "step"), "how": ("segv", "abort", "kill", "exit"), "after": None,
-        "safe": ("true", "false"), "kv_room": ("ok", "fail"), "info": ("ok", "bad"), "slow_s": None}
+        "safe": ("true", "false"), "kv_room": ("ok", "fail"), "info": ("ok", "bad"), "slow_s": None,
+        "load_s": None}
 
 
 def die(how: str) -> None:
@@ -81,11 +83,13 @@ class FaultyEngine(EchoEngine):
         self.room_fails = own.get("kv_room") == "fail"
         self.bad_info = own.get("info") == "bad"
         self.slow_s = float(own.get("slow_s", "3600"))
+        self.load_s = float(own.get("load_s", "0"))  # a slow load (seconds)
         self.steps = 0
 
     def load(self, artifact, name):
         if self.crash_in == "load":
             die(self.how)
+        time.sleep(self.load_s)
         info = super().load(artifact, name)
         if self.bad_info:
             info.n_ctx = 0

@@ -1,0 +1,93 @@
+"""The listening sockets of ``octo serve``: taken before anything loads, answered with a 503 until the API is up.
+
+Loading the models (and starting a Ray head, and the start-up benchmark) can take minutes. The port is taken
+first, so that a port in use is an error at once (not after the load, and never a traceback), and nothing started
+meanwhile can take it: a Ray head starts a dozen services on free ports, one of which could be the one asked for.
+Until the API serves, every request gets a 503 with ``Retry-After`` (``/health``: ``{"status": "loading"}``),
+as llama-server answers while it loads, instead of a refused connection.
+
+The loading responder serves duplicates of the sockets; closing it closes only its duplicates, so the listening
+sockets (and connections waiting in their backlog) pass to the API without a moment in which the port is free.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+from aiohttp import web
+
+RETRY_AFTER_S = "5"
+
+
+class PortInUse(OSError):
+    pass
+
+
+def open_sockets(host: str | None, port: int) -> list[socket.socket]:
+    """Listening TCP sockets for ``host:port``, one per address ``host`` resolves to (as asyncio's create_server
+    binds); port 0 takes one free port for all of them. Raises :class:`PortInUse` or ``OSError`` with a message
+    fit for the user."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve --host {host}: {exc.strerror}") from None
+    socks: list[socket.socket] = []
+    seen: set[tuple] = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            if port == 0 and socks:  # every address on the port the first one got
+                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart beside TIME_WAIT connections
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                where = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
+                if exc.errno == 98:  # EADDRINUSE
+                    raise PortInUse(exc.errno, f"{where} is already in use (another server on that port? "
+                                               f"choose another with --port)") from None
+                raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror}") from None
+            sock.listen(1024)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+async def loading_responder(socks: list[socket.socket], error_body: Any) -> web.AppRunner:
+    """A 503 on every request while the server starts, served on duplicates of ``socks`` (``runner.cleanup()``
+    hands them back). ``error_body(request, err)`` shapes the error as the API would (Anthropic's on /v1/messages)."""
+    from octo.errors import OctoError
+
+    class Loading(OctoError):
+        status = 503
+        type = "server_error"
+        code = "server_starting"
+
+    started = time.time()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        headers = {"Retry-After": RETRY_AFTER_S}
+        if request.path == "/health":
+            return web.json_response({"status": "loading", "models": [], "uptime_s": round(time.time() - started, 3)},
+                                     status=503, headers=headers)
+        err = Loading("The server is starting (loading its models); retry shortly.", headers=headers)
+        return error_body(request, err)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    for sock in socks:
+        await web.SockSite(runner, sock.dup()).start()
+    return runner

@@ -1,0 +1,103 @@
+"""``octo serve``'s port: taken before anything loads, a 503 while it loads, and a clear error when in use.
+
+Real ``octo serve`` processes. A Ray head (``--cluster ray``) starts services on free ports while it starts; before
+the port was taken first, one of them once took the port a test had chosen, and answered its health check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from serverproc import REPO, free_port
+
+PLUGINS = str(REPO / "tests" / "plugins")
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "octo.cli", "serve", *args], cwd=REPO, env=os.environ.copy(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _get(port: int, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def test_a_port_in_use_is_a_clear_error_at_once_not_after_the_load():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        # a model that would take a minute to load: the error comes before it
+        proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=60", "--port", str(port))
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and time.monotonic() - started < 20
+    assert f"127.0.0.1:{port} is already in use" in err and "--port" in err
+    assert "Traceback" not in err
+
+
+def test_while_loading_every_route_is_a_503_in_its_api_shape_then_the_same_port_serves():
+    port = free_port()
+    proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=6", "--port", str(port))
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the port answers (a 503) long before the load ends
+            try:
+                status, headers, body = _get(port, "/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        assert status == 503 and body["status"] == "loading" and headers["Retry-After"] == "5"
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+        status, headers, body = _get(port, "/v1/chat/completions", chat)
+        assert status == 503 and headers["Retry-After"] == "5"
+        assert body["error"]["code"] == "server_starting" and "starting" in body["error"]["message"]
+        status, _, body = _get(port, "/v1/messages", {"model": "m", "max_tokens": 4,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+        assert _get(port, "/v1/models")[0] == 503
+        while (status := _get(port, "/health")[0]) == 503:  # then the API, on the same port
+            assert time.monotonic() < deadline + 30 and proc.poll() is None
+            time.sleep(0.1)
+        assert status == 200
+        status, _, body = _get(port, "/v1/chat/completions", chat)
+        assert status == 200 and body["choices"][0]["message"]["content"]
+    finally:
+        _stop(proc)
+
+
+def test_a_model_that_fails_to_load_ends_the_process_with_its_reason():
+    port = free_port()
+    proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "info=bad", "--port", str(port))
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        raise AssertionError("octo serve kept running after its only model failed to load") from None
+    assert proc.returncode == 1 and "Traceback" not in err, err[-2000:]
+    with socket.socket() as s:  # and the port is free again
+        s.bind(("127.0.0.1", port))
