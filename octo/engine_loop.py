@@ -127,8 +127,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
     def _admit_locked(self) -> tuple[list[_Call], list[Ticket]]:
         calls: list[_Call] = []
         admitted: list[Ticket] = []
-        window = self.engine.batching == "window"
-        if window and self._active:
+        if not self._pending or (self._active and self.engine.batching == "window"):
             return calls, admitted
         room = self._room()
         while self._pending:
