@@ -108,8 +108,8 @@ def _keep_alive(ctx, param, value):
 @click.option("--engine", default=None, help="Engine for the models named here (skips the auto-benchmark).",
               **_env("ENGINE"))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.", **_env("HOST"))
-@click.option("--port", default=8080, show_default=True, type=int, help="Port (0 = any free port).",
-              **_env("PORT"))
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="Port (0 = any free port).", **_env("PORT"))
 @click.option("-o", "--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Engine option, e.g. -o n_threads=2 -o n_ctx=4096 (repeatable).", **_env("OPTIONS"))
 @click.option("--lora", "lora", multiple=True, metavar="NAME=PATH", callback=_lora,
@@ -286,6 +286,11 @@ def _loop_factory(name: str):
     return uvloop.new_event_loop
 
 
+def _url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _loop_label(loop: asyncio.AbstractEventLoop) -> str:
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
 
@@ -358,9 +363,10 @@ async def _serve(config: ServerConfig, specs: list) -> None:
                           f"{s.handle.cluster_info()['replicas']} Ray Serve replica(s))"
                           if s.handle.isolation == "cluster" else "in-process)")
                        for s in registry.loaded()) or "no model yet (loaded on demand)"
-    click.echo(f"octo: serving {served} at http://{config.host}:{port}/v1 "
+    base = f"http://{_url_host(config.host)}:{port}"
+    click.echo(f"octo: serving {served} at {base}/v1 "
                f"(max batch {config.max_batch}, queue {config.max_queue}, {_loop_label(loop)} loop); "
-               f"dashboard at http://{config.host}:{port}/", err=True)
+               f"dashboard at {base}/", err=True)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -396,7 +402,7 @@ async def _drain(app, timeout: float) -> None:
 
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True, **_env("HOST"))
-@click.option("--port", default=8080, show_default=True, type=int, **_env("PORT"))
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), **_env("PORT"))
 @click.option("--api-key", default=None, **_env("API_KEY"))
 @click.option("--all", "show_all", is_flag=True, help="Also list servable models that are not loaded.")
 @click.option("--json", "as_json", is_flag=True)
@@ -405,13 +411,14 @@ def ps(host, port, api_key, show_all, as_json):
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(f"http://{host}:{port}/v1/models",
+    base = f"http://{_url_host(host)}:{port}"
+    req = urllib.request.Request(f"{base}/v1/models",
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             data = json.loads(r.read())["data"]
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise click.ClickException(f"no octo server answered at http://{host}:{port}: {exc}") from None
+        raise click.ClickException(f"no octo server answered at {base}: {exc}") from None
     rows = [m for m in data if show_all or m["state"] not in ("available", "failed")]
     if as_json:
         click.echo(json.dumps(rows, indent=2))

@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 from serverproc import REPO, free_port
 
 PLUGINS = str(REPO / "tests" / "plugins")
@@ -101,3 +102,30 @@ def test_a_model_that_fails_to_load_ends_the_process_with_its_reason():
     assert proc.returncode == 1 and "Traceback" not in err, err[-2000:]
     with socket.socket() as s:  # and the port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_a_port_out_of_range_is_a_usage_error():
+    proc = _serve("echo-m", "--engine", "echo", "--port", "70000")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "70000 is not in the range 0<=x<=65535" in err and "Traceback" not in err
+
+
+def test_an_ipv6_address_is_served_and_printed_in_brackets():
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback")
+    proc = _serve("echo-m", "--engine", "echo", "--host", "::1", "--port", "0")
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "serving" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, "octo serve never said where it serves"
+            line = proc.stderr.readline()
+        url = line.split(" at ", 1)[1].split("/v1", 1)[0]
+        assert url.startswith("http://[::1]:")  # a URL a browser or client can use, not http://::1:PORT
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    finally:
+        _stop(proc)
