@@ -334,7 +334,7 @@ async def _serve(config: ServerConfig, specs: list) -> None:
         socks = listen.open_sockets(config.host, config.port)
     except OSError as exc:
         raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
-    loading = await listen.loading_responder(socks, error_response)  # a 503 until the API serves
+    loading = await listen.loading_responder(socks, error_response, [s.model for s in specs])  # 503 until serving
     registry = None
     try:
         pm = load_plugins(config.plugins_dir)

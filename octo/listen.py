@@ -19,6 +19,10 @@ from typing import Any
 from aiohttp import web
 
 RETRY_AFTER_S = "5"
+_PAGE = ("<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=2>"
+         "<title>octo: starting</title></head><body style='font-family:system-ui;margin:3em'>"
+         "<h1>octo is starting</h1><p>Loading its models; this page reloads until the dashboard is up.</p>"
+         "</body></html>")
 
 
 class PortInUse(OSError):
@@ -64,9 +68,11 @@ def open_sockets(host: str | None, port: int) -> list[socket.socket]:
     return socks
 
 
-async def loading_responder(socks: list[socket.socket], error_body: Any) -> web.AppRunner:
+async def loading_responder(socks: list[socket.socket], error_body: Any, models: list[str]) -> web.AppRunner:
     """A 503 on every request while the server starts, served on duplicates of ``socks`` (``runner.cleanup()``
-    hands them back). ``error_body(request, err)`` shapes the error as the API would (Anthropic's on /v1/messages)."""
+    hands them back). ``error_body(request, err)`` shapes the error as the API would (Anthropic's on /v1/messages);
+    ``/health`` lists ``models`` (those loading at start-up) as loading; a browser asking for the dashboard gets a
+    page that reloads until the server is up."""
     from octo.errors import OctoError
 
     class Loading(OctoError):
@@ -79,8 +85,10 @@ async def loading_responder(socks: list[socket.socket], error_body: Any) -> web.
     async def answer(request: web.Request) -> web.StreamResponse:
         headers = {"Retry-After": RETRY_AFTER_S}
         if request.path == "/health":
-            return web.json_response({"status": "loading", "models": [], "uptime_s": round(time.time() - started, 3)},
-                                     status=503, headers=headers)
+            return web.json_response({"status": "loading", "models": [{"id": m, "state": "loading"} for m in models],
+                                      "uptime_s": round(time.time() - started, 3)}, status=503, headers=headers)
+        if request.path == "/" and request.method == "GET" and "text/html" in request.headers.get("Accept", ""):
+            return web.Response(text=_PAGE, content_type="text/html", status=503, headers=headers)
         err = Loading("The server is starting (loading its models); retry shortly.", headers=headers)
         return error_body(request, err)
 

@@ -73,6 +73,14 @@ def test_while_loading_every_route_is_a_503_in_its_api_shape_then_the_same_port_
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
         assert status == 503 and body["status"] == "loading" and headers["Retry-After"] == "5"
+        assert body["models"] == [{"id": "m", "state": "loading"}]
+        page = urllib.request.Request(f"http://127.0.0.1:{port}/", headers={"Accept": "text/html"})
+        try:
+            urllib.request.urlopen(page, timeout=10)
+            raise AssertionError("the dashboard answered before the server was up")
+        except urllib.error.HTTPError as e:  # a page that reloads itself, not a JSON error, for a browser
+            assert e.code == 503 and e.headers["Content-Type"].startswith("text/html")
+            assert b"http-equiv=refresh" in e.read()
         chat = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
         status, headers, body = _get(port, "/v1/chat/completions", chat)
         assert status == 503 and headers["Retry-After"] == "5"
