@@ -417,6 +417,12 @@ def ps(host, port, api_key, show_all, as_json):
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             data = json.loads(r.read())["data"]
+    except urllib.error.HTTPError as exc:  # it answered: say what it said (401, 503 while it starts, ...)
+        try:
+            why = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError, OSError):
+            why = str(exc)
+        raise click.ClickException(f"octo at {base} answered {exc.code}: {why}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise click.ClickException(f"no octo server answered at {base}: {exc}") from None
     rows = [m for m in data if show_all or m["state"] not in ("available", "failed")]

@@ -62,7 +62,7 @@ def test_a_port_in_use_is_a_clear_error_at_once_not_after_the_load():
 
 def test_while_loading_every_route_is_a_503_in_its_api_shape_then_the_same_port_serves():
     port = free_port()
-    proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=6", "--port", str(port))
+    proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=12", "--port", str(port))
     try:
         deadline = time.monotonic() + 30
         while True:  # the port answers (a 503) long before the load ends
@@ -89,6 +89,10 @@ def test_while_loading_every_route_is_a_503_in_its_api_shape_then_the_same_port_
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert status == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error"
         assert _get(port, "/v1/models")[0] == 503
+        ps = subprocess.run([sys.executable, "-m", "octo.cli", "ps", "--port", str(port)], cwd=REPO,
+                            capture_output=True, text=True)
+        assert ps.returncode == 1
+        assert f"octo at http://127.0.0.1:{port} answered 503: The server is starting" in ps.stderr
         while (status := _get(port, "/health")[0]) == 503:  # then the API, on the same port
             assert time.monotonic() < deadline + 30 and proc.poll() is None
             time.sleep(0.1)
