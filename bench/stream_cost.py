@@ -18,16 +18,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+from overhead import start  # noqa: E402
 from serverproc import children, free_port  # noqa: E402
 
 BARE_SERVER = r'''
@@ -69,20 +68,6 @@ def cpu_ns(pid: int) -> int:
         except (OSError, ValueError):  # a thread that ended meanwhile
             pass
     return total
-
-
-def start(cmd: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"server did not start: {cmd}")
 
 
 async def stream(base: str, streams: int, tokens: int) -> int:
