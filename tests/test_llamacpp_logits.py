@@ -394,3 +394,57 @@ def test_render_chat_passes_tools_to_the_template(engine):
     assert ours == hf.apply_chat_template(messages, tools=tools, chat_template=src, tokenize=False,
                                           add_generation_prompt=True)
     assert "<tool>get_weather:" in ours and "Zürich" in ours and "<tool>" not in plain
+
+
+# -- greedy picks read from the logits row --------------------------------------------------------------------------
+def test_the_greedy_argmax_is_llama_cpps_own_pick(engine):
+    """A greedy chain without penalties picks argmax(logits + bias) from llama.cpp's row itself (SamplerChain.argmax);
+    for every bias and mask here it is the token llama.cpp's own chain (logit bias, then greedy) gives on the same
+    row, and the row is left as it was."""
+    from octo.engines.llamacpp.logits import logits_row
+    from octo.engines.llamacpp.sampling import SamplerChain
+
+    seq = Sequence(id=0, tokens=engine.tokenize(PROMPTS[0]), sampling=SamplingParams(temperature=0.0))
+    engine.add_sequence(seq)
+    try:
+        engine.step([Feed(seq, list(seq.tokens), True)])
+        idx = len(seq.tokens) - 1  # the feed's last batch position: its logits stay until the next decode
+        row = logits_row(engine._L, engine.ctx, idx, engine.n_vocab)
+        raw = row.copy()
+        order = np.argsort(-raw, kind="stable")
+        top, second, low = int(order[0]), int(order[1]), int(order[-1])
+        gap = float(raw[top] - raw[second])
+        cases = [{}, {top: -100.0}, {low: 1000.0}, {second: gap / 2}, {second: gap + 0.5, top: 0.25},
+                 {top: -5.0, second: -5.0, 7: 3.0}, {str(second): gap + 1.0}]
+        for bias in cases:
+            chain = SamplerChain(engine.n_vocab, SamplingParams(temperature=0.0, logit_bias=bias))
+            try:
+                assert chain.argmax is not None
+                fast = chain.sample(engine.ctx, idx)
+                assert np.array_equal(row, raw)  # the bias went back out of llama.cpp's buffer
+                assert fast == engine._L.llama_sampler_sample(chain.ptr, engine.ctx, idx), bias
+            finally:
+                chain.close()
+        # within a mask (the constrained path sets forbidden logits to -inf in the row first)
+        row[order[:50]] = -np.inf
+        chain = SamplerChain(engine.n_vocab, SamplingParams(temperature=0.0, logit_bias={low: 2.0}))
+        try:
+            assert chain.sample(engine.ctx, idx) == engine._L.llama_sampler_sample(chain.ptr, engine.ctx, idx)
+        finally:
+            chain.close()
+        # a NaN logit: llama.cpp's greedy decides (numpy's argmax would pick the NaN)
+        row[int(order[60])] = np.nan
+        chain = SamplerChain(engine.n_vocab, SamplingParams(temperature=0.0))
+        try:
+            assert chain.sample(engine.ctx, idx) == engine._L.llama_sampler_sample(chain.ptr, engine.ctx, idx)
+            assert chain.sample(engine.ctx, idx) != int(order[60])
+        finally:
+            chain.close()
+        # penalties, duplicate bias entries and sampling at a temperature keep the native chain
+        for p in (SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.7),
+                  SamplingParams(temperature=0.0, logit_bias={5: 1.0, "5": 1.0})):
+            chain = SamplerChain(engine.n_vocab, p)
+            assert chain.argmax is None
+            chain.close()
+    finally:
+        engine.remove_sequence(seq)

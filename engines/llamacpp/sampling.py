@@ -4,12 +4,21 @@ Order as in llama.cpp's common sampler: logit bias, penalties, then top-k, top-p
 pick (greedy or seeded dist). Samplers left at their "off" value are not added, so a plain greedy chain is just
 ``greedy``. Output constraints are not the chain's business: the engine sets the forbidden logits to -inf before
 the chain runs (``Feed.mask``, :mod:`.logits`), and every sampler here keeps -inf at -inf.
+
+A greedy chain without penalties picks ``argmax(logits + logit_bias)``, the first of equal maxima, as llama.cpp's
+greedy sampler does. That pick is read straight from llama.cpp's logits row (numpy) instead of through
+``llama_sampler_sample``, which first copies all n_vocab candidates: 11 us instead of 160 us a token at a 151,936
+vocabulary on a 2-core host, per sequence and step.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from octo.engine import SamplingParams
 from octo.errors import InvalidRequest
+
+from .logits import logits_row
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama_sampler_init_dist: draw a random seed
 
@@ -27,6 +36,8 @@ class SamplerChain:
         import llama_cpp as L
 
         self._L = L
+        self.n_vocab = n_vocab
+        self.argmax: tuple[np.ndarray, np.ndarray] | None = None  # (token ids, biases): the pick is a plain argmax
         self.ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         try:
             self._build(n_vocab, p, penalty_last_n, history or [])
@@ -53,7 +64,8 @@ class SamplerChain:
                 # complete, every other token masked to -inf) must leave a finite logit to pick
                 arr[i].bias = float(bias)
             self._add(L.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), arr))
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        penalised = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        if penalised:
             if p.repetition_penalty <= 0:
                 raise InvalidRequest("repetition_penalty must be > 0.", param="repetition_penalty")
             idx = self._add(
@@ -66,6 +78,11 @@ class SamplerChain:
                 L.llama_sampler_accept(penalties, tok)  # the prompt counts, as in llama-server
         if p.greedy:
             self._add(L.llama_sampler_init_greedy())
+            ids = np.array([int(tok) for tok in p.logit_bias or {}], np.int64)
+            bias = np.array(list((p.logit_bias or {}).values()), np.float32)
+            # ("5" and "05" are two biases on one token, added in turn; an infinite one can make a NaN)
+            if not penalised and len(np.unique(ids)) == len(ids) and np.isfinite(bias).all():
+                self.argmax = (ids, bias)
             return
         if p.temperature < 0:
             raise InvalidRequest("temperature must be >= 0.", param="temperature")
@@ -81,6 +98,20 @@ class SamplerChain:
 
     def sample(self, ctx, idx: int) -> int:
         """Sample from the logits of batch position ``idx`` and accept the token into the chain."""
+        if self.argmax is not None:
+            row = logits_row(self._L, ctx, idx, self.n_vocab)
+            ids, bias = self.argmax
+            if len(ids):
+                saved = row[ids]
+                row[ids] += bias  # llama.cpp's buffer, restored at once: nothing else reads this row meanwhile
+                tok = int(row.argmax())
+                top = row[tok]
+                row[ids] = saved
+            else:
+                tok = int(row.argmax())
+                top = row[tok]
+            if not np.isnan(top):  # (numpy's argmax picks a NaN, llama.cpp's greedy does not: it decides then)
+                return tok
         return self._L.llama_sampler_sample(self.ptr, ctx, idx)
 
     def close(self) -> None:
