@@ -12,6 +12,7 @@ sockets (and connections waiting in their backlog) pass to the API without a mom
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from typing import Any
@@ -38,6 +39,7 @@ def open_sockets(host: str | None, port: int) -> list[socket.socket]:
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve --host {host}: {exc.strerror}") from None
     socks: list[socket.socket] = []
+    skipped: list[str] = []
     seen: set[tuple] = set()
     try:
         for family, kind, proto, _, addr in infos:
@@ -46,7 +48,12 @@ def open_sockets(host: str | None, port: int) -> list[socket.socket]:
             seen.add((family, addr))
             if port == 0 and socks:  # every address on the port the first one got
                 addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
-            sock = socket.socket(family, kind, proto)
+            where = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # a family this host does not have (IPv6 off), as asyncio skips it
+                skipped.append(f"{where}: {exc.strerror}")
+                continue
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart beside TIME_WAIT connections
             if family == socket.AF_INET6:
@@ -54,13 +61,19 @@ def open_sockets(host: str | None, port: int) -> list[socket.socket]:
             try:
                 sock.bind(addr)
             except OSError as exc:
-                where = f"[{addr[0]}]:{addr[1]}" if family == socket.AF_INET6 else f"{addr[0]}:{addr[1]}"
-                if exc.errno == 98:  # EADDRINUSE
+                if exc.errno == errno.EADDRINUSE:
                     raise PortInUse(exc.errno, f"{where} is already in use (another server on that port? "
                                                f"choose another with --port)") from None
+                if exc.errno == errno.EADDRNOTAVAIL:  # e.g. ::1 for "localhost" with IPv6 disabled (asyncio's rule)
+                    socks.pop().close()
+                    skipped.append(f"{where}: {exc.strerror}")
+                    continue
                 raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror}") from None
             sock.listen(1024)
             sock.setblocking(False)
+        if not socks:
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on any address of --host {host}: "
+                                               + "; ".join(skipped))
     except BaseException:
         for sock in socks:
             sock.close()

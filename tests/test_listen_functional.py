@@ -141,3 +141,16 @@ def test_an_ipv6_address_is_served_and_printed_in_brackets():
             assert r.status == 200 and json.loads(r.read())["status"] == "ok"
     finally:
         _stop(proc)
+
+
+def test_every_address_of_a_host_on_one_port_and_a_clear_error_for_none():
+    from octo import listen
+
+    socks = listen.open_sockets(None, 0)  # every interface: 0.0.0.0, and :: where the host has IPv6
+    try:
+        assert socks and len({s.getsockname()[1] for s in socks}) == 1
+    finally:
+        for s in socks:
+            s.close()
+    with pytest.raises(OSError, match="cannot listen on any address of --host 192.0.2.1"):  # not this host's
+        listen.open_sockets("192.0.2.1", 0)
