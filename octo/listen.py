@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from octo.errors import OctoError
+
 RETRY_AFTER_S = "5"
 _PAGE = ("<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=2>"
          "<title>octo: starting</title></head><body style='font-family:system-ui;margin:3em'>"
@@ -26,14 +28,17 @@ _PAGE = ("<!doctype html><html lang=en><head><meta charset=utf-8><meta http-equi
          "</body></html>")
 
 
-class PortInUse(OSError):
-    pass
+class Starting(OctoError):
+    """Every request's answer until the API serves."""
+
+    status = 503
+    type = "server_error"
+    code = "server_starting"
 
 
 def open_sockets(host: str | None, port: int) -> list[socket.socket]:
     """Listening TCP sockets for ``host:port``, one per address ``host`` resolves to (as asyncio's create_server
-    binds); port 0 takes one free port for all of them. Raises :class:`PortInUse` or ``OSError`` with a message
-    fit for the user."""
+    binds); port 0 takes one free port for all of them. Raises ``OSError`` with a message fit for the user."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -62,8 +67,8 @@ def open_sockets(host: str | None, port: int) -> list[socket.socket]:
                 sock.bind(addr)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise PortInUse(exc.errno, f"{where} is already in use (another server on that port? "
-                                               f"choose another with --port)") from None
+                    raise OSError(exc.errno, f"{where} is already in use (another server on that port? "
+                                             f"choose another with --port)") from None
                 if exc.errno == errno.EADDRNOTAVAIL:  # e.g. ::1 for "localhost" with IPv6 disabled (asyncio's rule)
                     socks.pop().close()
                     skipped.append(f"{where}: {exc.strerror}")
@@ -86,13 +91,6 @@ async def loading_responder(socks: list[socket.socket], error_body: Any, models:
     hands them back). ``error_body(request, err)`` shapes the error as the API would (Anthropic's on /v1/messages);
     ``/health`` lists ``models`` (those loading at start-up) as loading; a browser asking for the dashboard gets a
     page that reloads until the server is up."""
-    from octo.errors import OctoError
-
-    class Loading(OctoError):
-        status = 503
-        type = "server_error"
-        code = "server_starting"
-
     started = time.time()
 
     async def answer(request: web.Request) -> web.StreamResponse:
@@ -102,7 +100,7 @@ async def loading_responder(socks: list[socket.socket], error_body: Any, models:
                                       "uptime_s": round(time.time() - started, 3)}, status=503, headers=headers)
         if request.path == "/" and request.method == "GET" and "text/html" in request.headers.get("Accept", ""):
             return web.Response(text=_PAGE, content_type="text/html", status=503, headers=headers)
-        err = Loading("The server is starting (loading its models); retry shortly.", headers=headers)
+        err = Starting("The server is starting (loading its models); retry shortly.", headers=headers)
         return error_body(request, err)
 
     app = web.Application()
