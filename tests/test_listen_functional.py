@@ -154,3 +154,27 @@ def test_every_address_of_a_host_on_one_port_and_a_clear_error_for_none():
             s.close()
     with pytest.raises(OSError, match="cannot listen on any address of --host 192.0.2.1"):  # not this host's
         listen.open_sockets("192.0.2.1", 0)
+
+
+def test_the_openai_sdk_waits_out_the_load_by_its_own_retries():
+    """A client that starts with the server: the SDK retries the 503 after its Retry-After and gets its answer."""
+    import openai
+
+    port = free_port()
+    proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=8", "--port", str(port))
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the port answers before the load ends
+            try:
+                assert _get(port, "/health")[0] == 503
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=6, timeout=30)
+        started = time.monotonic()
+        reply = client.chat.completions.create(model="m", max_tokens=4,
+                                               messages=[{"role": "user", "content": "hello there"}])
+        assert reply.choices[0].message.content and time.monotonic() - started > 2  # it waited for the load
+    finally:
+        _stop(proc)
