@@ -12,7 +12,7 @@ get going, then the victim runs; rounds alternate "alone" and "beside" and the m
 ``--step-stretch`` is the server's (octo serve --step-stretch: prompt chunks may stretch a step to that many
 decode-only steps while others decode, and a step carries at most about 0.25 s of prompt work; 0: whole prefill
 chunks). The price of that pacing is measured too: the long prompt's own time alone (``long_prompt_alone_s``), and
-the mean time to first token of 8 short streaming requests sent at once (``burst8_ttft_s``).
+the mean time to the first generated token of 8 short streaming requests sent at once (``burst8_ttft_s``).
 Writes bench/results/adversarial.json.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/adversarial.py
@@ -95,8 +95,9 @@ async def burst_ttft(base: str, n: int) -> float:
                 "max_tokens": 2, "stream": True}
         t0 = time.perf_counter()
         async with s.post(f"{base}/v1/chat/completions", json=body) as r:
-            async for raw in r.content:
-                if raw.startswith(b"data:"):
+            async for raw in r.content:  # the first chunk with generated text (not the role chunk sent at admission)
+                if raw.startswith(b"data: {") and any(c["delta"].get("content") or c.get("finish_reason")
+                                                      for c in json.loads(raw[6:])["choices"]):
                     return time.perf_counter() - t0
         raise RuntimeError("no chunk")
 

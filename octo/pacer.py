@@ -10,7 +10,8 @@ class Pacer:
       (2.0: a long prompt never slows the running streams below half their speed, and gets the other half);
       beside a request that is nearly done (``urgent``: at most ``SHORT_WORK`` tokens left to feed and generate),
       at most ``short_stretch`` (1.25): a short request finishes at close to its own speed, shortest work first,
-      while a long prompt still moves on every step;
+      while a long prompt still moves on every step; a prompt of at most ``max_step_s`` of work (``short``) goes in
+      whole, so that requests arriving together start together;
     * in any step, at most ``max_step_s`` seconds of prompt work, so that a request arriving during a long prompt
       waits one short step, not a long chunk (on fast hardware this is more than ``prefill_chunk`` anyway);
     * a prompt alone (nothing else running or queued) reads chunks of at most ``lone_step_s`` seconds (at least
@@ -41,11 +42,18 @@ class Pacer:
         if alone:
             lone = min(chunk, max(self.LONE_MIN, int(self.lone_step_s / self.token_s)))
             return lone, lone
-        step = min(chunk, max(self.MIN_TOKENS, int(self.max_step_s / self.token_s)))
+        step = self.short(chunk)
         if not (decoding or urgent) or not self.decode_s:
             return chunk, step
         stretch = min(self.stretch, self.short_stretch) if urgent else self.stretch
         return chunk, min(step, max(self.MIN_TOKENS, int((stretch - 1.0) * self.decode_s / self.token_s)))
+
+    def short(self, chunk: int) -> int:
+        """The longest prompt that goes in whole beside decoding requests, even a nearly done one: ``max_step_s`` of
+        prompt work (what one request's prompt may cost the others: one such step). ``chunk`` until measured."""
+        if self.stretch <= 0 or not self.token_s:
+            return chunk
+        return min(chunk, max(self.MIN_TOKENS, int(self.max_step_s / self.token_s)))
 
     def observe(self, seconds: float, n_decode: int, n_prefill: int) -> None:
         if n_prefill == 0:

@@ -248,3 +248,43 @@ def test_pacer_budgets_follow_measured_costs():
     assert p.budgets(256, decoding=True, urgent=True) == (256, 4)  # 0.25 x 88.8 ms / 5 ms
     assert p.budgets(256, decoding=False, urgent=True) == (256, 4)  # its prompt's step, before it decodes
     assert Pacer(stretch=0).budgets(256, decoding=True) == (256, 256)  # 0: no pacing
+
+
+async def test_short_prompts_beside_a_nearly_done_request_go_in_whole_and_a_long_one_is_paced():
+    """Streams that arrive just after a first one join it at its next step, each prompt whole, although the first is
+    nearly done (before, each was fed a quarter decode step's worth at a time and 8 streams started one by one); a
+    prompt of more than one step's work (the pacer's ``short``) is still fed in paced chunks."""
+    e = engine(token_delay_ms="10")
+    feeds: list[list[tuple[int, int]]] = []
+    step = e.step
+    e.step = lambda fs: (feeds.append([(f.seq.id, len(f.tokens)) for f in fs]), step(fs))[1]
+    s = Scheduler(e, max_batch=9)
+    pacer = s._pacer
+    pacer.observe = lambda *a, **k: None  # fixed costs: 20 ms decode steps, 5 ms per prompt token
+    pacer.decode_s, pacer.token_s = 0.020, 0.005
+    assert pacer.short(4096) == 50 and pacer.budgets(4096, decoding=True, urgent=True) == (4096, 4)
+    s.start()
+    try:
+        first = s.submit(request(e, " ".join(f"a{i}" for i in range(40)), max_tokens=10))[0]  # work left < prompts
+        while s.steps < 3:
+            await asyncio.sleep(0.001)
+        words = " ".join(f"w{i}" for i in range(12))
+        short = [s.submit(request(e, f"{k} {words}", max_tokens=4))[0] for k in range(7)]
+        long = s.submit(request(e, " ".join(f"x{i}" for i in range(120)), max_tokens=2))[0]
+        for t in (first, *short, long):
+            assert (await t.result).finish_reason in ("length", "stop")
+        fed: dict[int, list[int]] = {}
+        for step_feeds in feeds:
+            for seq_id, n in step_feeds:
+                fed.setdefault(seq_id, []).append(n)
+        ids = {t.seq.id: t for t in (*short, long)}
+        joined = next(i for i, fs in enumerate(feeds) if any(seq_id in ids for seq_id, _ in fs))
+        assert (first.seq.id, 1) in feeds[joined]  # the first was decoding, nearly done, when they joined
+        for t in short:
+            n_prompt = len(t.req.prompt_tokens)
+            assert 14 <= n_prompt <= 50 and fed[t.seq.id][0] == n_prompt  # one feed of the whole prompt
+        chunks = [n for n in fed[long.seq.id] if n > 1]
+        assert sum(chunks) >= len(long.req.prompt_tokens) - 1 and len(chunks) >= 3 and max(chunks[:-1]) <= 50, chunks
+        assert len(ids) == 8
+    finally:
+        s.stop()
