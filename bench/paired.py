@@ -1,0 +1,72 @@
+"""octo against the C++ llama-server on short streams, as paired rounds: per round each server streams N greedy
+completions of ``--short`` and of ``--long`` tokens (their order alternating between rounds), and the round's ratio is
+octo's rate over llama-server's. The median of those paired ratios is less moved by a host that drifts between
+rounds than a ratio of medians. Decode rate is differential (``N x (long - short) / (wall_long - wall_short)``),
+end to end is ``N x long / wall_long``. Reuses ``bench/llamacpp.py``'s servers and loads.
+
+    flock /tmp/octo-bench.lock .venv/bin/python bench/paired.py     # writes bench/results/paired.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from llamacpp import cpp_cmd, free_port, host_info, load, octo_cmd, server  # noqa: E402
+
+
+def level(path: str, n: int, rounds: int, args) -> dict:
+    res: dict[str, list[tuple[float, float]]] = {"octo": [], "llama-server": []}
+    with contextlib.ExitStack() as st:
+        p1, p2 = free_port(), free_port()
+        bases = {"octo": st.enter_context(server(octo_cmd(path, p1, args, max(8, n)), p1, "/health", "octo")),
+                 "llama-server": st.enter_context(server(cpp_cmd(path, p2, args, n), p2, "/health", "llama-server"))}
+        for base in bases.values():
+            asyncio.run(load(base, n, 8, "warm"))
+        for r in range(rounds):
+            for name in (("octo", "llama-server") if r % 2 == 0 else ("llama-server", "octo")):
+                ws = asyncio.run(load(bases[name], n, args.short, f"{name[0]}{n}r{r}s"))
+                wl = asyncio.run(load(bases[name], n, args.long, f"{name[0]}{n}r{r}l"))
+                res[name].append((n * (args.long - args.short) / (wl - ws), n * args.long / wl))
+            print(n, r, {k: [round(x, 1) for x in v[-1]] for k, v in res.items()}, file=sys.stderr, flush=True)
+    o, c = res["octo"], res["llama-server"]
+    return {
+        "paired_decode_ratio": round(statistics.median(a[0] / b[0] for a, b in zip(o, c, strict=True)), 3),
+        "paired_e2e_ratio": round(statistics.median(a[1] / b[1] for a, b in zip(o, c, strict=True)), 3),
+        "octo_ahead_rounds": sum(a[0] > b[0] for a, b in zip(o, c, strict=True)),
+        "rounds": rounds,
+        "decode_tok_s": {k: round(statistics.median(x[0] for x in v), 2) for k, v in res.items()},
+        "e2e_tok_s": {k: round(statistics.median(x[1] for x in v), 2) for k, v in res.items()},
+        "runs": {k: [[round(x, 2) for x in pair] for pair in v] for k, v in res.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--rounds", type=int, nargs="+", default=[12, 8, 6], help="rounds per level (the last repeats)")
+    ap.add_argument("--short", type=int, default=16)
+    ap.add_argument("--long", type=int, default=144)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "paired.json"))
+    args = ap.parse_args()
+    args.flash = True
+    from octo.synth.gguf import build_gguf
+
+    path = str(build_gguf("qwen2.5-0.5b", ftype="q4_k_m", threads=args.threads))
+    out = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "host": host_info(args), "levels": {}}
+    for i, n in enumerate(args.streams):
+        out["levels"][str(n)] = level(path, n, args.rounds[min(i, len(args.rounds) - 1)], args)
+        print(n, {k: v for k, v in out["levels"][str(n)].items() if k != "runs"}, flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
