@@ -2,7 +2,7 @@
 completions of ``--short`` and of ``--long`` tokens (their order alternating between rounds), and the round's ratio is
 octo's rate over llama-server's. The median of those paired ratios is less moved by a host that drifts between
 rounds than a ratio of medians. Decode rate is differential (``N x (long - short) / (wall_long - wall_short)``),
-end to end is ``N x long / wall_long``. Reuses ``bench/llamacpp.py``'s servers and loads.
+end to end is ``N x long / wall_long`` (``bench/llamacpp.py``'s ``decode_rate``, servers and loads).
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/paired.py     # writes bench/results/paired.json
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from llamacpp import cpp_cmd, free_port, host_info, load, octo_cmd, server  # noqa: E402
+from llamacpp import cpp_cmd, decode_rate, free_port, host_info, load, octo_cmd, server  # noqa: E402
 
 
 def level(path: str, n: int, rounds: int, args) -> dict:
@@ -32,9 +32,7 @@ def level(path: str, n: int, rounds: int, args) -> dict:
             asyncio.run(load(base, n, 8, "warm"))
         for r in range(rounds):
             for name in (("octo", "llama-server") if r % 2 == 0 else ("llama-server", "octo")):
-                ws = asyncio.run(load(bases[name], n, args.short, f"{name[0]}{n}r{r}s"))
-                wl = asyncio.run(load(bases[name], n, args.long, f"{name[0]}{n}r{r}l"))
-                res[name].append((n * (args.long - args.short) / (wl - ws), n * args.long / wl))
+                res[name].append(decode_rate(bases[name], n, args, f"{name[0]}{n}r{r}"))
             print(n, r, {k: [round(x, 1) for x in v[-1]] for k, v in res.items()}, file=sys.stderr, flush=True)
     o, c = res["octo"], res["llama-server"]
     return {

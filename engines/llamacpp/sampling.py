@@ -101,15 +101,11 @@ class SamplerChain:
         if self.argmax is not None:
             row = logits_row(self._L, ctx, idx, self.n_vocab)
             ids, bias = self.argmax
-            if len(ids):
-                saved = row[ids]
-                row[ids] += bias  # llama.cpp's buffer, restored at once: nothing else reads this row meanwhile
-                tok = int(row.argmax())
-                top = row[tok]
-                row[ids] = saved
-            else:
-                tok = int(row.argmax())
-                top = row[tok]
+            saved = row[ids]
+            row[ids] += bias  # llama.cpp's buffer, restored at once: nothing else reads this row meanwhile
+            tok = int(row.argmax())
+            top = row[tok]
+            row[ids] = saved
             if not np.isnan(top):  # (numpy's argmax picks a NaN, llama.cpp's greedy does not: it decides then)
                 return tok
         return self._L.llama_sampler_sample(self.ptr, ctx, idx)
