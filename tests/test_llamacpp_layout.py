@@ -203,3 +203,57 @@ def test_probe_shape_fits_small_contexts_and_slow_models():
     work = 2 * prefix + 2 * layout.REPS * seqs * (own + layout.DECODE_COST * decode)
     assert prefix < layout.PREFIX and work <= 2 * layout.BUDGET_S * 30
     assert (prefix, own, decode) >= (16, 4, 2)
+
+
+def test_streams_decode_a_step_as_one_micro_batch_in_any_feed_order(gguf_path, monkeypatch):
+    """In streams llama.cpp puts in one micro-batch only sequences whose ids rise by one in batch order: the engine
+    orders each step by sequence id and gives a new sequence the lowest free id, so a step of every sequence is one
+    pass over the weights whatever the scheduler's order (it was one pass per sequence: 0.53x the tok/s at 16
+    streams). The answers still reach their feeds: the same tokens as the unified pool's."""
+    import ctypes
+    import os
+
+    L = pytest.importorskip("llama_cpp")
+    ggml = ctypes.CDLL(os.path.join(os.path.dirname(L.__file__), "lib", "libggml-base.so"))
+    ggml.ggml_get_name.restype, ggml.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    passes = [0]
+
+    @L.ggml_backend_sched_eval_callback
+    def observe(tensor, ask, _data):  # asked once per graph computed: the logits of one micro-batch
+        if ask and ggml.ggml_get_name(tensor) == b"result_output":
+            passes[0] += 1
+        return False
+
+    plain = L.llama_context_default_params
+
+    def params():
+        p = plain()
+        p.cb_eval = observe
+        return p
+
+    monkeypatch.setattr(L, "llama_context_default_params", params)
+    runs = {}
+    for unified in ("true", "false"):
+        e = _load(gguf_path, kv_unified=unified)
+        try:
+            seqs = [Sequence(i, e.tokenize(f"prompt number {i}"), SamplingParams(temperature=0)) for i in range(4)]
+            for s in seqs:
+                e.add_sequence(s)
+            e.remove_sequence(seqs[1])  # its id is free again: the next sequence takes it (the lowest)
+            seqs[1] = Sequence(9, e.tokenize("a later prompt"), SamplingParams(temperature=0))
+            e.add_sequence(seqs[1])
+            assert sorted(s.slot.seq_id for s in seqs) == [0, 1, 2, 3] and seqs[1].slot.seq_id == 1
+            order = [seqs[i] for i in (2, 0, 3, 1)]  # not the ids' order
+            for s, tok in zip(order, e.step([Feed(s, s.tokens, True) for s in order]), strict=True):
+                s.tokens.append(tok)
+            steps = []
+            for _ in range(4):
+                passes[0] = 0
+                for s, tok in zip(order, e.step([Feed(s, s.tokens[-1:], True) for s in order]), strict=True):
+                    s.tokens.append(tok)
+                steps.append(passes[0])
+            assert steps == [1, 1, 1, 1], f"micro-batches per decode step ({unified=}): {steps}"
+            runs[unified] = [s.tokens for s in seqs]
+        finally:
+            e.unload()
+    assert runs["false"] == runs["true"]
