@@ -5,6 +5,9 @@ rounds than a ratio of medians. Decode rate is differential (``N x (long - short
 end to end is ``N x long / wall_long`` (``bench/llamacpp.py``'s ``decode_rate``, servers and loads).
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/paired.py     # writes bench/results/paired.json
+
+``--variant NAME="-o kv_unified=false"`` adds an octo server with those extra arguments to every round (its ratios to
+llama-server are paired the same way), e.g. the per-sequence KV streams beside the default unified pool.
 """
 
 from __future__ import annotations
@@ -23,23 +26,31 @@ from llamacpp import cpp_cmd, decode_rate, free_port, host_info, load, octo_cmd,
 
 
 def level(path: str, n: int, rounds: int, args) -> dict:
-    res: dict[str, list[tuple[float, float]]] = {"octo": [], "llama-server": []}
+    octos = {"octo": [], **{name: extra.split() for name, extra in args.variant.items()}}
+    res: dict[str, list[tuple[float, float]]] = {name: [] for name in [*octos, "llama-server"]}
     with contextlib.ExitStack() as st:
-        p1, p2 = free_port(), free_port()
-        bases = {"octo": st.enter_context(server(octo_cmd(path, p1, args, max(8, n)), p1, "/health", "octo")),
-                 "llama-server": st.enter_context(server(cpp_cmd(path, p2, args, n), p2, "/health", "llama-server"))}
+        bases = {}
+        for name, extra in octos.items():
+            p = free_port()
+            bases[name] = st.enter_context(server(octo_cmd(path, p, args, max(8, n)) + extra, p, "/health", name))
+        p = free_port()
+        bases["llama-server"] = st.enter_context(server(cpp_cmd(path, p, args, n), p, "/health", "llama-server"))
         for base in bases.values():
             asyncio.run(load(base, n, 8, "warm"))
         for r in range(rounds):
-            for name in (("octo", "llama-server") if r % 2 == 0 else ("llama-server", "octo")):
+            for name in (list(bases) if r % 2 == 0 else list(bases)[::-1]):
                 res[name].append(decode_rate(bases[name], n, args, f"{name[0]}{n}r{r}"))
             print(n, r, {k: [round(x, 1) for x in v[-1]] for k, v in res.items()}, file=sys.stderr, flush=True)
-    o, c = res["octo"], res["llama-server"]
+    c = res["llama-server"]
+    out: dict = {"rounds": rounds}
+    for name in octos:
+        o = res[name]
+        key = "" if name == "octo" else f"{name}_"
+        out[f"{key}paired_decode_ratio"] = round(statistics.median(a[0] / b[0] for a, b in zip(o, c, strict=True)), 3)
+        out[f"{key}paired_e2e_ratio"] = round(statistics.median(a[1] / b[1] for a, b in zip(o, c, strict=True)), 3)
+        out[f"{key}octo_ahead_rounds"] = sum(a[0] > b[0] for a, b in zip(o, c, strict=True))
     return {
-        "paired_decode_ratio": round(statistics.median(a[0] / b[0] for a, b in zip(o, c, strict=True)), 3),
-        "paired_e2e_ratio": round(statistics.median(a[1] / b[1] for a, b in zip(o, c, strict=True)), 3),
-        "octo_ahead_rounds": sum(a[0] > b[0] for a, b in zip(o, c, strict=True)),
-        "rounds": rounds,
+        **out,
         "decode_tok_s": {k: round(statistics.median(x[0] for x in v), 2) for k, v in res.items()},
         "e2e_tok_s": {k: round(statistics.median(x[1] for x in v), 2) for k, v in res.items()},
         "runs": {k: [[round(x, 2) for x in pair] for pair in v] for k, v in res.items()},
@@ -53,8 +64,13 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=144)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variant", nargs="*", default=[], metavar='NAME="ARGS"',
+                    help="another octo server with extra arguments, e.g. streams=\"-o kv_unified=false\"")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "paired.json"))
     args = ap.parse_args()
+    args.variant = dict(v.split("=", 1) for v in args.variant)
+    if {"octo", "llama-server"} & set(args.variant):
+        ap.error("a variant needs a name of its own")
     args.flash = True
     from octo.synth.gguf import build_gguf
 
