@@ -277,10 +277,11 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
             urgent = any(_work(t, n_ctx) <= Pacer.SHORT_WORK for t in (*owners, *prefilling))
             budget, paced = self._pacer.budgets(budget, decoding=bool(feeds), alone=alone, urgent=urgent)
             # short: a prompt that fits one chunk while nothing decodes (nobody waits on it), or beside decoders one no
-            # longer than the pacer's share, the least work a decoding request has left, or one step's worth of prompt
-            # work (so streams that arrive just after a first one join it together at its next step, instead of one
-            # by one behind it: 8 short streams took 1.9 s to all start, against 0.8 s with llama-server)
-            least = max(paced, self._pacer.short(budget), min(_work(t, n_ctx) for t in owners)) if owners else budget
+            # longer than one step's worth of prompt work (the pacer's `short`, never less than its share `paced`) or
+            # the least work a decoding request has left (so streams that arrive just after a first one join it
+            # together at its next step, instead of one by one behind it: 8 short streams took 1.9 s to all start,
+            # against 0.8 s with llama-server)
+            least = max(self._pacer.short(budget), min(_work(t, n_ctx) for t in owners)) if owners else budget
         budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
         for t in prefilling:
             if budget <= 0:

@@ -323,7 +323,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         self.mem = L.llama_get_memory(self.ctx)
         self.n_ctx_seq = min(n_ctx, L.llama_n_ctx_seq(self.ctx))
         self.batch = Batch(self.n_batch)
-        self.free_ids = list(range(max_batch - 1, -1, -1))
+        self.free_ids = list(range(max_batch))  # add_sequence takes the lowest
         self.cache_ids = list(range(max_batch + n_cache - 1, max_batch - 1, -1))
         self.n_cache_seqs = n_cache
         self._entries: dict[int, KVHandle] = {}  # cache sequence id -> its handle, oldest first
