@@ -105,19 +105,28 @@ def test_a_push_stays_cheap_with_long_stops():
 
 def test_long_text_with_long_stops_that_keep_almost_matching():
     """120,000 characters generated against 16 stops of 500 that match all but their last character again and
-    again: no push is slow and the text comes out whole."""
+    again: pushes stay cheap and the text comes out whole. Each push is timed in this thread's CPU time with the
+    garbage collector off, and the bounds are on the 99th percentile and the total (about 0.03 ms and 0.3 s here;
+    a matcher that re-examined the 500 characters held back would take ~16 x 500 comparisons a push), so a CI host
+    that preempts the test for a moment cannot fail it (the single worst wall-clock push once read 6 ms there)."""
+    import gc
     import time
 
     stops = ["xyz" * 166 + str(i) for i in range(16)]
     s = TextStream(stops)
-    out, worst = [], 0.0
-    for _ in range(10_000):
-        t0 = time.perf_counter()
-        text, stopped = s.push(b"xyzxyzxyzxyz")
-        worst = max(worst, time.perf_counter() - t0)
-        assert not stopped
-        out.append(text)
-    assert worst < 0.005, worst
+    out, took = [], []
+    gc.disable()
+    try:
+        for _ in range(10_000):
+            t0 = time.thread_time()
+            text, stopped = s.push(b"xyzxyzxyzxyz")
+            took.append(time.thread_time() - t0)
+            assert not stopped
+            out.append(text)
+    finally:
+        gc.enable()
+    took.sort()
+    assert took[int(len(took) * 0.99)] < 0.002 and sum(took) < 3.0, (took[int(len(took) * 0.99)], sum(took))
     text, stopped = s.push(("xyz" * 166 + "7 tail").encode())
     assert stopped and s.matched == stops[7]
     assert "".join(out) + text == "xyz" * 40_000
