@@ -65,6 +65,21 @@ class CellBook:
         else:
             self._segs.pop(seq_id, None)
 
+    def shared_prefix(self, seq_id: int) -> int:
+        """How many of ``seq_id``'s first positions are cells another sequence id also holds."""
+        cover: dict[int, int] = {}  # block -> the most cells another holder covers
+        for sid, segs in self._segs.items():
+            if sid != seq_id:
+                for b, k in segs:
+                    cover[id(b)] = max(cover.get(id(b), 0), k)
+        n = 0
+        for block, k in self._segs.get(seq_id, ()):
+            shared = min(k, cover.get(id(block), 0))
+            n += shared
+            if shared < k:
+                break
+        return n
+
     def blocks(self, seq_ids) -> set[int]:
         """The blocks the given sequence ids hold cells of."""
         return {id(b) for sid in seq_ids for b, _ in self._segs.get(sid, ())}

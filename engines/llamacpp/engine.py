@@ -197,6 +197,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
                 "n_ctx_per_seq": self.n_ctx_seq,
                 "kv_cells": L.llama_n_ctx(self.ctx),
                 "kv_unified": self.kv_unified,
+                "kv_compact": self.compact and self.kv_unified,
                 "kv_layout": {"chosen": "unified" if self.kv_unified else "streams", **self.kv_layout},
                 "n_seq_max": L.llama_n_seq_max(self.ctx),
                 "n_batch": self.n_batch,
@@ -330,6 +331,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         self.demoted = 0
         self._members_changed = False  # sequences came or went since the last step's idle check
         self.book = CellBook()
+        self._reset_compaction(self.opts.get("kv_compact", True))
         self.active: dict[int, Sequence] = {}
         self.kv_cells = L.llama_n_ctx(self.ctx)
         self.kv_shares_cells = self.kv_unified
@@ -448,6 +450,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         seq.slot = Slot(seq_id, chain)
         seq.n_cached = 0
         self.active[seq_id] = seq
+        self._runs[seq_id] = 0
 
     def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         if not feeds:
@@ -455,6 +458,8 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         if self._members_changed and self._entries:  # decoding now: idle cached cells would be scanned every row
             self._members_changed = False
             self._demote_idle()
+        if self.kv_unified and self.compact:
+            self._compact_scattered()
         if self.adapters is None:
             return self._decode(feeds)
         parts = lora.groups(feeds)  # llama.cpp's adapter set is per context: one decode per adapter (.lora)
@@ -532,6 +537,8 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         rc = self._L.llama_decode(self.ctx, b.struct)
         if rc != 0:
             self._decode_failed(rc, feeds)
+        if self.kv_unified:
+            self._count_runs(feeds)
         result: list[int | list[int] | BaseException | None] = []
         append = self.book.append
         for i, (f, start) in enumerate(zip(feeds, starts, strict=True)):
@@ -576,6 +583,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
             slot.chain.close()
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
+        self._runs.pop(slot.seq_id, None)
         if self.drafter is not None:
             self.drafter.drop(slot.seq_id)
         seq.slot = None

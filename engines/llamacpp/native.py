@@ -121,6 +121,8 @@ OPTIONS = {
     "kv_unified": (_auto_bool, "KV layout: true (one pool shared by all sequences), false (a stream of n_ctx cells per "
                    "sequence) or auto (default: the faster on an agent-shaped probe at load, cached per host; "
                    "OCTO_LLAMACPP_KV_UNIFIED sets the default)"),
+    "kv_compact": (_bool, "unified pool: rewrite a sequence's cells as one run once decoding beside others has "
+                   "scattered them (default true; ggml's CPU attention is slower over scattered cells)"),
     "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
     "cache_seqs": (_nonneg, "prefix-cache entries kept as shared cells of the unified pool (default 16; 0: RAM "
                    "snapshots only)"),
