@@ -1,7 +1,8 @@
 """The llama.cpp engine: continuous batching over llama-cpp-python's low-level API.
 
 One ``llama_context`` holds every active sequence (``n_seq_max = max_batch``, one llama.cpp sequence id per
-request; the KV layout, one unified pool or a stream per sequence, is timed at load unless set: :mod:`.layout`).
+request; the KV layout, one unified pool or a stream per sequence, is timed at load unless set: :mod:`.layout`; a
+pool runs bursts of short sequences in streams of the same memory: :mod:`.adapt`).
 Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and decode tokens) into one ``llama_batch`` and
 runs a single ``llama_decode``; each sequence then samples from its own logits row with its own native sampler
 chain. Output constraints (``Feed.mask``) and logprobs work on that row
@@ -41,6 +42,7 @@ from octo.errors import ConfigError, ContextLengthExceeded, EngineError, Invalid
 
 from . import layout, lora
 from . import logits as lg
+from .adapt import AdaptiveLayout
 from .cells import CellBook
 from .embeddings import embed_texts
 from .kvcache import KVCells, Slot
@@ -60,7 +62,7 @@ CHATML = (
 )
 
 
-class LlamaCppEngine(Speculation, KVCells, Engine):
+class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
     name: ClassVar[str] = "llamacpp"
     aliases: ClassVar[tuple[str, ...]] = ("llama.cpp", "llama-cpp", "llama_cpp")
     tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
@@ -242,20 +244,14 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
         self.cell_bytes = round(L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim
                                 * CACHE_TYPES[self.cache_type])
-        self.n_ctx_opt = n_ctx
+        self.n_ctx_opt, self._pooling, self.adapt = n_ctx, pooling, None
+        self.plain_kv = not (L.llama_model_n_swa(self.model) or L.llama_model_is_recurrent(self.model)
+                             or L.llama_model_is_hybrid(self.model))  # one KV cache: .kvcache.restream applies
         self._build_context(pooling, n_ctx, (layout.given(self) or (True, None))[0])  # measured after the load
 
-    def _choose_layout(self, pooling: int) -> None:
-        """The KV layout: the one given, or the faster of the two on this host (:mod:`.layout`)."""
-        n_ctx = self.n_ctx_opt  # the probe runs on the serving contexts: a step's cost may depend on their size
-        unified, self.kv_layout = layout.choose(self, n_ctx, self.cell_bytes,
-                                                lambda u: self._build_context(pooling, n_ctx, u))
-        probed = str(self.kv_layout.get("source")).startswith(("measured", "probe failed"))
-        if probed or unified != self.kv_unified or not self.ctx:
-            self._build_context(pooling, n_ctx, unified)  # afresh: nothing of the probe is left
-
-    def _build_context(self, pooling: int, n_ctx: int, unified: bool) -> None:
-        """The serving context with a KV layout (freeing one built before: the layout probe builds both)."""
+    def _build_context(self, pooling: int, n_ctx: int, unified: bool, stream_cells: int | None = None) -> None:
+        """The serving context with a KV layout (freeing one built before: the layout probe builds both); streams of
+        ``stream_cells`` each (default ``n_ctx``: :mod:`.adapt` runs short traffic in smaller ones)."""
         L = self._L
         if self.ctx:
             L.llama_free(self.ctx)
@@ -294,7 +290,7 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         else:
             if "kv_cells" in self.opts:
                 raise ConfigError("kv_cells applies to a unified KV pool (kv_unified=true)", param="kv_cells")
-            cells = n_ctx * max_batch
+            cells = (stream_cells or n_ctx) * max_batch
         # Prefix-cache entries as cells of their own sequence ids (unified pool only: across streams a copy would
         # copy whole buffers).
         n_cache = self.opts.get("cache_seqs", 16) if self.kv_unified and not self.is_embedding else 0
@@ -429,6 +425,8 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
             )
         if not self.free_ids:
             raise EngineError(f"All {self.config.max_batch} llama.cpp sequence slots are in use.")
+        if self.adapt is not None:
+            self._adapt_add(seq)
         if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences (the prefix it
             used = self.book.used()  # may share with one of them or a cached entry in the pool takes no new cell)
             if used + len(seq.tokens) + 1 - self._shareable(seq.tokens, seq.sampling.adapter) > self.kv_cells:
@@ -451,10 +449,14 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         seq.n_cached = 0
         self.active[seq_id] = seq
         self._runs[seq_id] = 0
+        if self.adapt is not None:
+            self.adapt.added(len(self.active), len(seq.tokens))
 
     def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         if not feeds:
             return []
+        if self.adapt is not None:
+            self._adapt_step(feeds)
         if self._members_changed and self._entries:  # decoding now: idle cached cells would be scanned every row
             self._members_changed = False
             self._demote_idle()
@@ -578,6 +580,8 @@ class LlamaCppEngine(Speculation, KVCells, Engine):
         slot: Slot | None = seq.slot
         if slot is None:
             return
+        if self.adapt is not None:
+            self.adapt.removed(seq.n_cached, len(self.active) - (slot.seq_id in self.active))
         self._seq_rm(slot.seq_id, 0)
         if slot.chain is not None:
             slot.chain.close()

@@ -15,6 +15,7 @@ from octo.engine import KVHandle, Sequence, common_prefix
 from .native import LogTap
 
 log = logging.getLogger("octo.engines.llamacpp")
+STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")  # llama.cpp's sequence-state io_magic (llama-context.cpp)
 
 
 @dataclass
@@ -67,6 +68,8 @@ class KVCells:
         if n > 0:
             self._seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
             dst.n_cached = n
+            if self.adapt is not None:
+                self.adapt.reused(n)
 
     # -- compaction ----------------------------------------------------------------------------------
     # llama.cpp puts a step's new cells in the pool's first free cells, so sequences that decode together interleave:
@@ -165,14 +168,16 @@ class KVCells:
         self._entries[cid] = handle
         return handle
 
-    def _demote_idle(self) -> None:
-        """Move the oldest cache entries whose cells no running sequence shares to RAM, down to the idle bound."""
+    def _demote_idle(self, bound: int | None = None) -> None:
+        """Move the oldest cache entries whose cells no running sequence shares to RAM, down to the idle bound (or
+        ``bound`` idle cells)."""
         if not self._entries:
             return
         live = self.book.blocks(s.slot.seq_id for s in self.active.values())
         idle = {cid: self.book.cells_outside(cid, live) for cid in self._entries}
         total = sum(idle.values())
-        bound = int(self.IDLE_SHARE * (self.book.used() - total))
+        if bound is None:
+            bound = int(self.IDLE_SHARE * (self.book.used() - total))
         for cid in list(self._entries):
             if total <= bound:
                 break
@@ -207,7 +212,6 @@ class KVCells:
     def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
         """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
         next step has logits to sample from). On failure ``n_cached`` stays 0."""
-        L = self._L
         slot: Slot = seq.slot
         n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
         if n_tokens <= 0:
@@ -215,11 +219,13 @@ class KVCells:
         if isinstance(handle.data, int):  # cells of a cache sequence: join them
             self._seq_cp(handle.data, slot.seq_id, n_tokens)
             seq.n_cached = n_tokens
+            if self.adapt is not None:
+                self.adapt.reused(n_tokens)
             return
         if handle.data is None:  # an entry whose RAM copy failed: a miss
             return
         buf, size = handle.data
-        if L.llama_state_seq_set_data(self.ctx, buf, size, slot.seq_id) == 0:
+        if not self._set_state(buf, size, slot.seq_id):
             log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
             self._seq_rm(slot.seq_id, 0)
             return
@@ -227,6 +233,17 @@ class KVCells:
         if not self._seq_rm(slot.seq_id, n_tokens):
             return
         seq.n_cached = n_tokens
+        if self.adapt is not None:
+            self.adapt.reused(n_tokens)
+
+    def _set_state(self, buf: Any, size: int, seq_id: int) -> bool:
+        """``llama_state_seq_set_data`` of a snapshot taken in either KV layout (:func:`restream`); all of it must be
+        read."""
+        n_stream = 1 if self.kv_unified else self._L.llama_n_seq_max(self.ctx)
+        data = restream(buf, size, n_stream) if self.plain_kv else None
+        if data is not None:
+            buf, size = data
+        return self._L.llama_state_seq_set_data(self.ctx, buf, size, seq_id) == size
 
     def kv_free(self, handle: KVHandle) -> None:
         if isinstance(handle.data, int):  # the cells stay while a running sequence shares them
@@ -254,3 +271,29 @@ class KVCells:
             return None
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return KVHandle(tokens=tuple(tokens), nbytes=len(data), data=(buf, len(data)))
+
+
+def restream(buf: Any, size: int, n_stream: int) -> tuple[Any, int] | None:
+    """A sequence's KV snapshot rewritten for a context of ``n_stream`` KV streams (1: the unified pool), or None
+    when it needs no change or does not have the expected shape. llama.cpp writes a sequence state as a magic and the
+    sequence id (``STATE_MAGIC``, two u32), then a plain KV cache's state: the stream count (u32), then per stream its
+    cell count (u32) and, when not 0, its cells. A sequence has cells in one stream only, which llama.cpp reads into
+    the sequence's own stream wherever it stands, and it refuses a stream count other than its own ("n_stream
+    mismatch"). So the conversion keeps that one block and writes the counts around it; the caller checks that
+    llama.cpp read all of it."""
+    raw = bytes((ctypes.c_uint8 * size).from_address(ctypes.addressof(buf)))
+    head = 8 if raw[:4] == STATE_MAGIC else 0
+    if size < head + 8:
+        return None
+    have = int.from_bytes(raw[head:head + 4], "little")
+    if have == n_stream or have < 1 or size < head + 4 * (have + 1):
+        return None
+    counts = head + 4
+    first = next((k for k in range(have) if raw[counts + 4 * k:counts + 4 * k + 4] != bytes(4)), None)
+    if first is None:
+        return None
+    tail = 4 * (have - 1 - first)
+    if raw[size - tail:] != bytes(tail):
+        return None
+    out = raw[:head] + n_stream.to_bytes(4, "little") + raw[counts + 4 * first:size - tail] + bytes(4 * (n_stream - 1))
+    return (ctypes.c_uint8 * len(out)).from_buffer_copy(out), len(out)

@@ -57,7 +57,7 @@ def _available_memory() -> int | None:
     return None
 
 
-def _cache_file(engine: Any, n_ctx: int, cell_bytes: int) -> Path:
+def cache_file(engine: Any, n_ctx: int, cell_bytes: int, kind: str = "layout") -> Path:
     from .probe import _cpu_flags
 
     st = os.stat(engine.artifact_path)
@@ -66,7 +66,7 @@ def _cache_file(engine: Any, n_ctx: int, cell_bytes: int) -> Path:
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
              cell_bytes, 5]  # the last: this probe's version
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
-    return octo_home() / "probe" / f"llamacpp-layout-{key}.json"
+    return octo_home() / "probe" / f"llamacpp-{kind}-{key}.json"
 
 
 def given(engine: Any) -> tuple[bool, dict[str, Any]] | None:
@@ -102,7 +102,7 @@ def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple
     avail = _available_memory()
     if avail is not None and streams_bytes > MEMORY_SHARE * avail:
         return True, {"source": "memory", "streams_kv_bytes": streams_bytes, "available_bytes": avail}
-    path = _cache_file(engine, n_ctx, cell_bytes)
+    path = cache_file(engine, n_ctx, cell_bytes)
     try:
         cached = json.loads(path.read_text())
         return bool(cached["unified"]), {**cached["verdict"], "cached": True}

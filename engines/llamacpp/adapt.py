@@ -1,0 +1,269 @@
+"""The KV layout follows the load: the unified pool, or per-sequence streams while the traffic is many short sequences.
+
+Neither layout wins everywhere (:mod:`.layout`). The unified pool shares prefixes without copies and lets any one
+sequence grow to the full context, but ggml's CPU flash attention walks every cell in use for each decode row,
+skipping the other sequences' cells one by one: with 16 short streams each row walks ~2,600 cells to attend over its
+own ~160 (octo's default decoded 0.94x llama-server's tok/s at 16 streams, 1.00x with streams). Streams of the full
+context cost ``max_batch`` times the memory (6.4 GB for 16 x 32,768 cells of a 0.5B model), which is why the default
+is the pool.
+
+So a model served from the unified pool may run its **short traffic in streams of the same memory**: ``max_batch``
+streams of ``cells = pool // max_batch`` each (2,048 for that model). The layout changes only between bursts of
+traffic, when no sequence runs: a *busy period* runs from the first sequence added after an idle moment to the last
+one removed, and the next one starts in streams when the last one ran several sequences at once (``peak >= 2``), each
+within ``HEADROOM`` of a stream (``longest <= cells / 2``), sharing little of its prompts (``reused <= prompt / 2``:
+shared prefixes are what the pool does best), and the first prompt of the new one fits too; any other period starts
+in the pool. A stream that would overflow (a sequence grows past its cells, a long prompt arrives) moves every running
+sequence into a new unified context at once (``llama_state_seq`` snapshots, copied back to the same sequence ids:
+the KV, hence the text, is unchanged) and the period goes on there. A switch costs a context build (about 0.2 s for
+that model) plus the copies; idle prefix-cache entries leave the pool for RAM snapshots first (:meth:`_demote_idle`).
+
+Whether streams pay for short traffic on this host is measured at load (:func:`probe`, cached like the layout's
+verdict): ``max_batch`` sequences of ``PREFIX`` distinct tokens decode ``DECODE`` steps in each layout; streams must
+take at most ``MARGIN`` of the pool's time. ``-o kv_adapt=true`` skips the probe, ``false`` turns this off; it applies
+only where the pool was chosen (``kv_unified`` auto, or true).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from octo.engine import Feed, SamplingParams, Sequence
+
+from . import layout
+
+log = logging.getLogger("octo.engines.llamacpp")
+
+HEADROOM = 0.5  # a period whose sequences stayed within this share of a stream may run in streams
+MIN_CELLS = 256  # smaller streams are not worth a switch
+PREFIX, DECODE, REPS = 192, 8, 2
+MARGIN = 0.98
+BUDGET_S = 6.0
+
+
+class Adaptive:
+    """The switching policy and its counters (the engine switches: :meth:`AdaptiveLayout._relayout`)."""
+
+    def __init__(self, cells: int, verdict: dict[str, Any]) -> None:
+        self.cells = cells
+        self.verdict = verdict
+        self.switches = 0
+        self.forced = 0
+        self.period: dict[str, int] | None = None  # the busy period under way
+        self.last: dict[str, int] | None = None  # the last one that ended
+
+    def opening(self, n_active: int, n_prompt: int, unified: bool) -> bool | None:
+        """A sequence of ``n_prompt`` tokens is added beside ``n_active`` running ones: the layout it needs (True: the
+        pool), or None to keep the current one."""
+        if not unified and n_prompt + 1 > self.cells:
+            return True  # it cannot fit a stream, whatever runs
+        if n_active:
+            return None
+        last = self.last
+        if n_prompt + 1 > HEADROOM * self.cells:
+            return True
+        if last is None or last["peak"] < 2:
+            return None  # one sequence at a time: the layouts cost the same
+        short = last["longest"] <= HEADROOM * self.cells and 2 * last["reused"] <= last["prompt"]
+        return not short
+
+    def added(self, n_active: int, n_prompt: int) -> None:
+        p = self.period
+        if p is None:
+            p = self.period = {"peak": 0, "longest": 0, "prompt": 0, "reused": 0, "sequences": 0}
+        p["peak"] = max(p["peak"], n_active)
+        p["prompt"] += n_prompt
+        p["sequences"] += 1
+        p["longest"] = max(p["longest"], n_prompt)
+
+    def reused(self, n_tokens: int) -> None:
+        if self.period is not None:
+            self.period["reused"] += n_tokens
+
+    def removed(self, n_tokens: int, n_active: int) -> None:
+        p = self.period
+        if p is None:
+            return
+        p["longest"] = max(p["longest"], n_tokens)
+        if n_active == 0:
+            self.last, self.period = p, None
+
+    def overflows(self, feeds: list[Feed], extra: int) -> bool:
+        """Whether a step would take a sequence past its stream (``extra``: the draft tokens it may add)."""
+        return any(f.seq.n_cached + len(f.tokens) + extra + 1 > self.cells for f in feeds)
+
+    def describe(self, unified: bool) -> dict[str, Any]:
+        return {**self.verdict, "stream_cells": self.cells, "now": "unified" if unified else "streams",
+                "switches": self.switches, "forced": self.forced}
+
+
+def setup(engine: Any, pool: int) -> tuple[Adaptive | None, dict[str, Any] | None]:
+    """The policy for an engine serving from a unified pool of ``pool`` cells (None: off, or not worth it) and the
+    verdict it follows (None: off)."""
+    choice = engine.opts.get("kv_adapt", "auto")
+    cells = min(engine.n_ctx_seq, pool // max(1, engine.config.max_batch))
+    if choice == "false" or engine.is_embedding or engine.config.max_batch < 2 or not engine.kv_unified:
+        return None, None
+    if not engine.plain_kv:  # sliding-window or recurrent memory: snapshots cannot move between layouts (.kvcache)
+        return None, None
+    if cells < MIN_CELLS:
+        return None, None
+    if choice == "true":
+        verdict = {"source": "option"}
+        return Adaptive(cells, verdict), verdict
+    if layout.given(engine) is not None:  # the user (or the environment) fixed the layout
+        return None, None
+    path = layout.cache_file(engine, engine.n_ctx_opt, engine.cell_bytes, f"adapt-{cells}")
+    try:
+        verdict = {**json.loads(path.read_text()), "cached": True}
+        return (Adaptive(cells, verdict) if verdict["pays"] else None), verdict
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from octo.benchload import LoadMonitor
+
+    mon = LoadMonitor().start()
+    try:
+        verdict = probe(engine, cells)
+    except Exception as exc:  # noqa: BLE001 - a probe that fails costs the adaptation, never the load
+        mon.stop()
+        log.warning("llamacpp: the short-stream layout probe failed (%s: %s); the pool stays", type(exc).__name__, exc)
+        return None, {"source": f"probe failed ({type(exc).__name__}: {exc})", "pays": False}
+    finally:
+        engine._relayout(True)
+    conditions = mon.stop()
+    verdict["disturbed"] = conditions["disturbed"]
+    log.info("llamacpp: short traffic in streams: %s (a step: pool %.4f s, streams %.4f s)",
+             "yes" if verdict["pays"] else "no", verdict["unified_step_s"], verdict["streams_step_s"])
+    if not conditions["disturbed"]:
+        from octo.atomic import write_json
+
+        try:
+            write_json(path, verdict)
+        except OSError:
+            log.debug("could not cache the short-stream verdict at %s", path, exc_info=True)
+    return (Adaptive(cells, verdict) if verdict["pays"] else None), verdict
+
+
+def probe(engine: Any, cells: int) -> dict[str, Any]:
+    """Seconds of ``max_batch`` sequences of distinct short contexts decoding together, in the pool and in streams of
+    ``cells``. One prefix is computed (untimed) and copied into every sequence (a snapshot: distinct cells in either
+    layout); the first decode step is untimed."""
+    n = engine.config.max_batch
+    engine._probe_cells = cells
+    vocab = max(2, engine.n_vocab - 1)
+    prefix = min(PREFIX, cells // 2)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    steps = DECODE
+    t_start = time.perf_counter()
+    for rep in range(REPS):
+        for unified in (True, False) if rep % 2 == 0 else (False, True):
+            engine._relayout(unified)
+            lead = Sequence(810_000, [(13 * i + 7) % vocab for i in range(prefix + 1)], SamplingParams(temperature=0.0))
+            engine.add_sequence(lead)
+            try:
+                while lead.n_cached < prefix:
+                    part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + engine.prefill_chunk)]
+                    _check(engine.step([Feed(lead, part, False)]))
+                snap = engine._snapshot(lead)
+            finally:
+                engine.remove_sequence(lead)
+            if snap is None:
+                raise RuntimeError("no snapshot of the probe's prefix")
+            run = [Sequence(810_001 + k, [*snap.tokens, (17 * k + 3) % vocab], SamplingParams(temperature=0.0))
+                   for k in range(n)]
+            try:
+                for s in run:
+                    engine.add_sequence(s)
+                    engine.kv_restore(s, snap, prefix)
+                    if s.n_cached != prefix:
+                        raise RuntimeError("the probe's prefix was not restored")
+                outs = _check(engine.step([Feed(s, s.tokens[s.n_cached:], True) for s in run]))
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    for s, out in zip(run, outs, strict=True):
+                        s.tokens.append(out)
+                    outs = _check(engine.step([Feed(s, s.tokens[-1:], True) for s in run]))
+                took = time.perf_counter() - t0
+                times[unified].append(took / steps)  # per step: a slow model's later runs take fewer
+                if took > BUDGET_S / (2 * REPS):
+                    steps = max(2, int(steps * BUDGET_S / (2 * REPS) / took))
+            finally:
+                for s in run:
+                    engine.remove_sequence(s)
+    unified_s, streams_s = min(times[True]), min(times[False])
+    return {"source": "measured", "pays": streams_s <= MARGIN * unified_s, "unified_step_s": round(unified_s, 5),
+            "streams_step_s": round(streams_s, 5), "streams_over_unified": round(streams_s / unified_s, 3),
+            "probe": {"seqs": n, "prefix": prefix, "decode": steps},
+            "probe_seconds": round(time.perf_counter() - t_start, 2)}
+
+
+def _check(outs: list[Any]) -> list[Any]:
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    return outs
+
+
+class AdaptiveLayout:
+    """A mixin of :class:`.engine.LlamaCppEngine`: the layout switch itself and the engine's hooks into the policy."""
+
+    adapt: Adaptive | None = None
+
+    def _choose_layout(self, pooling: int) -> None:
+        """The KV layout: the one given, or the faster of the two on this host (:mod:`.layout`)."""
+        n_ctx = self.n_ctx_opt  # the probe runs on the serving contexts: a step's cost may depend on their size
+        unified, self.kv_layout = layout.choose(self, n_ctx, self.cell_bytes,
+                                                lambda u: self._build_context(pooling, n_ctx, u))
+        probed = str(self.kv_layout.get("source")).startswith(("measured", "probe failed"))
+        if probed or unified != self.kv_unified or not self.ctx:
+            self._build_context(pooling, n_ctx, unified)  # afresh: nothing of the probe is left
+        self.adapt, verdict = setup(self, self.kv_cells)  # short traffic in streams of the same memory
+        if verdict is not None:
+            self.kv_layout["adapt"] = verdict
+
+    def _relayout(self, unified: bool, forced: bool = False) -> None:
+        """Serve from a new context with the other layout (streams: of the policy's cells), keeping every running
+        sequence: its KV is copied out (``llama_state_seq_get_data``) and back into the same sequence id."""
+        if unified == self.kv_unified:
+            return
+        from octo.errors import EngineError
+
+        t0 = time.perf_counter()
+        snaps = []
+        for sid, seq in self.active.items():
+            if seq.n_cached > 0:
+                snap = self._snapshot_id(sid, seq.n_cached)
+                if snap is None:
+                    raise EngineError(f"moving sequence {seq.id} to a new KV layout failed (no snapshot)")
+                snaps.append((sid, seq, snap))
+        if self._entries:  # cached entries leave the pool's cells for RAM snapshots (the new context has none)
+            self._demote_idle(bound=0)
+        keep = self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions
+        cells = None if unified else (self.adapt.cells if self.adapt is not None else self._probe_cells)
+        self._build_context(self._pooling, self.n_ctx_opt, unified, stream_cells=cells)
+        self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions = keep
+        for sid, seq, snap in snaps:
+            buf, size = snap.data
+            if not self._set_state(buf, size, sid):
+                raise EngineError(f"moving sequence {seq.id} ({seq.n_cached} tokens) to a new KV layout failed")
+            self.book.append(sid, seq.n_cached)
+        if self.adapt is not None:
+            self.adapt.switches += 1
+            self.adapt.forced += forced
+            log.info("llamacpp: KV layout now %s (%s%d running sequences moved, %.3f s)",
+                     "the unified pool" if unified else f"streams of {cells} cells",
+                     "forced: a sequence outgrew its stream; " if forced else "", len(snaps), time.perf_counter() - t0)
+
+    def _adapt_add(self, seq: Sequence) -> None:
+        """Before ``seq`` takes a slot: the layout its busy period wants (or a stream it cannot fit)."""
+        want = self.adapt.opening(len(self.active), len(seq.tokens), self.kv_unified)
+        if want is not None and want != self.kv_unified:
+            self._relayout(want, forced=bool(self.active))
+
+    def _adapt_step(self, feeds: list[Feed]) -> None:
+        """Before a step: a sequence that would outgrow its stream moves everything to the pool."""
+        if not self.kv_unified and self.adapt.overflows(feeds, self.n_draft if self.drafter is not None else 0):
+            self._relayout(True, forced=True)
