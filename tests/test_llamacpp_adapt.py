@@ -226,3 +226,20 @@ def test_off_when_the_layout_is_given_or_asked_off(gguf_path, auto, monkeypatch)
             e.unload()
     with pytest.raises(ConfigError, match="kv_adapt"):
         _load(gguf_path, kv_adapt="sometimes")
+
+
+def test_a_layout_it_cannot_build_leaves_the_one_it_had(pair, monkeypatch):
+    """Building the streams context fails (memory): the engine rebuilds its pool, keeps serving, stops switching."""
+    ref, e = pair
+    real = e._build_context
+
+    def build(pooling, n_ctx, unified, stream_cells=None):
+        if not unified:
+            raise MemoryError("no room for the streams")
+        return real(pooling, n_ctx, unified, stream_cells)
+
+    monkeypatch.setattr(e, "_build_context", build)
+    assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)
+    assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)  # its first add tried streams
+    assert e.kv_unified and e.adapt is None and e.ctx
+    assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)

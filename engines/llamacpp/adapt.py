@@ -242,20 +242,35 @@ class AdaptiveLayout:
         if self._entries:  # cached entries leave the pool's cells for RAM snapshots (the new context has none)
             self._demote_idle(bound=0)
         keep = self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions
-        cells = None if unified else (self.adapt.cells if self.adapt is not None else self._probe_cells)
-        self._build_context(self._pooling, self.n_ctx_opt, unified, stream_cells=cells)
-        self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions = keep
-        for sid, seq, snap in snaps:
-            buf, size = snap.data
-            if not self._set_state(buf, size, sid):
-                raise EngineError(f"moving sequence {seq.id} ({seq.n_cached} tokens) to a new KV layout failed")
-            self.book.append(sid, seq.n_cached)
+        cells = self.adapt.cells if self.adapt is not None else self._probe_cells
+        try:
+            self._rebuild(unified, cells, keep, snaps)
+        except Exception as exc:  # (a context it cannot build): back to the one it had, and no more switching
+            self._rebuild(not unified, cells, keep, snaps)
+            log.warning("llamacpp: switching the KV layout failed (%s: %s); staying with the %s", type(exc).__name__,
+                        exc, "streams" if unified else "unified pool")
+            self.adapt = None
+            if forced:
+                raise EngineError(f"a sequence outgrew its KV stream and the unified pool could not be built: {exc}") \
+                    from exc
+            return
         if self.adapt is not None:
             self.adapt.switches += 1
             self.adapt.forced += forced
             log.info("llamacpp: KV layout now %s (%s%d running sequences moved, %.3f s)",
                      "the unified pool" if unified else f"streams of {cells} cells",
                      "forced: a sequence outgrew its stream; " if forced else "", len(snaps), time.perf_counter() - t0)
+
+    def _rebuild(self, unified: bool, cells: int, keep: tuple, snaps: list) -> None:
+        from octo.errors import EngineError
+
+        self._build_context(self._pooling, self.n_ctx_opt, unified, stream_cells=None if unified else cells)
+        self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions = keep
+        for sid, seq, snap in snaps:
+            buf, size = snap.data
+            if not self._set_state(buf, size, sid):
+                raise EngineError(f"moving sequence {seq.id} ({seq.n_cached} tokens) to a new KV layout failed")
+            self.book.append(sid, seq.n_cached)
 
     def _adapt_add(self, seq: Sequence) -> None:
         """Before ``seq`` takes a slot: the layout its busy period wants (or a stream it cannot fit)."""
