@@ -10,14 +10,13 @@ engine and per 16-step window (the cells in use grow from 16 to 160 a sequence),
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from llamacpp import host_info  # noqa: E402
+from llamacpp import run_levels  # noqa: E402
 
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 
@@ -81,15 +80,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "compact.json"))
     args = ap.parse_args()
-    args.flash = True
-    from octo.synth.gguf import build_gguf
-
-    path = str(build_gguf("qwen2.5-0.5b", ftype="q4_k_m", threads=args.threads))
-    out = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "host": host_info(args), "levels": {}}
-    for i, n in enumerate(args.streams):
-        out["levels"][str(n)] = level(path, n, args.reps[min(i, len(args.reps) - 1)], args)
-        print(n, {k: v for k, v in out["levels"][str(n)].items() if k != "step_ms_per_window"}, flush=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    run_levels(args, level, args.reps, "step_ms_per_window")
 
 
 if __name__ == "__main__":

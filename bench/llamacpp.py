@@ -424,6 +424,20 @@ def ttft(base: str, args) -> dict:
     }
 
 
+def run_levels(args, level, reps: list[int], hide: str) -> None:
+    """The 0.5B Q4_K_M GGUF, ``level(path, n, reps, args)`` for each of ``args.streams`` (``reps``: per level, the last
+    repeats), each level's summary printed (without its ``hide`` key), all of it as JSON to ``args.out``."""
+    args.flash = True
+    from octo.synth.gguf import build_gguf
+
+    path = str(build_gguf("qwen2.5-0.5b", ftype="q4_k_m", threads=args.threads))
+    out = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "host": host_info(args), "levels": {}}
+    for i, n in enumerate(args.streams):
+        out["levels"][str(n)] = level(path, n, reps[min(i, len(reps) - 1)], args)
+        print(n, {k: v for k, v in out["levels"][str(n)].items() if k != hide}, flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
 def host_info(args) -> dict:
     import llama_cpp
     from octo.engines.llamacpp.native import physical_cores

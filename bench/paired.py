@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from llamacpp import cpp_cmd, decode_rate, free_port, host_info, load, octo_cmd, server  # noqa: E402
+from llamacpp import cpp_cmd, decode_rate, free_port, load, octo_cmd, run_levels, server  # noqa: E402
 
 
 def level(path: str, n: int, rounds: int, args) -> dict:
@@ -71,15 +70,7 @@ def main() -> None:
     args.variant = dict(v.split("=", 1) for v in args.variant)
     if {"octo", "llama-server"} & set(args.variant):
         ap.error("a variant needs a name of its own")
-    args.flash = True
-    from octo.synth.gguf import build_gguf
-
-    path = str(build_gguf("qwen2.5-0.5b", ftype="q4_k_m", threads=args.threads))
-    out = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "host": host_info(args), "levels": {}}
-    for i, n in enumerate(args.streams):
-        out["levels"][str(n)] = level(path, n, args.rounds[min(i, len(args.rounds) - 1)], args)
-        print(n, {k: v for k, v in out["levels"][str(n)].items() if k != "runs"}, flush=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    run_levels(args, level, args.rounds, "runs")
 
 
 if __name__ == "__main__":
