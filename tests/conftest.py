@@ -26,3 +26,16 @@ def echo_server(request):
 def octo_server():
     """Factory: `with octo_server("MODEL", "--engine", "echo", ...) as server:`."""
     return run_octo
+
+
+@pytest.fixture
+def forbid(monkeypatch):
+    """``forbid(obj, name)``: the test fails if ``obj.name`` is called (a probe that must not run, ...)."""
+
+    def _forbid(obj, name: str) -> None:
+        def boom(*args, **kwargs):
+            raise AssertionError(f"{name} was called")
+
+        monkeypatch.setattr(obj, name, boom)
+
+    return _forbid

@@ -4,14 +4,13 @@ changes where the KV lives, never the text: every test compares greedy tokens wi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'octo[llamacpp]')")
 pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'octo[llamacpp]')")
 
 from octo.engines.llamacpp import LlamaCppEngine, adapt, layout  # noqa: E402
+from probefiles import cached_verdict  # noqa: E402
 
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 from octo.errors import ConfigError  # noqa: E402
@@ -199,11 +198,10 @@ def test_measured_at_load_then_cached(gguf_path, auto, monkeypatch, pays):
         assert _run(e, _prompts(e), 5)
     finally:
         e.unload()
-    files = list((auto / "probe").glob("llamacpp-adapt-*.json"))
-    if verdict["disturbed"]:  # measured while other processes competed: used for this load only
-        assert not files
+    cached = cached_verdict(auto, "adapt", verdict["disturbed"])
+    if cached is None:
         return
-    assert len(files) == 1 and json.loads(files[0].read_text())["pays"] is pays
+    assert cached["pays"] is pays
     again = _load(gguf_path)
     try:
         assert len(calls) == 1 and (again.adapt is not None) is pays
@@ -212,11 +210,8 @@ def test_measured_at_load_then_cached(gguf_path, auto, monkeypatch, pays):
         again.unload()
 
 
-def test_off_when_the_layout_is_given_or_asked_off(gguf_path, auto, monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("probed")
-
-    monkeypatch.setattr(adapt, "probe", boom)
+def test_off_when_the_layout_is_given_or_asked_off(gguf_path, auto, forbid):
+    forbid(adapt, "probe")
     for opts in ({"kv_unified": "true"}, {"kv_unified": "false"}, {"kv_adapt": "false"}, {"kv_cells": "4096"},
                  {"kv_unified": "false", "kv_adapt": "true"}):
         e = _load(gguf_path, **opts)

@@ -7,14 +7,13 @@ unset it."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'octo[llamacpp]')")
 pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'octo[llamacpp]')")
 
 from octo.engines.llamacpp import LlamaCppEngine, layout  # noqa: E402
+from probefiles import cached_verdict  # noqa: E402
 
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 from octo.errors import ConfigError  # noqa: E402
@@ -74,11 +73,10 @@ def test_measured_at_load_then_cached(gguf_path, auto):
         assert all(len(t) == 6 for t in tokens)
     finally:
         e.unload()
-    files = list((auto / "probe").glob("llamacpp-layout-*.json"))
-    if lay["disturbed"]:  # measured while other processes competed: used for that load only
-        assert not files
+    cached = cached_verdict(auto, "layout", lay["disturbed"])
+    if cached is None:
         return
-    assert len(files) == 1 and json.loads(files[0].read_text())["unified"] is e.kv_unified
+    assert cached["unified"] is e.kv_unified
     again = _load(gguf_path)
     try:
         assert again.info.extra["kv_layout"]["cached"] is True
@@ -130,11 +128,8 @@ def test_streams_win_only_by_the_margin_on_both_probes(gguf_path, auto, monkeypa
         e.unload()
 
 
-def test_no_probe_when_the_choice_is_given_or_moot(gguf_path, auto, monkeypatch):
-    def boom(*a, **k):
-        raise AssertionError("probed")
-
-    monkeypatch.setattr(layout, "_workload", boom)
+def test_no_probe_when_the_choice_is_given_or_moot(gguf_path, auto, monkeypatch, forbid):
+    forbid(layout, "_workload")
     for opts, source, unified in (({"kv_unified": "false"}, "option", False), ({"kv_unified": "true"}, "option", True),
                                   ({"kv_cells": "1024"}, "option kv_cells", True)):
         e = _load(gguf_path, **opts)
