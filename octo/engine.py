@@ -333,6 +333,11 @@ class Engine:
     def remove_sequence(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and KV (finished, cancelled or failed)."""
 
+    def kv_stats(self) -> dict[str, Any] | None:
+        """Live numbers about the engine's KV (its layout, ...) for ``/v1/queue/stats``, or None. Called from another
+        thread than the engine's: read plain attributes only."""
+        return None
+
     # -- KV pressure (engines whose sequences share one bounded KV pool) ---------------------------------
     def kv_room(self) -> int | None:
         """Free cells in a KV pool shared by every sequence (one cell per token of one sequence), or None when

@@ -277,4 +277,5 @@ class Scheduler(EngineLoop):
             "prefix_dedup": self.dedup,
             "total_shared_tokens": self.total_shared_tokens,
             "engine_thread": self.watchdog.state,
+            "kv": self.engine.kv_stats(),
         }

@@ -71,6 +71,10 @@ def test_short_bursts_run_in_streams_and_the_text_is_the_same(pair):
     assert e.adapt.last == {"peak": 4, "longest": max(len(p) for p in _prompts(e)) + 29, "prompt":
                             sum(map(len, _prompts(e))), "reused": 0, "sequences": 4}
     assert e.kv_room() is None and e.n_ctx_seq == ref.n_ctx_seq == 2048  # a sequence may still use the whole context
+    st = e.kv_stats()  # what /v1/queue/stats shows per model under "kv"
+    assert (st["layout"], st["adaptive"], st["stream_cells"], st["layout_switches"], st["forced_switches"]) == (
+        "streams", True, 512, 1, 0) and st["cells"] == 2048
+    assert ref.kv_stats()["layout"] == "unified" and ref.kv_stats()["adaptive"] is False
 
 
 def test_a_sequence_that_outgrows_its_stream_moves_everyone_to_the_pool(pair):

@@ -47,6 +47,16 @@ class KVCells:
         self._L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
         self.book.copy(src, dst, n)
 
+    def kv_stats(self) -> dict[str, Any] | None:
+        if self.is_embedding or not self.ctx:
+            return None
+        adapt = self.adapt
+        return {"layout": "unified" if self.kv_unified else "streams", "cells": self.kv_cells,
+                "adaptive": adapt is not None, "stream_cells": adapt.cells if adapt is not None else None,
+                "layout_switches": adapt.switches if adapt is not None else 0,
+                "forced_switches": adapt.forced if adapt is not None else 0,
+                "compaction_passes": self.compactions, "entries_moved_to_ram": self.demoted}
+
     # -- KV pressure -------------------------------------------------------------------------------
     def kv_room(self) -> int | None:
         if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
