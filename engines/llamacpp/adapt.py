@@ -19,8 +19,8 @@ the KV, hence the text, is unchanged) and the period goes on there. A switch cos
 that model) plus the copies; idle prefix-cache entries leave the pool for RAM snapshots first (:meth:`_demote_idle`).
 
 Whether streams pay for short traffic on this host is measured at load (:func:`probe`, cached like the layout's
-verdict): ``max_batch`` sequences of ``PREFIX`` distinct tokens decode ``DECODE`` steps in each layout; streams must
-take at most ``MARGIN`` of the pool's time. ``-o kv_adapt=true`` skips the probe, ``false`` turns this off; it applies
+verdict): ``max_batch`` sequences of ``PREFIX`` cells each decode ``DECODE`` steps in each layout; streams must take
+at most ``MARGIN`` of the pool's time a step. ``-o kv_adapt=true`` skips the probe, ``false`` turns this off; it applies
 only where the pool was chosen (``kv_unified`` auto, or true).
 """
 
@@ -39,8 +39,8 @@ log = logging.getLogger("octo.engines.llamacpp")
 
 HEADROOM = 0.5  # a period whose sequences stayed within this share of a stream may run in streams
 MIN_CELLS = 256  # smaller streams are not worth a switch
-PREFIX, DECODE, REPS = 192, 8, 2
-MARGIN = 0.98
+PREFIX, DECODE, REPS = 192, 8, 3
+MARGIN = 1.0  # streams at least as fast as the pool a step: the probe is the pool's best case (its cells contiguous)
 BUDGET_S = 6.0
 
 
@@ -148,9 +148,10 @@ def setup(engine: Any, pool: int) -> tuple[Adaptive | None, dict[str, Any] | Non
 
 
 def probe(engine: Any, cells: int) -> dict[str, Any]:
-    """Seconds of ``max_batch`` sequences of distinct short contexts decoding together, in the pool and in streams of
-    ``cells``. One prefix is computed (untimed) and copied into every sequence (a snapshot: distinct cells in either
-    layout); the first decode step is untimed."""
+    """Seconds of a step of ``max_batch`` sequences of distinct short contexts decoding together, in the pool and in
+    streams of ``cells``. A prefix is computed once in each layout (untimed) and copied into every sequence (a
+    snapshot: distinct cells); the first decode step of each run is untimed. A model whose steps are slow gets fewer
+    of them (``BUDGET_S``)."""
     n = engine.config.max_batch
     engine._probe_cells = cells
     vocab = max(2, engine.n_vocab - 1)
@@ -158,20 +159,13 @@ def probe(engine: Any, cells: int) -> dict[str, Any]:
     times: dict[bool, list[float]] = {True: [], False: []}
     steps = DECODE
     t_start = time.perf_counter()
+    snaps: dict[bool, Any] = {}  # the prefix, computed once in each layout
     for rep in range(REPS):
         for unified in (True, False) if rep % 2 == 0 else (False, True):
             engine._relayout(unified)
-            lead = Sequence(810_000, [(13 * i + 7) % vocab for i in range(prefix + 1)], SamplingParams(temperature=0.0))
-            engine.add_sequence(lead)
-            try:
-                while lead.n_cached < prefix:
-                    part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + engine.prefill_chunk)]
-                    _check(engine.step([Feed(lead, part, False)]))
-                snap = engine._snapshot(lead)
-            finally:
-                engine.remove_sequence(lead)
-            if snap is None:
-                raise RuntimeError("no snapshot of the probe's prefix")
+            if unified not in snaps:
+                snaps[unified] = _prefix(engine, [(13 * i + 7) % vocab for i in range(prefix + 1)], prefix)
+            snap = snaps[unified]
             run = [Sequence(810_001 + k, [*snap.tokens, (17 * k + 3) % vocab], SamplingParams(temperature=0.0))
                    for k in range(n)]
             try:
@@ -198,6 +192,22 @@ def probe(engine: Any, cells: int) -> dict[str, Any]:
             "streams_step_s": round(streams_s, 5), "streams_over_unified": round(streams_s / unified_s, 3),
             "probe": {"seqs": n, "prefix": prefix, "decode": steps},
             "probe_seconds": round(time.perf_counter() - t_start, 2)}
+
+
+def _prefix(engine: Any, tokens: list[int], prefix: int) -> Any:
+    """A snapshot of ``prefix`` tokens computed in the engine's current context."""
+    lead = Sequence(810_000, tokens, SamplingParams(temperature=0.0))
+    engine.add_sequence(lead)
+    try:
+        while lead.n_cached < prefix:
+            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + engine.prefill_chunk)]
+            _check(engine.step([Feed(lead, part, False)]))
+        snap = engine._snapshot(lead)
+    finally:
+        engine.remove_sequence(lead)
+    if snap is None:
+        raise RuntimeError("no snapshot of the probe's prefix")
+    return snap
 
 
 def _check(outs: list[Any]) -> list[Any]:
