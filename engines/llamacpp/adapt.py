@@ -42,6 +42,7 @@ MIN_CELLS = 256  # smaller streams are not worth a switch
 PREFIX, DECODE, REPS = 192, 8, 3
 MARGIN = 1.0  # streams at least as fast as the pool a step: the probe is the pool's best case (its cells contiguous)
 BUDGET_S = 6.0
+VERSION = 2  # of the probe (part of its cache key)
 
 
 class Adaptive:
@@ -116,7 +117,7 @@ def setup(engine: Any, pool: int) -> tuple[Adaptive | None, dict[str, Any] | Non
         return Adaptive(cells, verdict), verdict
     if layout.given(engine) is not None:  # the user (or the environment) fixed the layout
         return None, None
-    path = layout.cache_file(engine, engine.n_ctx_opt, engine.cell_bytes, f"adapt-{cells}")
+    path = layout.cache_file(engine, engine.n_ctx_opt, engine.cell_bytes, f"adapt-{cells}-v{VERSION}")
     try:
         verdict = {**json.loads(path.read_text()), "cached": True}
         return (Adaptive(cells, verdict) if verdict["pays"] else None), verdict
