@@ -67,7 +67,6 @@ def test_short_bursts_run_in_streams_and_the_text_is_the_same(pair):
         assert _run(ref, _prompts(ref), 30) == _run(e, _prompts(e), 30)
         assert e.kv_unified is (burst == 0)  # after a burst of 4 short sequences (nothing shared): streams
     assert not e.kv_unified and e.adapt.switches == 1 and e.adapt.forced == 0
-    assert e.adapt.describe(e.kv_unified)["now"] == "streams"
     assert e.adapt.last == {"peak": 4, "longest": max(len(p) for p in _prompts(e)) + 29, "prompt":
                             sum(map(len, _prompts(e))), "reused": 0, "sequences": 4}
     assert e.kv_room() is None and e.n_ctx_seq == ref.n_ctx_seq == 2048  # a sequence may still use the whole context
@@ -242,3 +241,39 @@ def test_a_layout_it_cannot_build_leaves_the_one_it_had(pair, monkeypatch):
     assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)  # its first add tried streams
     assert e.kv_unified and e.adapt is None and e.ctx
     assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)
+
+
+def test_a_forced_switch_that_cannot_build_the_pool_fails_the_step_and_keeps_the_streams(pair, monkeypatch):
+    """In streams, a sequence outgrows its stream and the pool cannot be built: that step fails with a clear error, the
+    streams (of the same cells) are rebuilt with every sequence's KV, and the others go on."""
+    from octo.errors import EngineError
+
+    ref, e = pair
+    _run(e, _prompts(e), 10)
+    seqs = [Sequence(i, p, SamplingParams(temperature=0)) for i, p in enumerate(_prompts(e, 2))]
+    for s in seqs:
+        e.add_sequence(s)
+    assert not e.kv_unified and e.stream_cells == 512
+    outs = e.step([Feed(s, s.tokens, True) for s in seqs])
+    real = e._build_context
+
+    def build(pooling, n_ctx, unified, stream_cells=None):
+        if unified:
+            raise MemoryError("no room for the pool")
+        return real(pooling, n_ctx, unified, stream_cells)
+
+    monkeypatch.setattr(e, "_build_context", build)
+    long = seqs[0]
+    with pytest.raises(EngineError, match="outgrew its KV stream"):
+        e.step([Feed(long, [7] * 520, False)])  # past its 512 cells
+    assert not e.kv_unified and e.stream_cells == 512 and e.adapt is None
+    short = seqs[1]
+    short.tokens.append(outs[1])
+    got = [short.tokens[-1]]
+    for _ in range(5):
+        got.append(e.step([Feed(short, short.tokens[-1:], True)])[0])
+        short.tokens.append(got[-1])
+    for s in seqs:
+        e.remove_sequence(s)
+    want = _run(ref, [_prompts(ref, 2)[1]], 7)[0]
+    assert short.tokens == want[:len(short.tokens)]

@@ -96,10 +96,6 @@ class Adaptive:
         """Whether a step would take a sequence past its stream (``extra``: the draft tokens it may add)."""
         return any(f.seq.n_cached + len(f.tokens) + extra + 1 > self.cells for f in feeds)
 
-    def describe(self, unified: bool) -> dict[str, Any]:
-        return {**self.verdict, "stream_cells": self.cells, "now": "unified" if unified else "streams",
-                "switches": self.switches, "forced": self.forced}
-
 
 def setup(engine: Any, pool: int) -> tuple[Adaptive | None, dict[str, Any] | None]:
     """The policy for an engine serving from a unified pool of ``pool`` cells (None: off, or not worth it) and the
@@ -154,7 +150,6 @@ def probe(engine: Any, cells: int) -> dict[str, Any]:
     snapshot: distinct cells); the first decode step of each run is untimed. A model whose steps are slow gets fewer
     of them (``BUDGET_S``)."""
     n = engine.config.max_batch
-    engine._probe_cells = cells
     vocab = max(2, engine.n_vocab - 1)
     prefix = min(PREFIX, cells // 2)
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -163,7 +158,7 @@ def probe(engine: Any, cells: int) -> dict[str, Any]:
     snaps: dict[bool, Any] = {}  # the prefix, computed once in each layout
     for rep in range(REPS):
         for unified in (True, False) if rep % 2 == 0 else (False, True):
-            engine._relayout(unified)
+            engine._relayout(unified, cells)
             if unified not in snaps:
                 snaps[unified] = _prefix(engine, [(13 * i + 7) % vocab for i in range(prefix + 1)], prefix)
             snap = snaps[unified]
@@ -235,9 +230,10 @@ class AdaptiveLayout:
         if verdict is not None:
             self.kv_layout["adapt"] = verdict
 
-    def _relayout(self, unified: bool, forced: bool = False) -> None:
-        """Serve from a new context with the other layout (streams: of the policy's cells), keeping every running
-        sequence: its KV is copied out (``llama_state_seq_get_data``) and back into the same sequence id."""
+    def _relayout(self, unified: bool, cells: int | None = None, forced: bool = False) -> None:
+        """Serve from a new context with the other layout (streams: of ``cells`` each, default the policy's), keeping
+        every running sequence: its KV is copied out (``llama_state_seq_get_data``) and back into the same sequence
+        id."""
         if unified == self.kv_unified:
             return
         from octo.errors import EngineError
@@ -253,11 +249,13 @@ class AdaptiveLayout:
         if self._entries:  # cached entries leave the pool's cells for RAM snapshots (the new context has none)
             self._demote_idle(bound=0)
         keep = self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions
-        cells = self.adapt.cells if self.adapt is not None else self._probe_cells
+        before = self.stream_cells  # the current context's (None: the pool)
+        if not unified and cells is None:
+            cells = self.adapt.cells
         try:
             self._rebuild(unified, cells, keep, snaps)
         except Exception as exc:  # (a context it cannot build): back to the one it had, and no more switching
-            self._rebuild(not unified, cells, keep, snaps)
+            self._rebuild(not unified, before, keep, snaps)
             log.warning("llamacpp: switching the KV layout failed (%s: %s); staying with the %s", type(exc).__name__,
                         exc, "streams" if unified else "unified pool")
             self.adapt = None
@@ -272,7 +270,7 @@ class AdaptiveLayout:
                      "the unified pool" if unified else f"streams of {cells} cells",
                      "forced: a sequence outgrew its stream; " if forced else "", len(snaps), time.perf_counter() - t0)
 
-    def _rebuild(self, unified: bool, cells: int, keep: tuple, snaps: list) -> None:
+    def _rebuild(self, unified: bool, cells: int | None, keep: tuple, snaps: list) -> None:
         from octo.errors import EngineError
 
         self._build_context(self._pooling, self.n_ctx_opt, unified, stream_cells=None if unified else cells)

@@ -291,6 +291,7 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
             if "kv_cells" in self.opts:
                 raise ConfigError("kv_cells applies to a unified KV pool (kv_unified=true)", param="kv_cells")
             cells = (stream_cells or n_ctx) * max_batch
+        self.stream_cells = None if self.kv_unified else (stream_cells or n_ctx)  # cells a sequence's stream holds
         # Prefix-cache entries as cells of their own sequence ids (unified pool only: across streams a copy would
         # copy whole buffers).
         n_cache = self.opts.get("cache_seqs", 16) if self.kv_unified and not self.is_embedding else 0

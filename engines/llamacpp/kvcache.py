@@ -290,14 +290,18 @@ def restream(buf: Any, size: int, n_stream: int) -> tuple[Any, int] | None:
     cell count (u32) and, when not 0, its cells. A sequence has cells in one stream only, which llama.cpp reads into
     the sequence's own stream wherever it stands, and it refuses a stream count other than its own ("n_stream
     mismatch"). So the conversion keeps that one block and writes the counts around it; the caller checks that
-    llama.cpp read all of it."""
-    raw = bytes((ctypes.c_uint8 * size).from_address(ctypes.addressof(buf)))
-    head = 8 if raw[:4] == STATE_MAGIC else 0
+    llama.cpp read all of it. Only the header is read unless a conversion is needed (a restore in the same layout,
+    the common case, copies nothing)."""
+    if size < 8:
+        return None
+    base = ctypes.addressof(buf)
+    head = 8 if ctypes.string_at(base, 4) == STATE_MAGIC else 0
     if size < head + 8:
         return None
-    have = int.from_bytes(raw[head:head + 4], "little")
+    have = int.from_bytes(ctypes.string_at(base + head, 4), "little")
     if have == n_stream or have < 1 or size < head + 4 * (have + 1):
         return None
+    raw = ctypes.string_at(base, size)
     counts = head + 4
     first = next((k for k in range(have) if raw[counts + 4 * k:counts + 4 * k + 4] != bytes(4)), None)
     if first is None:
