@@ -233,3 +233,40 @@ def test_corrupt_gguf_fails_at_start_up(tmp_path, gguf_path):
         with run_octo(str(bad), "--engine", "llamacpp", timeout=60):
             pass
     assert "broken.gguf" in str(e.value)
+
+
+def _kv(srv) -> dict:
+    """The one loaded model's KV state in ``/v1/queue/stats``."""
+    (st,) = srv.get_json("/v1/queue/stats")["models"].values()
+    return st["kv"]
+
+
+def test_short_bursts_switch_to_streams_through_the_sdk(gguf_path):
+    """A server with ``-o kv_adapt=true``, driven by the openai SDK: after a burst of 4 concurrent short completions
+    the next burst runs in per-sequence streams (``/v1/queue/stats`` says so under ``kv``) and every request is
+    answered in full. (That a switch leaves the text unchanged is tested where the batching is controlled,
+    tests/test_llamacpp_adapt.py: across two servers, which requests share a step depends on timing.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serverproc import run_octo
+
+    def burst(srv, tag: str) -> list:
+        c = srv.openai()
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(lambda i: c.completions.create(model=MODEL, prompt=f"{tag} story {i}:", max_tokens=12,
+                                                                temperature=0, extra_body={"ignore_eos": True}),
+                                 range(4)))
+
+    with run_octo(gguf_path, "--engine", "llamacpp", "--max-batch", "8", "-o", "kv_adapt=true") as adaptive:
+        kv = _kv(adaptive)
+        assert (kv["layout"], kv["adaptive"], kv["layout_switches"]) == ("unified", True, 0)
+        bursts = 0
+        for k in range(6):  # a burst whose requests did not overlap (a fast model) keeps the layout: a few bursts
+            answers = burst(adaptive, f"burst {k}")
+            bursts += 1
+            assert all(a.usage.completion_tokens == 12 and a.choices[0].finish_reason == "length" for a in answers)
+            kv = _kv(adaptive)
+            if kv["layout"] == "streams":
+                break
+        assert (kv["layout"], kv["layout_switches"], kv["forced_switches"]) == ("streams", 1, 0), kv
+        assert bursts >= 2
