@@ -23,6 +23,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from octo import chatprep
 from octo.engine import SamplingParams, Task
 from octo.errors import InvalidRequest, UnsupportedParameter
@@ -351,12 +353,15 @@ def usage(result: Result) -> dict[str, Any]:
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    """The call's ``tool_use`` block; its ``input`` is the arguments' text as the model wrote it (an orjson
+    Fragment: numbers keep their digits, nothing is parsed and re-serialised), ``{}`` where it is not an object."""
+    text = call["function"]["arguments"] or "{}"
     try:
-        args = json.loads(call["function"]["arguments"] or "{}")
-    except ValueError:
-        args = {}
+        valid = isinstance(orjson.loads(text), dict)
+    except orjson.JSONDecodeError:
+        valid = False
     return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-            "input": args if isinstance(args, dict) else {}}
+            "input": orjson.Fragment(text) if valid else {}}
 
 
 def content_blocks(result: Result, opts: Options) -> list[dict[str, Any]]:

@@ -34,7 +34,10 @@ import secrets
 import string
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from json.decoder import scanstring
 from typing import Any
+
+import orjson
 
 from octo.errors import InvalidRequest
 
@@ -226,24 +229,61 @@ class _Scanner:
 
 
 def _load(s: str) -> Any:
+    """The JSON value of ``s``, BAD unless it is JSON that a strict parser reads back: orjson refuses what Python's
+    json accepts beyond the standard (``NaN``, ``Infinity``) and numbers past a double's range (``1e999``, which
+    would otherwise come back as ``Infinity``, and which serde_json, Codex's parser, refuses too)."""
     try:
-        return json.loads(s)
-    except (ValueError, RecursionError):
+        return orjson.loads(s)
+    except (orjson.JSONDecodeError, RecursionError):
         return BAD
 
 
-def _call_from_obj(obj: Any) -> tuple[str, str] | str:
-    """(name, arguments JSON) of a ``{"name", "arguments"|"parameters"}`` object, else BAD."""
-    if isinstance(obj, dict) and "name" not in obj and isinstance(obj.get("function"), dict):
-        return _call_from_obj(obj["function"])  # {"type": "function", "function": {...}}
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+_DECODER = json.JSONDecoder()
+
+
+def _spans(s: str, i: int) -> dict[str, tuple[int, int]]:
+    """(start, end) of each member's value text in the JSON object at ``s[i]`` (``s`` is known to be valid JSON):
+    arguments are kept exactly as the model wrote them, never parsed and re-serialised."""
+    spans: dict[str, tuple[int, int]] = {}
+    j = _skip_ws(s, i + 1)
+    while s[j] != "}":
+        key, j = scanstring(s, j + 1)
+        j = _skip_ws(s, _skip_ws(s, j) + 1)  # past the colon
+        _, end = _DECODER.raw_decode(s, j)
+        spans[key] = (j, end)
+        j = _skip_ws(s, end)
+        if s[j] == ",":
+            j = _skip_ws(s, j + 1)
+    return spans
+
+
+def _call_at(s: str, i: int, obj: Any) -> tuple[str, str] | str:
+    """(name, arguments text) of the ``{"name", "arguments"|"parameters"}`` object ``obj`` written at ``s[i]``:
+    the arguments' own text when they are an object, else BAD."""
+    if not isinstance(obj, dict):
         return BAD
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        args = _load(args) if args.strip() else {}
+    spans = _spans(s, i)
+    if "name" not in obj and isinstance(obj.get("function"), dict):
+        return _call_at(s, spans["function"][0], obj["function"])  # {"type": "function", "function": {...}}
+    if not isinstance(obj.get("name"), str) or not obj["name"]:
+        return BAD
+    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    args = obj[key] if key else {}
+    if isinstance(args, str):  # arguments as a JSON string: its content is the text
+        text = args.strip() or "{}"
+        return (obj["name"], text) if isinstance(_load(text), dict) else BAD
     if not isinstance(args, dict):
         return BAD
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+    return obj["name"], s[spans[key][0]:spans[key][1]] if key else "{}"
+
+
+def _dumps(args: dict[str, Any]) -> str | None:
+    """JSON text of arguments the model wrote in another language (Python calls); None where a value has no JSON
+    form (``inf``)."""
+    try:
+        return json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError):
+        return None
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
@@ -285,7 +325,10 @@ def _python_calls(src: str) -> list[tuple[str, str]] | str:
             args = {kw.arg: _py_value(kw.value) for kw in node.keywords if kw.arg}
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return BAD
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
+        text = _dumps(args)
+        if text is None:
+            return BAD
+        calls.append((name, text))
     return calls or BAD
 
 
@@ -310,8 +353,15 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
     if end == BAD:
         return BAD
     value = _load(s[i:end])
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_from_obj(o) for o in items]
+    if value == BAD:
+        return BAD
+    if isinstance(value, list):
+        starts = [_skip_ws(s, i + 1)]
+        for _ in value[1:]:  # each element's start: past the previous one and its comma
+            starts.append(_skip_ws(s, _skip_ws(s, _DECODER.raw_decode(s, starts[-1])[1]) + 1))
+        calls = [_call_at(s, k, o) for k, o in zip(starts, value, strict=True)]
+    else:
+        calls = [_call_at(s, i, value)]
     if not calls or BAD in calls:
         return BAD
     return calls, end
@@ -394,7 +444,7 @@ def _mistral_block(s: str, final: bool, scan: Scan) -> Block:
     obj = _load(s[start:end]) if end != BAD else BAD
     if not isinstance(obj, dict):
         return BAD
-    return [(m.group(1), json.dumps(obj, ensure_ascii=False))], end
+    return [(m.group(1), s[start:end])], end
 
 
 def _gemma_block(s: str, final: bool, scan: Scan) -> Block:
