@@ -438,12 +438,12 @@ class EventStream:
                 self._ev("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0, part=part),
                 self._ev("response.output_item.done", output_index=idx, item=dict(m))]
 
-    def _close_call(self) -> list[dict[str, Any]]:
+    def _close_call(self, status: str = "completed") -> list[dict[str, Any]]:
         c, self._call = self._call, None
         if c is None:
             return []
         idx = c.pop("_index")
-        c["status"] = "completed"
+        c["status"] = status
         return [self._ev("response.function_call_arguments.done", item_id=c["id"], output_index=idx,
                          name=c["name"], arguments=c["arguments"]),
                 self._ev("response.output_item.done", output_index=idx, item=dict(c))]
@@ -451,7 +451,7 @@ class EventStream:
     def finish(self, result: Result) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The closing events and the final response object."""
         status, incomplete = status_of(result)
-        out = self._close_call()
+        out = self._close_call(status)
         if not self.output and self._msg is None:  # an empty answer is still a message
             out += self.text("")
         out += self._close_message("incomplete" if status == "incomplete" else "completed")

@@ -374,7 +374,7 @@ def _close_tag(s: str, i: int, tag: str, final: bool, optional: bool) -> int | s
     if s.startswith(tag, j):
         return j + len(tag)
     if tag.startswith(s[j:]):  # the text ends inside the tag (or before it)
-        return i if final else MORE
+        return len(s) if final else MORE  # at the end: the cut-off tag is markup, not content
     return i if optional else BAD
 
 
@@ -487,6 +487,10 @@ _OPENERS: dict[str, list[tuple[str, bool, Callable[[str, bool, Scan], Block]]]] 
 }
 
 
+# the head of a call cut off after its name: {"name": "f", "arguments": ...
+_CALL_HEAD = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_.\-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
 class ToolCallParser:
     """Incremental parser of one generated message: ``feed(delta)`` and ``finish()`` return events.
 
@@ -514,9 +518,12 @@ class ToolCallParser:
         self._buf += delta
         return self._run(final=False)
 
-    def finish(self) -> list[Event]:
-        """Decide what is left: unfinished calls become content."""
-        events = self._run(final=True)
+    def finish(self, truncated: bool = False) -> list[Event]:
+        """Decide what is left: unfinished calls become content, except when the output was cut off (``truncated``:
+        max_tokens): then a call that had begun is a call, with the arguments generated so far, as OpenAI returns a
+        truncated call (its template markup never reaches the content)."""
+        events = self._run(final=False) + self._cut_call() if truncated else []
+        events += self._run(final=True)
         if self._held_ws and not self._last_was_call:
             events.append(ContentDelta(self._held_ws))
         self._held_ws = ""
@@ -524,6 +531,19 @@ class ToolCallParser:
         return events
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _cut_call(self) -> list[Event]:
+        """The call the undecided text began, cut off in its arguments: its events, or [] when it is no call."""
+        pos, complete = self._find(self._buf)
+        if pos != 0 or not complete or self._block(self._buf, False) != MORE or self._block(self._buf, True) != BAD:
+            return []  # no call, or a whole one that only lacks its closing text
+        heads = list(_CALL_HEAD.finditer(self._buf))
+        if len(heads) != 1 or (self.tool_names is not None and heads[0].group(1) not in self.tool_names):
+            return []
+        name, arguments = heads[0].group(1), self._buf[heads[0].end():]
+        self._buf, self._held_ws, self._last_was_call = "", "", True
+        self._n_calls += 1
+        return [ToolCallStart(self._n_calls - 1, self._new_id(), name), ToolCallArguments(self._n_calls - 1, arguments)]
+
     def _content(self, text: str, out: list[Event]) -> None:
         if self._last_was_call:
             text = text.lstrip(_WS)
@@ -599,10 +619,11 @@ class ToolCallParser:
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat | str, tool_names: Iterable[str] | None = None,
-                     new_id: Callable[[], str] | None = None) -> ParsedMessage:
-    """Content and tool calls of a complete generated text (the streaming parser run over all of it)."""
+                     new_id: Callable[[], str] | None = None, truncated: bool = False) -> ParsedMessage:
+    """Content and tool calls of a complete generated text (the streaming parser run over all of it); ``truncated``:
+    the text was cut off by max_tokens (:meth:`ToolCallParser.finish`)."""
     parser = ToolCallParser(fmt, tool_names, new_id)
-    return assemble(parser.feed(text) + parser.finish())
+    return assemble(parser.feed(text) + parser.finish(truncated))
 
 
 def _args_obj(call: dict[str, Any]) -> Any:
