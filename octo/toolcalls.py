@@ -534,10 +534,16 @@ class ToolCallParser:
     def _cut_call(self) -> list[Event]:
         """The call the undecided text began, cut off in its arguments: its events, or [] when it is no call."""
         pos, complete = self._find(self._buf)
-        if pos != 0 or not complete or self._block(self._buf, False) != MORE or self._block(self._buf, True) != BAD:
+        if pos != 0 or not self._buf.strip():
+            return []
+        if not complete:  # cut off inside the opening markup: markup, not content
+            self._buf = ""
+            return []
+        if self._block(self._buf, False) != MORE or self._block(self._buf, True) != BAD:
             return []  # no call, or a whole one that only lacks its closing text
         heads = list(_CALL_HEAD.finditer(self._buf))
         if len(heads) != 1 or (self.tool_names is not None and heads[0].group(1) not in self.tool_names):
+            self._buf = ""  # cut off before its name was written: markup of no call
             return []
         name, arguments = heads[0].group(1), self._buf[heads[0].end():]
         self._buf, self._held_ws, self._last_was_call = "", "", True

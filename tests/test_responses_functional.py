@@ -189,7 +189,8 @@ def test_codex_default_request_is_served(server, stream):
     """What Codex 0.169 sends with its default settings: a reasoning summary (a model without reasoning has none to
     give), a namespace tool (its functions are offered under their flat names, and a call names its namespace) and
     the built-in web_search (not offered: a warning header says so)."""
-    call = '<tool_call>\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"message": "go", "n": 1e5}}\n</tool_call>'
+    call = ('<tool_call>\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"message": "go", "n": 1e5}}\n'
+            '</tool_call>')
     body = {"model": "test-model", "input": [{"type": "message", "role": "user",
                                               "content": [{"type": "input_text", "text": call}]}],
             "tools": [*TOOLS, NAMESPACE, {"type": "web_search", "external_web_access": False}],
