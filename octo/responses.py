@@ -336,9 +336,10 @@ def response_object(rid: str, req: ResponsesRequest, model: str, created: int, s
         {"type": "text"}
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     for t in tools:
-        t.setdefault("strict", False)
-        t.setdefault("parameters", None)
-        t.setdefault("description", None)
+        for fn in [t] if t["type"] == "function" else t.get("tools", []) if t["type"] == "namespace" else []:
+            fn.setdefault("strict", False)
+            fn.setdefault("parameters", None)
+            fn.setdefault("description", None)
     choice = req.tool_choice if req.tool_choice is None or isinstance(req.tool_choice, str) else \
         req.tool_choice.model_dump()
     obj = {

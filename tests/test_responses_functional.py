@@ -207,6 +207,7 @@ def test_codex_default_request_is_served(server, stream):
     else:
         final = r.json()
     assert final["reasoning"]["summary"] == "auto"
+    check("Response", final)
     calls = [o for o in final["output"] if o["type"] == "function_call"]
     assert [(c["name"], c.get("namespace")) for c in calls] == [("spawn_agent", "multi_agent_v1")]
     assert calls[0]["arguments"] == '{"message": "go", "n": 1e5}'  # the model's text, not re-serialised
