@@ -27,19 +27,16 @@ so the JSON forms also count at the start of an answer without their marker, if 
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import secrets
 import string
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from json.decoder import scanstring
 from typing import Any
 
-import orjson
-
 from octo.errors import InvalidRequest
+from octo.toolscan import BAD, DECODER, MORE, WS, Scanner, call_at, load_json, python_calls, skip_ws
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -182,156 +179,6 @@ def detect_format(template: str | None, override: str | None = None) -> ToolForm
     return fmt
 
 
-# -- JSON / Python-call scanning --------------------------------------------------------------------------------
-MORE = "more"  # the text so far cannot decide: wait for more (or, at the end, it is not a call)
-BAD = "bad"    # decided: not a call here
-_WS = " \t\r\n"
-
-
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
-        i += 1
-    return i
-
-
-_SIGNIFICANT = re.compile(r'["\\{}\[\]]')
-
-
-class _Scanner:
-    """Finds where a JSON object/array ends, resuming where the previous call stopped: the parser's buffer only
-    grows at its end while a call is pending, so a long call is scanned once, not once per delta."""
-
-    def __init__(self) -> None:
-        self.saved: dict[int, tuple[int, list[str], bool]] = {}
-
-    def __call__(self, s: str, i: int) -> int | str:
-        """End of the JSON object/array starting at ``s[i]``, MORE when unfinished, BAD when broken."""
-        j, stack, in_str = self.saved.pop(i, (i, [], False))
-        for m in _SIGNIFICANT.finditer(s, j):
-            k = m.start()
-            if k < j:  # the character after a backslash
-                continue
-            c, j = s[k], k + 1
-            if in_str:
-                if c == "\\":
-                    j = k + 2
-                in_str = c != '"'
-            elif c == '"':
-                in_str = True
-            elif c in "{[":
-                stack.append("}" if c == "{" else "]")
-            elif not stack or stack.pop() != c:
-                return BAD
-            elif not stack:
-                return j
-        self.saved[i] = (max(j, len(s)), stack, in_str)  # past len(s) when the text ends in a backslash
-        return MORE
-
-
-def _load(s: str) -> Any:
-    """The JSON value of ``s``, BAD unless it is JSON that a strict parser reads back: orjson refuses what Python's
-    json accepts beyond the standard (``NaN``, ``Infinity``) and numbers past a double's range (``1e999``, which
-    would otherwise come back as ``Infinity``, and which serde_json, Codex's parser, refuses too)."""
-    try:
-        return orjson.loads(s)
-    except (orjson.JSONDecodeError, RecursionError):
-        return BAD
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _spans(s: str, i: int) -> dict[str, tuple[int, int]]:
-    """(start, end) of each member's value text in the JSON object at ``s[i]`` (``s`` is known to be valid JSON):
-    arguments are kept exactly as the model wrote them, never parsed and re-serialised."""
-    spans: dict[str, tuple[int, int]] = {}
-    j = _skip_ws(s, i + 1)
-    while s[j] != "}":
-        key, j = scanstring(s, j + 1)
-        j = _skip_ws(s, _skip_ws(s, j) + 1)  # past the colon
-        _, end = _DECODER.raw_decode(s, j)
-        spans[key] = (j, end)
-        j = _skip_ws(s, end)
-        if s[j] == ",":
-            j = _skip_ws(s, j + 1)
-    return spans
-
-
-def _call_at(s: str, i: int, obj: Any) -> tuple[str, str] | str:
-    """(name, arguments text) of the ``{"name", "arguments"|"parameters"}`` object ``obj`` written at ``s[i]``:
-    the arguments' own text when they are an object, else BAD."""
-    if not isinstance(obj, dict):
-        return BAD
-    spans = _spans(s, i)
-    if "name" not in obj and isinstance(obj.get("function"), dict):
-        return _call_at(s, spans["function"][0], obj["function"])  # {"type": "function", "function": {...}}
-    if not isinstance(obj.get("name"), str) or not obj["name"]:
-        return BAD
-    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
-    args = obj[key] if key else {}
-    if isinstance(args, str):  # arguments as a JSON string: its content is the text
-        text = args.strip() or "{}"
-        return (obj["name"], text) if isinstance(_load(text), dict) else BAD
-    if not isinstance(args, dict):
-        return BAD
-    return obj["name"], s[spans[key][0]:spans[key][1]] if key else "{}"
-
-
-def _dumps(args: dict[str, Any]) -> str | None:
-    """JSON text of arguments the model wrote in another language (Python calls); None where a value has no JSON
-    form (``inf``)."""
-    try:
-        return json.dumps(args, ensure_ascii=False, allow_nan=False)
-    except (ValueError, TypeError):
-        return None
-
-
-_JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
-
-
-def _py_value(node: ast.AST) -> Any:
-    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
-        return _JSON_NAMES[node.id]
-    if isinstance(node, ast.Dict):
-        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True)}
-    if isinstance(node, ast.List | ast.Tuple):
-        return [_py_value(v) for v in node.elts]
-    return ast.literal_eval(node)
-
-
-def _python_calls(src: str) -> list[tuple[str, str]] | str:
-    """Calls written as Python: ``f(a=1)`` per line, ``[f(a=1), g()]``, or ``tool.call(query="x")``."""
-    try:
-        tree = ast.parse(src.strip(), mode="exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return BAD
-    nodes: list[ast.AST] = []
-    for stmt in tree.body:
-        if not isinstance(stmt, ast.Expr):
-            return BAD
-        nodes.extend(stmt.value.elts if isinstance(stmt.value, ast.List) else [stmt.value])
-    calls = []
-    for node in nodes:
-        if not isinstance(node, ast.Call) or node.args:
-            return BAD
-        func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == "call" and isinstance(func.value, ast.Name):
-            name = func.value.id  # Llama's builtin tools: brave_search.call(query="...")
-        elif isinstance(func, ast.Name):
-            name = func.id
-        else:
-            return BAD
-        try:
-            args = {kw.arg: _py_value(kw.value) for kw in node.keywords if kw.arg}
-        except (ValueError, TypeError, SyntaxError, RecursionError):
-            return BAD
-        text = _dumps(args)
-        if text is None:
-            return BAD
-        calls.append((name, text))
-    return calls or BAD
-
-
 # -- block parsers: (text from the opener, final) -> MORE | BAD | (calls, consumed) ----------------------------
 Block = str | tuple[list[tuple[str, str]], int]
 Scan = Callable[[str, int], int | str]
@@ -341,7 +188,7 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
     """One JSON object or an array of objects at ``s[i]``, each a call."""
     j = i
     for want in ("[{" if s[i:i + 1] == "[" else "{") + '"':  # decide early: "[ {" / "{ \"" must open a call
-        j = _skip_ws(s, j) if j > i else j
+        j = skip_ws(s, j) if j > i else j
         if j >= len(s):
             return BAD if final else MORE
         if s[j] != want:
@@ -352,16 +199,16 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
         return BAD if final else MORE
     if end == BAD:
         return BAD
-    value = _load(s[i:end])
+    value = load_json(s[i:end])
     if value == BAD:
         return BAD
     if isinstance(value, list):
-        starts = [_skip_ws(s, i + 1)]
+        starts = [skip_ws(s, i + 1)]
         for _ in value[1:]:  # each element's start: past the previous one and its comma
-            starts.append(_skip_ws(s, _skip_ws(s, _DECODER.raw_decode(s, starts[-1])[1]) + 1))
-        calls = [_call_at(s, k, o) for k, o in zip(starts, value, strict=True)]
+            starts.append(skip_ws(s, skip_ws(s, DECODER.raw_decode(s, starts[-1])[1]) + 1))
+        calls = [call_at(s, k, o) for k, o in zip(starts, value, strict=True)]
     else:
-        calls = [_call_at(s, i, value)]
+        calls = [call_at(s, i, value)]
     if not calls or BAD in calls:
         return BAD
     return calls, end
@@ -370,7 +217,7 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
 def _close_tag(s: str, i: int, tag: str, final: bool, optional: bool) -> int | str:
     """Consume whitespace + ``tag`` after a call. A missing tag is tolerated at the end of the text, and anywhere
     when ``optional`` (vLLM's ``functools[...]`` has no closing marker; Phi-4's is a special token)."""
-    j = _skip_ws(s, i)
+    j = skip_ws(s, i)
     if s.startswith(tag, j):
         return j + len(tag)
     if tag.startswith(s[j:]):  # the text ends inside the tag (or before it)
@@ -382,7 +229,7 @@ def _wrapped_block(openers: tuple[str, ...], close: str, optional: bool) -> Call
     """Parser of ``opener`` + JSON call(s) + ``close`` blocks (Hermes, Phi-4)."""
 
     def parse(s: str, final: bool, scan: Scan) -> Block:
-        i = next((_skip_ws(s, len(o)) for o in openers if s.startswith(o)), 0)
+        i = next((skip_ws(s, len(o)) for o in openers if s.startswith(o)), 0)
         found = _json_calls_at(s, i, final, scan)
         if isinstance(found, str):
             return found
@@ -393,14 +240,14 @@ def _wrapped_block(openers: tuple[str, ...], close: str, optional: bool) -> Call
 
 
 def _llama_block(s: str, final: bool, scan: Scan) -> Block:
-    i = _skip_ws(s, len("<|python_tag|>")) if s.startswith("<|python_tag|>") else 0
+    i = skip_ws(s, len("<|python_tag|>")) if s.startswith("<|python_tag|>") else 0
     if s.startswith("<|python_tag|>") and i < len(s) and s[i] not in "{[":
         # builtin tool: name.call(k=v); complete at a line end or at the end of the text
         nl = s.find("\n", i)
         if nl < 0 and not final:
             return MORE
         stop = len(s) if nl < 0 else nl
-        calls = _python_calls(s[i:stop])
+        calls = python_calls(s[i:stop])
         return BAD if calls == BAD else (calls, stop)
     calls: list[tuple[str, str]] = []
     i_done = 0
@@ -412,9 +259,9 @@ def _llama_block(s: str, final: bool, scan: Scan) -> Block:
             return (calls, i_done) if calls else BAD
         calls += found[0]
         i_done = found[1]
-        j = _skip_ws(s, i_done)
+        j = skip_ws(s, i_done)
         if j < len(s) and s[j] == ";":
-            j = _skip_ws(s, j + 1)
+            j = skip_ws(s, j + 1)
         if j >= len(s):
             return (calls, i_done) if final else MORE
         if s[j] != "{":
@@ -427,7 +274,7 @@ _ARGS_CALL_PART = re.compile(r"[A-Za-z0-9_.\-]*(\[(A(R(G(S)?)?)?)?)?")
 
 
 def _mistral_block(s: str, final: bool, scan: Scan) -> Block:
-    i = _skip_ws(s, len("[TOOL_CALLS]")) if s.startswith("[TOOL_CALLS]") else 0
+    i = skip_ws(s, len("[TOOL_CALLS]")) if s.startswith("[TOOL_CALLS]") else 0
     if i >= len(s):
         return BAD if final else MORE
     if s[i] in "[{":
@@ -441,7 +288,7 @@ def _mistral_block(s: str, final: bool, scan: Scan) -> Block:
     end = scan(s, start) if s[start] == "{" else BAD
     if end == MORE:
         return BAD if final else MORE
-    obj = _load(s[start:end]) if end != BAD else BAD
+    obj = load_json(s[start:end]) if end != BAD else BAD
     if not isinstance(obj, dict):
         return BAD
     return [(m.group(1), s[start:end])], end
@@ -459,7 +306,7 @@ def _gemma_block(s: str, final: bool, scan: Scan) -> Block:
     stripped = body.strip()
     calls = _json_lines(stripped) if stripped.startswith(("{", "[")) else BAD
     if calls == BAD:
-        calls = _python_calls(stripped)
+        calls = python_calls(stripped)
     return BAD if calls == BAD else (calls, end)
 
 
@@ -467,8 +314,8 @@ def _json_lines(s: str) -> list[tuple[str, str]] | str:
     """Calls written as JSON objects or arrays one after the other (a complete text)."""
     calls: list[tuple[str, str]] = []
     i = 0
-    while (i := _skip_ws(s, i)) < len(s):
-        found = _json_calls_at(s, i, True, _Scanner())
+    while (i := skip_ws(s, i)) < len(s):
+        found = _json_calls_at(s, i, True, Scanner())
         if isinstance(found, str):
             return BAD
         calls += found[0]
@@ -510,7 +357,7 @@ class ToolCallParser:
         self._last_was_call = False
         self._n_calls = 0
         self._done = False
-        self._scan = _Scanner()
+        self._scan = Scanner()
 
     def feed(self, delta: str) -> list[Event]:
         if self._done:
@@ -552,10 +399,10 @@ class ToolCallParser:
 
     def _content(self, text: str, out: list[Event]) -> None:
         if self._last_was_call:
-            text = text.lstrip(_WS)
+            text = text.lstrip(WS)
         if not text:
             return
-        body = text.rstrip(_WS)
+        body = text.rstrip(WS)
         if body:
             out.append(ContentDelta(self._held_ws + body))
             self._held_ws = ""
@@ -570,7 +417,7 @@ class ToolCallParser:
             if at_start:
                 if self._started:
                     continue
-                i = _skip_ws(s, 0)
+                i = skip_ws(s, 0)
                 if i < best[0] and i < len(s) and (s.startswith(opener, i) or opener.startswith(s[i:])):
                     best = (i, s.startswith(opener, i))
                 continue
@@ -635,6 +482,6 @@ def parse_tool_calls(text: str, fmt: ToolFormat | str, tool_names: Iterable[str]
 def _args_obj(call: dict[str, Any]) -> Any:
     args = call["function"].get("arguments")
     if isinstance(args, str):
-        loaded = _load(args) if args.strip() else {}
+        loaded = load_json(args) if args.strip() else {}
         return args if loaded == BAD else loaded
     return args if args is not None else {}
