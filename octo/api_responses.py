@@ -4,6 +4,7 @@ SQLite (octo.store)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from octo import responses
-from octo.api import _body, _events, _model, _sse, dumps, json_response
+from octo.api import SSE_HEADERS, _body, _events, _model, dumps, json_response
 from octo.errors import ContextLengthExceeded, NotFound, OctoError
 from octo.jobs import Result
 from octo.protocol import ChatCompletionRequest, _validation_error, parse
@@ -20,6 +21,8 @@ from octo.state import STATE
 from octo.store import ResponseStore
 
 MAX_TRUNCATIONS = 256
+WARNING_HEADER = "x-octo-warning"
+log = logging.getLogger("octo.responses")
 
 
 def _store(request: web.Request) -> ResponseStore:
@@ -96,17 +99,27 @@ async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, chat_
     else:
         raise ContextLengthExceeded("The conversation does not fit the model's context.", param="input")
     status, incomplete = responses.status_of(result)
-    output = responses.output_items(result)
+    output = responses.output_items(result, req)
     obj = responses.response_object(rid, req, model, int(time.time()), status, output, result, incomplete)
     if req.store:
         await _store(request).put(obj, [*conversation, responses.assistant_message(output)])
-    return json_response(obj)
+    return json_response(obj, headers=_warning(req))
+
+
+def _warning(req: ResponsesRequest) -> dict[str, str] | None:
+    """The ``x-octo-warning`` header (and an info log line) saying what of the request the model was not given."""
+    warning = responses.ToolNames(req).warning()
+    if warning is None:
+        return None
+    log.info("POST /v1/responses: %s", warning)
+    return {WARNING_HEADER: warning}
 
 
 async def _stream(request: web.Request, handle: Any, tickets: list, events: Any, req: ResponsesRequest, rid: str,
                   model: str, conversation: list[dict[str, Any]]) -> web.StreamResponse:
     es = responses.EventStream(rid, req, model)
-    resp = await _sse(request)
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **(_warning(req) or {})})
+    await resp.prepare(request)
     await resp.write(b"".join(_sse_event(e) for e in es.start()))
     lps: list = []
     async for batch in _events(events, 1):

@@ -336,6 +336,10 @@ async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
         if not isinstance(out, Transcription):
             raise EngineError(f"The {handle.engine_name} engine's transcription returned {type(out).__name__}.")
         return out
+    if op == "tokenizer_info":
+        from octo import api_tokens
+
+        return api_tokens.tokenizer_info(handle)
     raise ValueError(f"unknown call {op!r}")
 
 
