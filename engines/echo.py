@@ -34,6 +34,7 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, KVCacheFull
 from octo.hookspecs import hookimpl
+from octo.options import parse_engine_options
 
 _WORD = re.compile(r"\s*\S+")
 EOS = 0
@@ -53,15 +54,7 @@ class EchoEngine(Engine):
 
     def __init__(self, config=None) -> None:
         super().__init__(config)
-        opts: dict[str, Any] = {}
-        for key, value in self.config.options.items():
-            if key not in _OPTIONS:
-                raise ConfigError(f"Unknown option '{key}' for engine echo; known: {', '.join(_OPTIONS)}.",
-                                  param=key)
-            try:
-                opts[key] = _OPTIONS[key](value)
-            except ValueError:
-                raise ConfigError(f"Option '{key}' must be a number, got '{value}'.", param=key) from None
+        opts = parse_engine_options("echo", _OPTIONS, self.config.options)
         self.delay = opts.get("token_delay_ms", 0.0) / 1000.0
         self.kv_cells = opts.get("kv_cells", 0)
         self.n_ctx = opts.get("n_ctx", self.kv_cells or 8192)
