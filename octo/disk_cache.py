@@ -246,8 +246,8 @@ class DiskPrefixCache:
                 again, data = read_entry(f, entry.path, self.key, payload=True)
             if again.payload_offset != entry.payload_offset or not np.array_equal(again.tokens, entry.tokens):
                 raise BadFile("changed since it was indexed")
-            os.utime(entry.path)
-            entry.used = entry.path.stat().st_mtime
+            os.utime(entry.path, follow_symlinks=False)
+            entry.used = entry.path.lstat().st_mtime
             self.hits += 1
             return data
         except Exception as exc:  # noqa: BLE001 - a bad entry is a miss, never an error
@@ -296,7 +296,7 @@ class DiskPrefixCache:
             log.warning("disk prefix cache: writing %s failed: %s", path, exc)
             return
         offset = len(MAGIC) + 4 + len(header) + len(raw)
-        entry = Entry(path, tokens, offset, len(payload), path.stat().st_mtime)
+        entry = Entry(path, tokens, offset, len(payload), path.lstat().st_mtime)
         with self._lock:
             old = self._entries.pop(name, None)
             if old is not None:
