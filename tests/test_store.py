@@ -155,3 +155,47 @@ def test_durations():
     for bad in ("-1", "soon", "inf", "3w"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+
+
+# -- the store failing while a response runs (in-process app: the disk fails at the SQLite boundary) ---------------
+@pytest.fixture
+def failing_disk(monkeypatch):
+    def put(self, db, response, conversation):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(ResponseStore, "_put", put)
+
+
+@pytest.fixture
+async def app_client(aiohttp_client, tmp_path, monkeypatch):
+    from octo.engines.echo import EchoEngine
+
+    from octo.config import ServerConfig
+    from octo.engine import EngineConfig
+    from octo.model import ModelHandle
+    from octo.server import create_app
+
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    engine = EchoEngine(EngineConfig())
+    engine.load("m", "m")
+    return await aiohttp_client(create_app(ServerConfig(model="m"), ModelHandle("m", (), "echo", engine, "x")))
+
+
+async def test_a_store_that_fails_after_the_check_ends_the_response_clearly(app_client, failing_disk):
+    body = {"model": "m", "input": "one two three"}
+    r = await app_client.post("/v1/responses", json=body)
+    err = (await r.json())["error"]
+    assert r.status == 503 and err["code"] == "store_unavailable" and "disk I/O error" in err["message"]
+    r = await app_client.post("/v1/responses", json={**body, "stream": True})  # unavailable now: before generating
+    assert r.status == 503
+    r = await app_client.post("/v1/responses", json={**body, "store": False})
+    assert r.status == 200 and (await r.json())["output"][0]["content"][0]["text"] == "one two three"
+    health = await (await app_client.get("/health")).json()
+    assert health["status"] == "degraded" and health["responses_store"]["status"] == "unavailable"
+
+
+async def test_a_stream_whose_response_cannot_be_stored_ends_failed(app_client, failing_disk):
+    r = await app_client.post("/v1/responses", json={"model": "m", "input": "one two three", "stream": True})
+    assert r.status == 200
+    text = await r.text()
+    assert "response.failed" in text and "store_unavailable" in text and "response.completed" not in text
