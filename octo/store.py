@@ -234,6 +234,7 @@ class ResponseStore:
                                        "a new one created, so stored responses before now are gone.",
                                        param="store") from None
             self.status, self.reason = "unavailable", f"{type(exc).__name__}: {exc}"
+            self._tried = time.monotonic()  # (a disk that is full: not tried again by the very next request)
             self._close()
             log.warning("responses store %s: %s", self.path, self.reason)
             raise self.unavailable() from None

@@ -11,6 +11,7 @@ together, as before.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 import pytest
@@ -21,10 +22,15 @@ PLUGINS = str(REPO / "tests" / "plugins")
 
 
 def _four(server, poison: str) -> tuple[dict, list[dict]]:
+    """Three healthy streams, and the poisoned one 0.1 s later (while they decode: its prompt step is theirs too)."""
+    async def late(s, body):
+        await asyncio.sleep(0.1)
+        return await _stream(s, server.base_url, body)
+
     async def go():
         async with aiohttp.ClientSession() as s:
-            bodies = [_chat(poison, temperature=0)] + [_chat(f"{WORDS} {i}", temperature=0) for i in range(3)]
-            return await asyncio.wait_for(asyncio.gather(*(_stream(s, server.base_url, b) for b in bodies)), 60)
+            good = [_stream(s, server.base_url, _chat(f"{WORDS} {i}", temperature=0)) for i in range(3)]
+            return await asyncio.wait_for(asyncio.gather(late(s, _chat(poison, temperature=0)), *good), 60)
 
     bad, *good = asyncio.run(go())
     return bad, good
@@ -48,7 +54,9 @@ def test_a_poisoned_sequence_fails_alone_and_the_others_keep_their_text(after):
         assert stats["total_processed"] >= steps_before["total_processed"] + 3
         assert stats["isolated_steps"] == steps_before["isolated_steps"] + 1
         log = server.log()
-        assert "was run again in smaller groups" in log and "3 went on" in log
+        # (how many shared the poisoned step depends on when each stream was admitted)
+        assert re.search(r"the step of \d sequences that raised was run again in smaller groups: sequence\(s\) "
+                         r"\[\d+\] failed, [1-3] went on", log), log
         assert server.post_json("/v1/chat/completions", _chat("still here"))[0] == 200
 
 
