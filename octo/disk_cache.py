@@ -250,6 +250,9 @@ class DiskPrefixCache:
             entry.used = entry.path.lstat().st_mtime
             self.hits += 1
             return data
+        except FileNotFoundError:  # removed meanwhile (another server sharing the folder evicted it): a plain miss
+            self._forget(entry)
+            return None
         except Exception as exc:  # noqa: BLE001 - a bad entry is a miss, never an error
             self._forget(entry)
             if isinstance(exc, BadFile) and "checksum" in str(exc):

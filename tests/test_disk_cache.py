@@ -140,6 +140,17 @@ def test_a_payload_that_does_not_match_its_checksum_is_a_miss(tmp_path, caplog):
     assert d.lookup(list(tokens), 60) == (None, 0)
 
 
+def test_an_entry_removed_meanwhile_is_a_quiet_miss(tmp_path, caplog):
+    d = make(tmp_path)
+    d.save(tuple(range(60)), b"p" * 100)
+    d.flush()
+    entry, _ = d.lookup(list(range(60)), 60)
+    entry.path.unlink()  # another server sharing the folder evicted it
+    with caplog.at_level(logging.WARNING, logger="octo.disk_cache"):
+        assert d.load(entry) is None
+    assert d.stats()["entries"] == 0 and not caplog.text
+
+
 def test_a_key_folder_that_is_a_link_is_not_used(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
