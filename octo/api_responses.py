@@ -4,6 +4,7 @@ SQLite (octo.store)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -27,9 +28,13 @@ log = logging.getLogger("octo.responses")
 
 def _store(request: web.Request) -> ResponseStore:
     state = request.app[STATE]
-    if state.store is None:
-        state.store = ResponseStore()
+    if state.store is None:  # (an app made without setup(): opened on first use, checked as at start)
+        state.store = new_store(state.config)
     return state.store
+
+
+def new_store(config: Any) -> ResponseStore:
+    return ResponseStore(ttl_s=config.responses_ttl, max_bytes=int(config.responses_max_mb * 2**20))
 
 
 def _chat(body: dict[str, Any], req: ResponsesRequest) -> ChatCompletionRequest:
@@ -62,6 +67,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse(ResponsesRequest, body)
     responses.check_unsupported(req)
     store = _store(request)
+    if req.store:  # decided before anything is generated: a response that could not be stored is not made
+        await store.check_writable()
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         prev = await store.get(req.previous_response_id)
@@ -134,9 +141,12 @@ async def _stream(request: web.Request, handle: Any, tickets: list, events: Any,
                 out += es.tool(value)
             elif kind == "done" and isinstance(value, Result):
                 closing, final = es.finish(value)
-                out += closing
-                if req.store:
-                    await _store(request).put(final, [*conversation, responses.assistant_message(final["output"])])
+                try:
+                    if req.store:
+                        await _store(request).put(final, [*conversation, responses.assistant_message(final["output"])])
+                    out += closing
+                except OctoError as err:  # the store failed while this response ran: it ends failed, not stored
+                    out.append(es.failed(err))
             elif kind == "done":
                 err = value if isinstance(value, OctoError) else OctoError(str(value))
                 out.append(es.failed(err))
@@ -158,6 +168,25 @@ async def delete_response(request: web.Request) -> web.Response:
     if not await _store(request).delete(rid):
         raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
     return json_response({"id": rid, "object": "response", "deleted": True})
+
+
+def setup(app: web.Application) -> None:
+    """The routes, and the store opened and checked at start (in its own thread: the server does not wait)."""
+    add_routes(app.router)
+
+    async def open_store(app: web.Application) -> None:
+        state = app[STATE]
+        if state.store is None:
+            state.store = new_store(state.config)
+            state.store.start()
+
+    async def close_store(app: web.Application) -> None:
+        store = app[STATE].store
+        if store is not None:
+            await asyncio.get_running_loop().run_in_executor(None, store.close)
+
+    app.on_startup.append(open_store)
+    app.on_cleanup.append(close_store)
 
 
 def add_routes(router: web.UrlDispatcher) -> None:

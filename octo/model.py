@@ -171,7 +171,12 @@ class ModelHandle(HandleInfo):
             return None
         key = cache_key(self.engine_name, eng.version(), artifact_digest(self.artifact),
                         {k: str(v) for k, v in self.engine.config.options.items()})
-        return DiskPrefixCache(config.prefix_cache_dir, key, int(config.prefix_cache_disk_mb * 2**20))
+        try:
+            return DiskPrefixCache(config.prefix_cache_dir, key, int(config.prefix_cache_disk_mb * 2**20))
+        except Exception as exc:  # noqa: BLE001 - a cache folder that cannot be used costs the disk tier, not the model
+            log.warning("--prefix-cache-dir %s cannot be used (%s: %s); model '%s' keeps an in-memory prefix cache "
+                        "only", config.prefix_cache_dir, type(exc).__name__, exc, self.name)
+            return None
 
     async def activate(self, config: ServerConfig) -> None:
         if self.scheduler is None:

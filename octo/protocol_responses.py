@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other, default_if_null
+from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other, check_metadata, default_if_null
 
 
 class InputText(_Model):
@@ -170,3 +170,4 @@ class ResponsesRequest(_Model):
     keep_alive: float | str | None = None
 
     _null_is_default = field_validator("store", "stream", mode="before")(default_if_null)
+    _metadata_limits = field_validator("metadata")(check_metadata)
