@@ -119,10 +119,12 @@ def render(engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, An
 
 def tool_spec(fmt: ToolFormat, names: list[str], tool_choice: Any, parallel: bool | None = None) -> ToolSpec | None:
     """How to parse calls out of the output: None when there are no tools or tool_choice is "none";
-    ``parallel`` False keeps the first call only (a constrained choice allows only one anyway)."""
+    ``parallel`` False keeps the first call only (a constrained choice allows only one anyway); ``forced`` (a
+    constrained call) streams its arguments as they are generated (``octo.toolcalls.ToolCallParser`` ``live``)."""
     if not names or tool_choice == "none":
         return None
-    return ToolSpec(fmt, tuple(names), single=parallel is False)
+    forced = tool_choice == "required" or isinstance(tool_choice, dict)
+    return ToolSpec(fmt, tuple(names), single=parallel is False, forced=forced)
 
 
 def constraint_for(response_format: dict[str, Any] | None, tools: list[dict[str, Any]] | None, tool_choice: Any,

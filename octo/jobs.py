@@ -26,6 +26,7 @@ class ToolSpec:
     format: Any  # octo.toolcalls.ToolFormat
     names: tuple[str, ...]
     single: bool = False  # parallel_tool_calls false: only the first call counts
+    forced: bool = False  # tool_choice required / a named function: the output is a call (constrained)
 
 
 @dataclass
@@ -102,7 +103,8 @@ class Ticket(_Job):
         self.lead_n = 0  # how many of its tokens it shares with the lead
         self.matcher = req.grammar.matcher() if req.grammar is not None else None  # octo.constrain.Matcher
         # streamed tool calls: an incremental parser (octo.toolcalls); whole results are parsed at the end
-        self.parser = ToolCallParser(req.tools.format, req.tools.names) if req.tools and req.stream else None
+        live = bool(req.tools and req.tools.forced and self.matcher is not None)  # a constrained call: as written
+        self.parser = ToolCallParser(req.tools.format, req.tools.names, live=live) if req.tools and req.stream else None
         self.calls: list[dict[str, Any]] | None = None  # tool calls found (streaming: as they complete)
         # reasoning models: <think> text goes apart (octo.reasoning), before the tool-call parser sees the rest
         self.thinker = ThinkSplitter(req.reasoning_opened) if req.reasoning else None

@@ -35,8 +35,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from octo.errors import InvalidRequest
-from octo.toolscan import BAD, DECODER, MORE, WS, Scanner, call_at, load_json, python_calls, skip_ws
+from octo.errors import EngineError, InvalidRequest
+from octo.toolscan import (
+    BAD,
+    DECODER,
+    MORE,
+    WS,
+    ArgsPrefix,
+    Scanner,
+    UnsafeArguments,
+    call_at,
+    check_number,
+    load_json,
+    python_calls,
+    skip_ws,
+)
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -343,10 +356,16 @@ class ToolCallParser:
 
     ``tool_names`` (the offered functions) guards openers that are not markers (a bare ``{`` or ``[`` at the
     start): such a block is a call only if every name in it is offered. One parser per sequence; not thread-safe.
+
+    ``live``: the output is constrained to valid calls (a forced tool choice), so a call goes out as soon as its name
+    is written and its arguments as they are generated (:class:`octo.toolscan.ArgsPrefix` holds back an unfinished
+    number or escape). A number past a double's range or a lone surrogate escape, which the grammar cannot exclude,
+    then raises :class:`octo.errors.EngineError` (the sequence fails: the call cannot be taken back, and its
+    arguments are never completed as if they were JSON).
     """
 
     def __init__(self, fmt: ToolFormat | str, tool_names: Iterable[str] | None = None,
-                 new_id: Callable[[], str] | None = None) -> None:
+                 new_id: Callable[[], str] | None = None, live: bool = False) -> None:
         self.fmt = get_format(fmt)
         self.tool_names = frozenset(tool_names) if tool_names is not None else None
         self._new_id = new_id or self.fmt.new_id
@@ -358,6 +377,8 @@ class ToolCallParser:
         self._n_calls = 0
         self._done = False
         self._scan = Scanner()
+        self.live = live
+        self._pending: list[tuple[int, str, ArgsPrefix]] = []  # live calls of the undecided block: index, id, args
 
     def feed(self, delta: str) -> list[Event]:
         if self._done:
@@ -380,6 +401,8 @@ class ToolCallParser:
     # -- internals ------------------------------------------------------------------------------------------
     def _cut_call(self) -> list[Event]:
         """The call the undecided text began, cut off in its arguments: its events, or [] when it is no call."""
+        if self._pending:
+            return self._cut_live()
         pos, complete = self._find(self._buf)
         if pos != 0 or not self._buf.strip():
             return []
@@ -442,7 +465,12 @@ class ToolCallParser:
                 break
             result = self._block(self._buf, final) if complete else MORE if not final else BAD
             if result == MORE:
+                if self.live and complete:
+                    out += self._go_live()
                 break
+            if result == BAD and self._pending:
+                self._go_live()  # raises on the number or escape that broke the block, if that is what did
+                raise self._failed("its text ended before the call was complete")
             if result == BAD:  # no call starts here: its first character is text, look again after it
                 self._content(self._buf[:1], out)
                 self._buf = self._buf[1:]
@@ -450,14 +478,80 @@ class ToolCallParser:
                 continue
             calls, consumed = result
             self._held_ws = ""
-            for name, arguments in calls:
-                out.append(ToolCallStart(self._n_calls, self._new_id(), name))
-                out.append(ToolCallArguments(self._n_calls, arguments))
-                self._n_calls += 1
+            out += self._calls_out(calls)
             self._last_was_call = True
             self._buf = self._buf[consumed:]
             self._scan.saved.clear()
         return out
+
+    def _calls_out(self, calls: list[tuple[str, str]]) -> list[Event]:
+        """The events of a complete block's calls; those already live get the rest of their arguments only."""
+        out: list[Event] = []
+        live, self._pending = self._pending, []
+        if len(live) > len(calls):
+            raise self._failed("a call streamed is not in the finished block")
+        for k, (name, arguments) in enumerate(calls):
+            if k < len(live):
+                index, _, args = live[k]
+                sent = self._buf[args.start:args.safe]
+                if not arguments.startswith(sent):
+                    raise self._failed(f"the arguments of call {index} are not the text streamed")
+                if arguments[len(sent):]:
+                    out.append(ToolCallArguments(index, arguments[len(sent):]))
+            else:
+                out.append(ToolCallStart(self._n_calls, self._new_id(), name))
+                out.append(ToolCallArguments(self._n_calls, arguments))
+            self._n_calls += 1
+        return out
+
+    def _go_live(self) -> list[Event]:
+        """The pending block's calls as far as they are written (``live``): a call once its name is complete and its
+        arguments' object has begun, then the arguments' text that may go out."""
+        out: list[Event] = []
+        s = self._buf
+        while True:
+            frm = 0
+            if self._pending:
+                index, _, args = self._pending[-1]
+                before = args.safe
+                try:
+                    args.advance(s)
+                except UnsafeArguments as exc:
+                    raise self._failed(str(exc)) from None
+                if args.safe > before:
+                    out.append(ToolCallArguments(index, s[before:args.safe]))
+                if args.end < 0:
+                    return out
+                frm = args.end
+            m = _CALL_HEAD.search(s, frm)
+            if m is None or s[m.end():m.end() + 1] != "{" or (
+                    self.tool_names is not None and m.group(1) not in self.tool_names):
+                return out
+            index, cid = self._n_calls + len(self._pending), self._new_id()
+            self._pending.append((index, cid, ArgsPrefix(m.end())))
+            self._held_ws = ""
+            out.append(ToolCallStart(index, cid, m.group(1)))
+
+    def _cut_live(self) -> list[Event]:
+        """Truncated (max_tokens) with live calls pending: the last one ends with what was generated (an unfinished
+        number only when it is not already out of range)."""
+        if self._block(self._buf, True) != BAD:
+            return []  # complete but for its closing text: the final run emits the rest
+        index, _, args = self._pending[-1]
+        rest = self._buf[args.safe:] if args.end < 0 else ""
+        if args.num >= 0:
+            try:
+                check_number(self._buf[args.num:], complete=False)
+            except UnsafeArguments as exc:
+                raise self._failed(str(exc)) from None
+        self._n_calls += len(self._pending)
+        self._buf, self._held_ws, self._last_was_call, self._pending = "", "", True, []
+        return [ToolCallArguments(index, rest)] if rest else []
+
+    def _failed(self, why: str) -> EngineError:
+        return EngineError(f"The model's tool call could not be completed as valid JSON: {why}. Its arguments were "
+                           "streamed as they were generated (the tool choice forces a call); the call is not "
+                           "complete and must not be run.")
 
     def _block(self, s: str, final: bool) -> Block:
         for opener, at_start, parse in self._openers:

@@ -161,3 +161,103 @@ def python_calls(src: str) -> list[tuple[str, str]] | str:
     return calls or BAD
 
 
+
+
+class UnsafeArguments(ValueError):
+    """A streamed call's arguments hold text no strict JSON parser reads back (a number past a double's range, a
+    lone surrogate escape): the call cannot be completed."""
+
+
+_STR_STOP = re.compile(r'["\\]')
+_NUMBER_CHARS = frozenset("0123456789+-.eE")
+
+
+def check_number(text: str, complete: bool = True) -> None:
+    """UnsafeArguments unless the number ``text`` is finite as a double (orjson's rule: ``1e999`` is refused).
+    ``complete`` False: a number cut off by max_tokens, refused only where what was written is already infinite."""
+    if complete:
+        if load_json(text) == BAD:
+            raise UnsafeArguments(f"the number {text} is not a finite double")
+        return
+    try:
+        value = float(text)
+    except ValueError:
+        return  # "-", "1e": not a number yet, nothing out of range
+    if value in (float("inf"), float("-inf")):
+        raise UnsafeArguments(f"the number {text} is not a finite double")
+
+
+class ArgsPrefix:
+    """How much of a call's arguments (a JSON object whose text starts at ``start`` in a growing buffer, its syntax
+    guaranteed by a constraint grammar) may be streamed now: everything but a number not yet finished (it is checked
+    to be a finite double once it is), an escape not yet complete (a high surrogate waits for its low one)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = self.pos = self.safe = start
+        self.end = -1  # past the closing brace, once written
+        self.depth = 0
+        self.in_str = False
+        self.num = -1  # start of the number being written
+
+    def advance(self, s: str) -> None:
+        """Read ``s`` (the buffer, grown at its end) past ``pos``; UnsafeArguments on a value that must not go out."""
+        n = len(s)
+        while self.pos < n and self.end < 0:
+            if self.in_str:
+                m = _STR_STOP.search(s, self.pos)
+                if m is None:
+                    self.pos = n
+                elif m.group() == '"':
+                    self.pos, self.in_str = m.end(), False
+                else:
+                    k = self._escape(s, m.start())
+                    if k < 0:  # incomplete: wait for the rest
+                        self.pos = self.safe = m.start()
+                        return
+                    self.pos = k
+                continue
+            c = s[self.pos]
+            if self.num >= 0:
+                if c in _NUMBER_CHARS:
+                    self.pos += 1
+                    continue
+                check_number(s[self.num:self.pos])
+                self.num = -1
+            if c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.pos + 1
+            elif c == "-" or c.isdigit():
+                self.num = self.pos
+            self.pos += 1
+        self.safe = self.num if self.num >= 0 else self.pos
+
+    @staticmethod
+    def _escape(s: str, k: int) -> int:
+        """End of the escape at ``s[k]`` (a backslash), -1 when not complete yet."""
+        if k + 1 >= len(s):
+            return -1
+        if s[k + 1] != "u":
+            return k + 2
+        if k + 6 > len(s):
+            return -1
+        code = _code(s[k + 2:k + 6])
+        if 0xDC00 <= code <= 0xDFFF:
+            raise UnsafeArguments(f"the escape {s[k:k + 6]} is a lone low surrogate")
+        if not 0xD800 <= code <= 0xDBFF:
+            return k + 6
+        rest = s[k + 6:k + 12]
+        if len(rest) < 6 and "\\u".startswith(rest[:2]):
+            return -1
+        if not (rest.startswith("\\u") and 0xDC00 <= _code(rest[2:]) <= 0xDFFF):
+            raise UnsafeArguments(f"the escape {s[k:k + 6]} is a high surrogate without its low one")
+        return k + 12
+
+
+def _code(hex4: str) -> int:
+    """The code unit of a ``\\uXXXX`` escape's digits, -1 when they are not four hex digits."""
+    return int(hex4, 16) if re.fullmatch(r"[0-9a-fA-F]{4}", hex4) else -1

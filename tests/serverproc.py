@@ -161,3 +161,18 @@ def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180
             proc.wait()
         log.close()
         os.unlink(log.name)
+
+
+@contextlib.contextmanager
+def run_tiny_gguf(*args: str):
+    """``octo serve`` of the tiny random-weight GGUF on llama.cpp with constrained decoding (``server.model`` set);
+    the calling test skips without llama-cpp-python or llguidance."""
+    import pytest
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    pytest.importorskip("llguidance")
+    from octo.synth.gguf import build_gguf
+
+    with run_octo(str(build_gguf("tiny", ftype="q8_0")), "--engine", "llamacpp", *args) as s:
+        s.model = s.openai().models.list().data[0].id
+        yield s
