@@ -5,9 +5,9 @@ octo.api_ollama_models. Generation goes through the same model handle as every A
 queue limits, batching, the prefix cache, auth and metrics apply unchanged. Errors are Ollama's ``{"error": "..."}``
 (octo.server shapes every error under ``/api/``), with the status octo gives them.
 
-Both stream and non-stream requests read the sequence's events, so Ollama's durations are measured, not estimated:
-``load_duration`` until the model is ready, ``prompt_eval_duration`` from admission to the first output,
-``eval_duration`` from there to the end."""
+Ollama's durations are measured: ``total_duration`` and ``load_duration`` (until the model is ready) here,
+``prompt_eval_duration`` (admission to the first generated token) and ``eval_duration`` (from there to the end) on
+the engine thread (``Result.prompt_eval_s``, ``Result.eval_s``)."""
 
 from __future__ import annotations
 
@@ -98,14 +98,16 @@ async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     registry = request.app[STATE].registry
     async with registry.use(name, req.keep_alive) as handle:
         clock.loaded = time.perf_counter()
-        inner = req.model_copy(update={"stream": True, "model": name})  # events for both: measured durations
+        inner = req.model_copy(update={"stream": req.streaming, "model": name})
         tickets, events = await handle.submit("ollama", inner, len(body))
         try:
-            await handle.wait_admitted(tickets)
-            clock.admitted = time.perf_counter()
             chunk = _shape(req, req.model)
-            if not req.streaming:
-                return await _whole(events, chunk, clock)
+            if not req.streaming:  # a queue timeout arrives on the result future as well
+                result = await tickets[0].result
+                clock.done = time.perf_counter()
+                out = _Output(result.text, result.reasoning, result.tool_calls, result.logprobs)
+                return json_response(_final(chunk, result, clock, out, True))
+            await handle.wait_admitted(tickets)
             return await _stream(request, events, chunk, clock)
         finally:
             handle.abandon(tickets)
@@ -131,13 +133,13 @@ async def _load_or_unload(request: web.Request, req: Any, name: str, empty: dict
 
 
 class _Output:
-    """What one sequence's events add up to (a stream writes each piece as it comes)."""
+    """What one sequence's answer adds up to: a stream collects its tool calls and logprobs as they come."""
 
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.thinking: list[str] = []
-        self.calls: list[dict[str, Any]] = []
-        self.lps: list = []
+    def __init__(self, text: str = "", thinking: str | None = None, calls: list | None = None,
+                 lps: list | None = None) -> None:
+        self.text, self.thinking = text, thinking
+        self.calls: list[dict[str, Any]] = list(calls or [])
+        self.lps: list = list(lps or [])
 
     def tool(self, delta: dict[str, Any]) -> None:
         """A Chat Completions tool-call delta (octo.emission): a new call, or a fragment of its arguments."""
@@ -151,34 +153,12 @@ class _Output:
 
 
 def _final(chunk: Any, result: Result, clock: ollama.Clock, out: _Output, whole: bool) -> dict[str, Any]:
-    obj = chunk("".join(out.text) if whole else "", "".join(out.thinking) if whole else None,
-                (out.calls or None) if whole else None)
+    obj = chunk(out.text if whole else "", out.thinking if whole else None, (out.calls or None) if whole else None)
     obj.update(done=True, done_reason=ollama.done_reason(result), **clock.metrics(result))
     lps = ollama.logprobs(out.lps if whole else None)
     if lps:
         obj["logprobs"] = lps
     return obj
-
-
-async def _whole(events: asyncio.Queue, chunk: Any, clock: ollama.Clock) -> web.Response:
-    out = _Output()
-    while True:
-        _, kind, value = await events.get()
-        if not clock.first and kind in ("text", "reasoning", "tool"):
-            clock.first = time.perf_counter()
-        if kind == "text":
-            out.text.append(value)
-        elif kind == "reasoning":
-            out.thinking.append(value)
-        elif kind == "tool":
-            out.tool(value)
-        elif kind == "lp":
-            out.lps.append(value)
-        elif kind == "done":
-            if not isinstance(value, Result):
-                raise value if isinstance(value, OctoError) else OctoError(str(value))
-            clock.done = time.perf_counter()
-            return json_response(_final(chunk, value, clock, out, True))
 
 
 async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock: ollama.Clock) -> web.StreamResponse:
@@ -190,8 +170,6 @@ async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock
         batch = [await events.get()]
         while not events.empty():
             batch.append(events.get_nowait())
-        if not clock.first:
-            clock.first = time.perf_counter()
         lines: list[bytes] = []
         for _, kind, value in batch:
             if kind == "text":

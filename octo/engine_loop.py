@@ -162,6 +162,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
                 room -= need
             self._pending.popleft()
             job.state = "active"
+            job.t_admit = time.perf_counter()
             admitted.append(job)
         return calls, admitted
 
@@ -382,6 +383,8 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
             return False
         tokens = t.seq.tokens
         tokens.append(tok)
+        if not t.t_first:
+            t.t_first = time.perf_counter()
         self.generated_tokens += 1
         if tok in eos:
             t.hit_eos = True

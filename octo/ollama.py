@@ -216,7 +216,7 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
         raise InvalidRequest(f"invalid format {req.format!r}: \"json\" or a JSON schema", param="format")
     grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, tools, None, None, fmt, rf_param="format"))
     logprobs = chatprep.logprobs_count(engine, (req.top_logprobs or 0) if req.logprobs else None)
-    return GenerationRequest(tokens, opts.sampling, _max_tokens(handle, opts, len(tokens)), opts.stop, True,
+    return GenerationRequest(tokens, opts.sampling, _max_tokens(handle, opts, len(tokens)), opts.stop, req.streaming,
                              grammar=grammar, logprobs=logprobs,
                              tools=chatprep.tool_spec(fmt, names, None) if fmt is not None else None,
                              reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt or ""))
@@ -280,20 +280,18 @@ def logprobs(entries: list | None) -> list[dict[str, Any]] | None:
 
 @dataclass
 class Clock:
-    """Where a request's time went (perf_counter seconds): Ollama's durations, measured at the gateway."""
+    """Where a request's time went at the gateway (perf_counter seconds); the prompt's evaluation and the generation
+    are timed on the engine thread (``Result.prompt_eval_s``, ``Result.eval_s``)."""
 
     start: float
     loaded: float = 0.0  # the model is ready (loaded on demand, or already there)
-    admitted: float = 0.0  # the scheduler admitted the sequence: its prompt is evaluated from here
-    first: float = 0.0  # the first output (the prompt is evaluated)
     done: float = 0.0
 
     def metrics(self, result: Result) -> dict[str, int]:
         ns = 1_000_000_000
-        first = self.first or self.done
         return {"total_duration": max(1, int((self.done - self.start) * ns)),
                 "load_duration": max(1, int((self.loaded - self.start) * ns)),
                 "prompt_eval_count": result.prompt_tokens,
-                "prompt_eval_duration": max(1, int((first - (self.admitted or self.loaded)) * ns)),
+                "prompt_eval_duration": max(1, int(result.prompt_eval_s * ns)),
                 "eval_count": result.completion_tokens,
-                "eval_duration": max(1, int((self.done - first) * ns))}
+                "eval_duration": max(1, int(result.eval_s * ns))}
