@@ -301,3 +301,20 @@ def test_langchain_ollama(echo_server):
     assert msg.tool_calls[0]["args"] == {"city": "Paris"}
     vectors = lc.OllamaEmbeddings(model=MODEL, base_url=echo_server.base_url).embed_documents(["a", "b"])
     assert len(vectors) == 2 and len(vectors[0]) == 64
+
+
+def test_logprobs(client):
+    r = client.chat(model=MODEL, messages=user("alpha beta"), logprobs=True, top_logprobs=1)
+    assert [lp.token for lp in r.logprobs] == ["alpha", " beta"] and all(lp.logprob == 0.0 for lp in r.logprobs)
+    parts = list(client.chat(model=MODEL, messages=user("alpha beta"), logprobs=True, stream=True))
+    assert [lp.token for p in parts for lp in p.logprobs or []] == ["alpha", " beta"]
+
+
+def test_api_key():
+    with run_octo(MODEL, "--engine", "echo", api_key="sesame") as s:
+        status, msg = error_of(ollama.Client(host=s.base_url).list)
+        assert status == 401 and "API key" in msg
+        c = ollama.Client(host=s.base_url, headers={"Authorization": "Bearer sesame"})
+        assert c.chat(model=MODEL, messages=user("open")).message.content == "open"
+        with urllib.request.urlopen(s.url("/")) as r:  # the probe stays open, as the dashboard page does
+            assert r.read() == b"Ollama is running"
