@@ -222,6 +222,9 @@ def test_format_schema_and_json_on_llamacpp():
     with run_octo(str(build_gguf("tiny", ftype="q8_0")), "--engine", "llamacpp") as s:
         c = ollama.Client(host=s.base_url)
         name = c.list().models[0].model
+        shown = c.show(name)  # read from the GGUF file (the model runs in a worker process)
+        assert "<|im_start|>" in shown.template and shown.details.format == "gguf"
+        assert shown.modelinfo["general.architecture"] and shown.capabilities[:2] == ["completion", "tools"]
         for temperature in (0.0, 1.0):
             r = c.chat(model=name, messages=user("Who?"), format=PERSON,
                        options={"temperature": temperature, "num_predict": 200})
