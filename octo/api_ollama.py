@@ -65,7 +65,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 def _shape(req: Any, model: str) -> Any:
-    """(chunk of text/thinking, final object) builders of the request's kind."""
+    """The builder of one answer object of the request's kind (chat: ``message``; generate: ``response``)."""
     if isinstance(req, ChatRequest):
         def chunk(content: str = "", thinking: str | None = None, calls: list | None = None) -> dict[str, Any]:
             msg: dict[str, Any] = {"role": "assistant", "content": content}
@@ -89,6 +89,7 @@ async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     req = parse(kind, body)
     name = ollama.model_name(req.model)
     ollama.check_images(req)
+    ollama.Options.parse(req.options)  # the options no engine honours: a 400 before a model loads for them
     if isinstance(req, GenerateRequest):
         ollama.check_generate(req)
         if not req.prompt:
@@ -224,6 +225,9 @@ async def _embed_call(request: web.Request, req: Any, name: str, texts: list[str
         num_ctx = (req.options or {}).get("num_ctx")
         if num_ctx is not None and (isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 1):
             raise InvalidRequest("option \"num_ctx\" must be a positive integer", param="options.num_ctx")
+        if num_ctx is not None and num_ctx < handle.info.n_ctx:  # a larger one is the loaded context, as Ollama caps
+            raise UnsupportedParameter("options.num_ctx", f"embeddings use the model's whole loaded context "
+                                       f"({handle.info.n_ctx} tokens); octo does not cut inputs to a smaller one")
         return await handle.call("embed", texts), handle, loaded
 
 

@@ -122,21 +122,22 @@ def _row(name: str, desc: dict[str, Any]) -> dict[str, Any]:
             "digest": desc["digest"], "details": desc["details"]}
 
 
-def _tags(state: Any) -> list[dict[str, Any]]:
+def _tags(engines: dict[str, Any], slots: list[Any]) -> list[dict[str, Any]]:
     from octo.loader import servable_catalog
 
     rows, seen = [], set()
-    for slot in state.registry.slots:
-        rows.append(_row(slot.name, _describe(state.registry.engines, slot.name, slot)))
+    for slot in slots:
+        rows.append(_row(slot.name, _describe(engines, slot.name, slot)))
         seen.update({slot.name, *slot.aliases})
-    for entry in servable_catalog(state.registry.engines):
+    for entry in servable_catalog(engines):
         if entry["id"] not in seen:
-            rows.append(_row(entry["id"], _describe(state.registry.engines, entry["id"])))
+            rows.append(_row(entry["id"], _describe(engines, entry["id"])))
     return rows
 
 
 async def tags(request: web.Request) -> web.Response:
-    return json_response({"models": await asyncio.to_thread(_tags, request.app[STATE])})
+    registry = request.app[STATE].registry
+    return json_response({"models": await asyncio.to_thread(_tags, registry.engines, list(registry.slots))})
 
 
 async def ps(request: web.Request) -> web.Response:

@@ -199,9 +199,10 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
         else:
             messages = chat_messages(req)
             if req.tools:
+                for i, t in enumerate(req.tools):
+                    if t.type != "function":
+                        raise UnsupportedParameter(f"tools[{i}].type", "only function tools are supported")
                 tools = [t.model_dump(exclude_none=True, exclude={"items"}) for t in req.tools]
-                for t in tools:
-                    t["type"] = "function"
                 names = chatprep.check_tools(tools)
         kwargs, reasons = _think(handle, req)
         fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
