@@ -36,7 +36,10 @@ NEVER = "2318-01-01T00:00:00Z"  # expires_at of a model that stays loaded (Ollam
 
 
 def tagged(name: str) -> str:
-    return name if ":" in name.rpartition("/")[2] else f"{name}:latest"
+    """Ollama's ``name:tag`` of an octo name: ``:latest`` added to a name without a tag (not to a local path)."""
+    if name.startswith(("/", ".", "~")) or ":" in name.rpartition("/")[2]:
+        return name
+    return f"{name}:latest"
 
 
 def _digest(*parts: Any) -> str:

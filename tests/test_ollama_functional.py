@@ -214,14 +214,24 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def test_format_schema_and_json_on_llamacpp():
+def test_format_schema_and_json_on_llamacpp(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     jsonschema = pytest.importorskip("jsonschema")
     from octo.synth.gguf import build_gguf
 
-    with run_octo(str(build_gguf("tiny", ftype="q8_0")), "--engine", "llamacpp") as s:
+    gguf = str(build_gguf("tiny", ftype="q8_0"))
+    catalog = tmp_path / "models.yaml"  # name:tag -> catalog variants, latest the default one
+    catalog.write_text(json.dumps({"models": [{"id": "tagged", "family": "qwen2", "task": "chat",
+                                               "default_variant": "q8", "variants": {
+                                                   "q8": {"llamacpp": gguf}, "other": {"llamacpp": gguf}}}]}))
+    with run_octo(gguf, "--engine", "llamacpp", env={"OCTO_CATALOG": str(catalog)}) as s:
         c = ollama.Client(host=s.base_url)
         name = c.list().models[0].model
+        assert name == gguf and "tagged:latest" in [m.model for m in c.list().models]  # servable on demand
+        assert c.chat(model="tagged:latest", messages=user("hi"), options={"num_predict": 2}).eval_count == 2
+        assert [m.model for m in c.ps().models if m.model.startswith("tagged")] == ["tagged:q8"]
+        status, msg = error_of(c.chat, model="tagged:nope", messages=user("hi"))
+        assert status == 404 and "known variants: q8, other" in msg
         shown = c.show(name)  # read from the GGUF file (the model runs in a worker process)
         assert "<|im_start|>" in shown.template and shown.details.format == "gguf"
         assert shown.modelinfo["general.architecture"] and shown.capabilities[:2] == ["completion", "tools"]
