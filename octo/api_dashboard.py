@@ -205,8 +205,8 @@ async def live(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def add_routes(r: web.UrlDispatcher) -> None:
-    r.add_get("/", page)
+def add_routes(r: web.UrlDispatcher, root=page) -> None:
+    r.add_get("/", root)
     r.add_get("/index.html", page)
     r.add_get("/dashboard/{file:[a-z0-9_-]+\\.(?:js|css|svg|png)}", asset)  # /dashboard/live: the feed's alias
     r.add_get("/v1/dashboard/live", live)

@@ -91,7 +91,8 @@ def _not_here(artifact: Artifact, why: str) -> ArtifactNotDownloaded:
 
 
 # -- public API ------------------------------------------------------------------------------------
-def fetch(artifact: Artifact, *, offline: bool | None = None, progress: bool = True, refresh: bool = False) -> Path:
+def fetch(artifact: Artifact, *, offline: bool | None = None, progress: bool | type = True,
+          refresh: bool = False) -> Path:
     """The local path of ``artifact`` (a file, or a folder for MLX / onnxruntime-genai); downloads if needed.
 
     ``offline`` defaults to ``HF_HUB_OFFLINE``; ``progress`` shows progress bars on the terminal.
@@ -340,8 +341,10 @@ def _quiet_tqdm() -> type:
     return Quiet
 
 
-def _tqdm(progress: bool) -> type | None:
-    """huggingface_hub's own progress bars, or none."""
+def _tqdm(progress: bool | type) -> type | None:
+    """huggingface_hub's own progress bars, or none, or a tqdm class of the caller's (``/api/pull`` reports it)."""
+    if isinstance(progress, type):
+        return progress
     return None if progress else _quiet_tqdm()
 
 

@@ -163,6 +163,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 room -= need
             self._pending.popleft()
             job.state = "active"
+            job.t_admit = time.perf_counter()
             admitted.append(job)
         return calls, admitted
 
@@ -394,6 +395,8 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             return False
         tokens = t.seq.tokens
         tokens.append(tok)
+        if not t.t_first:
+            t.t_first = time.perf_counter()
         self.generated_tokens += 1
         if tok in eos:
             t.hit_eos = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,10 @@ class Result:
     logprobs: list[tuple[bytes, float, list[tuple[bytes, float]]]] | None = None  # per generated token
     prompt_logprobs: list[tuple[bytes, float | None, list[tuple[bytes, float]]]] | None = None  # per prompt token
     reasoning: str | None = None  # the <think> text, kept apart from ``text`` (GenerationRequest.reasoning)
+    # measured on the engine thread: admission to the first generated token (the prompt's evaluation), and from
+    # there to the end (Ollama's prompt_eval_duration and eval_duration)
+    prompt_eval_s: float = 0.0
+    eval_s: float = 0.0
 
 
 class _Job:
@@ -78,7 +83,7 @@ class Ticket(_Job):
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
                  "finish", "hit_eos", "_cancel", "swap", "preemptions", "lead", "lead_n", "matcher", "parser",
-                 "calls", "lps", "prompt_lps", "extra", "thinker", "reasoning")
+                 "calls", "lps", "prompt_lps", "extra", "thinker", "reasoning", "t_admit", "t_first")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -109,6 +114,8 @@ class Ticket(_Job):
         # reasoning models: <think> text goes apart (octo.reasoning), before the tool-call parser sees the rest
         self.thinker = ThinkSplitter(req.reasoning_opened) if req.reasoning else None
         self.reasoning: list[str] = []
+        self.t_admit = 0.0  # perf_counter at admission, and at the first generated token (engine thread)
+        self.t_first = 0.0
         self.lps: list | None = [] if req.logprobs >= 0 else None
         self.prompt_lps: list | None = [] if req.prompt_logprobs >= 0 else None
         # anything the engine step must be told beyond tokens (a mask, logprobs)
@@ -140,9 +147,11 @@ class Ticket(_Job):
         finish = self.finish or "stop"
         if calls and finish == "stop":
             finish = "tool_calls"
+        now = time.perf_counter()
+        first = self.t_first or now
         return Result(text, finish, self.n_prompt, len(gen), self.cached, gen, self.stream.matched, calls,
                       self.lps, self.prompt_lps, "".join(self.reasoning) if self.thinker is not None and self.reasoning
-                      else None)
+                      else None, first - (self.t_admit or first), now - first)
 
 
 class _Call(_Job):

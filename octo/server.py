@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from octo import api, api_anthropic, api_dashboard
+from octo import api, api_anthropic, api_dashboard, api_ollama
 from octo.config import ServerConfig
 from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
 from octo.metrics import CONTENT_TYPE, Metrics
@@ -60,6 +60,8 @@ def error_response(request: web.Request, err: OctoError) -> web.Response:
     path = request.path
     if (path[3:] if path.startswith("/v1/") else path).startswith("/messages"):  # /v1/messages and /messages
         body = api_anthropic.anthropic_error_body(err)
+    elif path.startswith("/api/"):  # Ollama's API: {"error": "..."}
+        body = {"error": err.message}
     else:
         body = err.body()
     return api.json_response(body, status=err.status, headers=err.headers or None)
@@ -427,7 +429,9 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     from octo import api_tokens
 
     api_tokens.add_routes(r)
-    api_dashboard.add_routes(r)  # GET / (the web dashboard), /dashboard/{file}, /v1/dashboard/live
+    api_ollama.add_routes(r)  # Ollama's API under /api/
+    # GET / (the web dashboard; "Ollama is running" for a client that probes Ollama), /dashboard/{file}, the feed
+    api_dashboard.add_routes(r, root=api_ollama.root)
     if plugin_manager is not None:
         plugin_manager.hook.register_routes(app=app)
     app[V1_OF] = _add_unprefixed(r)  # last: the /v1 routes registered above (plugins' too) get their alias

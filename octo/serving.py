@@ -436,6 +436,10 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[GenerationRequest], 
         from octo import anthropic  # it builds on this module
 
         gens, n = [anthropic.generation(handle, req)], 1
+    elif kind == "ollama":
+        from octo import ollama  # Ollama's /api/chat and /api/generate
+
+        gens, n = [ollama.generation(handle, req)], 1
     else:
         raise ValueError(f"unknown generation kind {kind!r}")
     adapter = lora_adapter(handle, getattr(req, "model", None))

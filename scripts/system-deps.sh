@@ -44,6 +44,17 @@ elif ! command -v npm >/dev/null 2>&1; then
 elif ! npm install --prefix "$clients_prefix" --no-audit --no-fund --loglevel=error "openai@$OPENAI_NODE_VERSION"; then
   echo "system-deps: npm could not install openai@$OPENAI_NODE_VERSION (its client test will skip)" >&2
 fi
+# The ollama JavaScript client (a library) for tests/test_ollama_functional.py, pinned, into the git-ignored
+# .cache/npm-ollama; without npm, or when npm fails, that test skips
+OLLAMA_JS_VERSION=0.6.4
+ollama_js_prefix="$(cd "$(dirname "$0")/.." && pwd)/.cache/npm-ollama"
+if [ -f "$ollama_js_prefix/node_modules/ollama/package.json" ]; then
+  :
+elif ! command -v npm >/dev/null 2>&1; then
+  echo "system-deps: npm not found, the ollama JS client not installed (its test will skip)" >&2
+elif ! npm install --prefix "$ollama_js_prefix" --no-audit --no-fund --loglevel=error "ollama@$OLLAMA_JS_VERSION"; then
+  echo "system-deps: npm could not install ollama@$OLLAMA_JS_VERSION (its test will skip)" >&2
+fi
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 SUDO=""

@@ -113,10 +113,11 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str
 # -- without a browser ---------------------------------------------------------------------------------------------
 def test_static_files_cached_and_the_page_open_behind_the_api_key(tmp_path):
     with run_octo("test-model", "--engine", "echo", api_key=KEY) as s:
-        status, h, body = _get(s.url("/"))
+        browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}  # else "/" answers as Ollama's root does
+        status, h, body = _get(s.url("/"), browser)
         assert status == 200 and h["Content-Type"].startswith("text/html") and h["Cache-Control"] == "no-cache"
         assert "default-src 'self'" in h["Content-Security-Policy"]
-        assert _get(s.url("/"), {"If-None-Match": h["ETag"]})[0] == 304
+        assert _get(s.url("/"), {**browser, "If-None-Match": h["ETag"]})[0] == 304
         assets = [line.split('"')[1] for line in body.decode().splitlines() if 'src="/dashboard/' in line]
         assert len(assets) >= 6 and all("?v=" in a for a in assets)
         status, h2, js = _get(s.url(assets[0]))
