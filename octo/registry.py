@@ -258,13 +258,17 @@ class Registry:
             await self.cluster.close()
 
     async def catalog_available(self) -> list[dict[str, Any]]:
-        """Catalog models servable on demand that the registry has no slot for yet. Scanned once (started with the
-        app) and then again in the background every 30 s, so that /v1/models answers at once from what it has."""
+        """Catalog models servable on demand that the registry has no slot for yet. Scanned when the app starts and
+        again in the background every 30 s, so that /v1/models answers at once from what it has (the first scan, a
+        few seconds on a cold host, is waited for 0.5 s at most: until it ends, the listing has no catalog rows)."""
         cached = getattr(self, "_catalog", None)
         if cached is None or time.monotonic() - cached[0] > 30:
             task = self._scan_catalog()
             if cached is None:
-                cached = await asyncio.shield(task)
+                try:
+                    cached = await asyncio.wait_for(asyncio.shield(task), 0.5)
+                except TimeoutError:
+                    return []
         return [r for r in cached[1] if self.find(r["id"]) is None]
 
     def _scan_catalog(self) -> asyncio.Task:
