@@ -172,8 +172,9 @@ class Slot:
     def state(self) -> str:
         if self.loading is not None:
             return "loading"
-        if self.handle is not None:
-            return self.handle.state
+        if self.handle is not None:  # a worker silent for a few beats shows it before it is killed for it
+            state = self.handle.state
+            return "unresponsive" if state == "ready" and getattr(self.handle, "silent", False) else state
         if self.error is not None:
             return "failed"
         return "available"

@@ -338,6 +338,13 @@ class RemoteHandle(HandleInfo):
                 "compute_wait_s": round(member.waited, 3) if member else 0.0,
                 "threads_limit": self.threads_limit}
 
+    @property
+    def silent(self) -> bool:
+        """Not heard from for three heartbeats (2 s at least): /health and /v1/models say "unresponsive"."""
+        worker = self.worker
+        quiet = max(2.0, 3 * supervision.beat_interval(self.config.worker_timeout))
+        return worker.alive and time.monotonic() - worker.heard > quiet
+
     async def limit_threads(self, n: int | None) -> None:
         """At most ``n`` compute threads for this model while others are busy too (None: its own count again)."""
         self.threads_limit = n
