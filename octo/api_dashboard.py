@@ -148,7 +148,7 @@ class Sampler:
         for s in slots:
             st = stats.get(s.name)
             if st is None:
-                models[s.name] = {"state": s.state}
+                models[s.name] = {"state": s.state, **s.progress()}
                 self.last.pop(s.name, None)
                 continue
             models[s.name] = self._row(s.name, s.state, st, now)
@@ -171,7 +171,7 @@ class Sampler:
                 "queued": q.get("pending") or 0, "preempted": q.get("preempted") or 0, "max_batch": max_batch,
                 "occupancy": round(active / max_batch, 4) if max_batch else 0.0,
                 "total_processed": counters["processed"], "generated_tokens": counters["tokens"],
-                "engine_thread": q.get("engine_thread"),
+                "engine_thread": q.get("engine_thread"), "stale": bool(q.get("stale")), "age_s": q.get("age_s"),
                 "cache": {"enabled": bool(c), "hit_rate": c.get("hit_rate", 0.0), "bytes": c.get("bytes", 0),
                           "budget_bytes": c.get("budget_bytes"), "entries": c.get("entries", 0),
                           "hits": c.get("hits", 0), "misses": c.get("misses", 0),

@@ -124,6 +124,13 @@ def _keep_alive(ctx, param, value):
               help="Requests that may wait for a batch slot; more get 503.", **_env("MAX_QUEUE"))
 @click.option("--queue-timeout", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds a request may wait in the queue before 504.", **_env("QUEUE_TIMEOUT"))
+@click.option("--worker-timeout", default=10.0, show_default=True, type=click.FloatRange(1, 300),
+              help="Seconds an engine worker may be silent (no heartbeat: stopped, deadlocked, or in a C call holding "
+                   "the GIL) before it is killed and restarted, its requests ending with engine_hung; while it "
+                   "starts or loads, at least 30 s.", **_env("WORKER_TIMEOUT"))
+@click.option("--load-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a model load may take, and a request may wait for the load it triggered (then its "
+                   "--queue-timeout starts).", **_env("LOAD_TIMEOUT"))
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
               help="Sequences decoded together (continuous batching).", **_env("MAX_BATCH"))
 @click.option("--cache-size", default=512.0, show_default=True, type=click.FloatRange(0),
@@ -218,7 +225,7 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
           api_key, insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation,
           loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir, prefix_cache_disk_mb,
           reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas, autoscaling,
-          replica_cpus, replica_gpus, replica_memory, log_level):
+          replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -244,6 +251,7 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_mb=prefix_cache_disk_mb,
                           shutdown_timeout=shutdown_timeout, responses_ttl=responses_ttl,
                           responses_max_mb=responses_max_mb)
+    config.worker_timeout, config.load_timeout = worker_timeout, load_timeout
     if cluster or replicas != 1 or autoscaling:
         _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a

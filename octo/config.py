@@ -44,3 +44,5 @@ class ServerConfig:
     replicas: int = 1  # with cluster: replicas per model (the models file may set its own)
     autoscaling: dict | None = None  # with cluster: Ray Serve autoscaling_config (min/max replicas, target)
     replica_resources: dict = field(default_factory=dict)  # with cluster: num_cpus, num_gpus, memory_gb per replica
+    worker_timeout: float = 10.0  # a serving worker silent this long is killed and restarted (octo.supervision)
+    load_timeout: float = 300.0  # a load (and a request's wait for it) may take this long (Ollama's default too)

@@ -6,6 +6,8 @@ new text, and replies), written with blocking sends from the worker's engine thr
 the gateway's event loop. Pickle (protocol 5) is the encoder: it carries the protocol requests, results, numpy
 audio and OctoError exceptions without a schema to keep in step, and both ends are the same octo install.
 A socket that reaches EOF means the other side is gone: the gateway fails that worker's requests, a worker exits.
+A worker's heartbeat thread sends ``HEARTBEAT`` up every few hundred milliseconds (``start_heartbeat``): the
+gateway judges liveness by what it hears (``octo.supervision``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import asyncio
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 _HEADER = 4
+HEARTBEAT = ("hb",)
 
 
 def frame(obj: Any) -> bytes:
@@ -86,3 +90,31 @@ class BlockingSender:
     def send_locked(self, obj: Any) -> None:
         """Send while the caller already holds ``lock`` (to keep an order across threads)."""
         self._sock.sendall(frame(obj))
+
+    def send_frame_locked(self, data: bytes) -> None:
+        """Send a frame made beforehand (``frame``) while the caller holds ``lock``."""
+        self._sock.sendall(data)
+
+
+def start_heartbeat(sender: BlockingSender, interval: float) -> threading.Thread:
+    """Send ``HEARTBEAT`` every ``interval`` seconds from a daemon thread of its own, whatever the engine thread and
+    the event loop do (a beat is skipped while another thread is sending: its message is a sign of life too). It
+    stops only with the process, or when the socket is gone; a process stopped or a C call holding the GIL stops it,
+    which is what the gateway must see."""
+    beat = frame(HEARTBEAT)
+
+    def run() -> None:
+        while True:
+            time.sleep(interval)
+            if not sender.lock.acquire(timeout=interval):
+                continue
+            try:
+                sender.send_frame_locked(beat)
+            except OSError:
+                return
+            finally:
+                sender.lock.release()
+
+    thread = threading.Thread(target=run, name="octo-heartbeat", daemon=True)
+    thread.start()
+    return thread

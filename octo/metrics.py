@@ -67,11 +67,23 @@ class _Collector:
         crashes = CounterMetricFamily("octo_worker_crashes", "Engine worker processes that died",
                                       labels=["model", "engine"])
         ready = GaugeMetricFamily("octo_model_ready", "1 when the model can serve now", labels=["model", "state"])
+        hangs = CounterMetricFamily("octo_worker_hangs", "Engine workers killed because they stopped answering "
+                                    "(no heartbeat within --worker-timeout)", labels=["model", "engine"])
+        restarts = CounterMetricFamily("octo_worker_restarts", "Engine workers restarted after a crash or a hang",
+                                       labels=["model", "engine"])
+        silence = GaugeMetricFamily("octo_worker_heartbeat_age_seconds", "Seconds since the gateway last heard "
+                                    "from the model's worker", labels=["model"])
         for slot in registry.loaded():
-            crashes.add_metric([slot.name, slot.handle.engine_name], getattr(slot.handle, "crashes", 0))
+            h, labels = slot.handle, [slot.name, slot.handle.engine_name]
+            crashes.add_metric(labels, getattr(h, "crashes", 0))
             ready.add_metric([slot.name, slot.state], 1 if slot.state == "ready" else 0)
-        yield crashes
-        yield ready
+            if hasattr(h, "hangs"):  # a model in a worker process
+                hangs.add_metric(labels, h.hangs)
+                restarts.add_metric(labels, h.restarts)
+                silence.add_metric([slot.name], h.worker_info()["heartbeat_age_s"])
+        yield from (crashes, ready, hangs, restarts, silence)
+        yield GaugeMetricFamily("octo_models_loading", "Models loading now (on demand, or a worker restarting)",
+                                value=sum(1 for s in registry.slots if s.state == "loading"))
         yield GaugeMetricFamily("octo_models_loaded", "Models loaded now", value=len(registry.loaded()))
         yield CounterMetricFamily("octo_model_loads", "Model loads (start-up and on demand)", value=registry.loads)
         yield CounterMetricFamily("octo_model_unloads", "Model unloads (keep_alive, LRU, admin)",
@@ -96,7 +108,10 @@ class _Collector:
             "bytes": GaugeMetricFamily("octo_cache_bytes", "Bytes held by the prefix cache", labels=["model"]),
             "entries": GaugeMetricFamily("octo_cache_entries", "Entries in the prefix cache", labels=["model"]),
         }
+        stale = GaugeMetricFamily("octo_worker_stats_stale", "1 when the model's queue and cache figures are the "
+                                  "last ones its worker sent (it did not answer in time)", labels=["model"])
         for name, stats in snap.items():
+            stale.add_metric([name], 1 if (stats.get("queue") or {}).get("stale") else 0)
             for key, fam in families.items():
                 if stats.get("queue"):
                     fam.add_metric([name], stats["queue"].get(key) or 0)
@@ -105,3 +120,4 @@ class _Collector:
                     fam.add_metric([name], stats["cache"].get(key) or 0)
         yield from families.values()
         yield from cache.values()
+        yield stale

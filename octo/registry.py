@@ -29,7 +29,6 @@ from octo.engine import Engine
 from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, Overloaded, QueueTimeout
 
 log = logging.getLogger("octo.registry")
-FAILED_RETRY_S = 30.0  # a model whose load failed answers with that failure this long before it is tried again
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
 
 
@@ -159,6 +158,8 @@ class Slot:
         self.loading: asyncio.Task | None = None
         self.error: OctoError | None = None
         self.failed_at = 0.0
+        self.failures = 0  # failed loads in a row: the back-off before the next try (octo.supervision.backoff)
+        self.loading_since = 0.0  # monotonic start of the load in progress
         self.inflight = 0
         self.last_used = time.monotonic()
         self.loaded_at = 0.0
@@ -171,11 +172,29 @@ class Slot:
     def state(self) -> str:
         if self.loading is not None:
             return "loading"
-        if self.handle is not None:
-            return self.handle.state
+        if self.handle is not None:  # a worker silent for a few beats shows it before it is killed for it
+            state = self.handle.state
+            return "unresponsive" if state == "ready" and getattr(self.handle, "silent", False) else state
         if self.error is not None:
             return "failed"
         return "available"
+
+    def retry_in(self) -> float:
+        """Seconds before a failed load is tried again (0: now)."""
+        from octo.supervision import backoff
+
+        if self.error is None:
+            return 0.0
+        return max(0.0, self.failed_at + backoff(self.failures) - time.monotonic())
+
+    def progress(self) -> dict[str, Any]:
+        """What /health, /v1/models and the dashboard show of a load in progress or a failed one."""
+        if self.state == "loading":
+            since = self.loading_since if self.loading is not None else getattr(self.handle, "loading_since", 0.0)
+            return {"loading_s": round(time.monotonic() - since, 3) if since else None, "waiting": self.inflight}
+        if self.error is not None and self.handle is None:
+            return {"retry_in_s": round(self.retry_in(), 3)}
+        return {}
 
     def expires_at(self) -> float | None:
         """Wall-clock time at which an idle loaded model unloads (None: never)."""
@@ -227,6 +246,7 @@ class Registry:
             await slot.handle.activate(self.config_for(slot.spec) if slot.spec.declared else self.config)
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+            self._scan_catalog()  # /v1/models answers from it
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -239,19 +259,35 @@ class Registry:
             await self.cluster.close()
 
     async def catalog_available(self) -> list[dict[str, Any]]:
-        """Catalog models servable on demand that the registry has no slot for yet (cached for 30 s)."""
+        """Catalog models servable on demand that the registry has no slot for yet. Scanned when the app starts and
+        again in the background every 30 s, so that /v1/models answers at once from what it has (the first scan, a
+        few seconds on a cold host, is waited for 0.5 s at most: until it ends, the listing has no catalog rows)."""
+        cached = getattr(self, "_catalog", None)
+        if cached is None or time.monotonic() - cached[0] > 30:
+            task = self._scan_catalog()
+            if cached is None:
+                try:
+                    cached = await asyncio.wait_for(asyncio.shield(task), 0.5)
+                except TimeoutError:
+                    return []
+        return [r for r in cached[1] if self.find(r["id"]) is None]
+
+    def _scan_catalog(self) -> asyncio.Task:
+        task = getattr(self, "_catalog_scan", None)
+        if task is None or task.done():
+            self._catalog_scan = task = asyncio.get_running_loop().create_task(self._catalog_rows())
+        return task
+
+    async def _catalog_rows(self) -> tuple[float, list[dict[str, Any]]]:
         from octo.loader import servable_catalog
 
-        now = time.monotonic()
-        cached = getattr(self, "_catalog", None)
-        if cached is None or now - cached[0] > 30:
-            try:
-                rows = await asyncio.to_thread(servable_catalog, self.engines)
-            except OctoError as exc:  # a broken catalog file: listed models stay listable
-                log.warning("catalog unavailable: %s", exc.message)
-                rows = []
-            self._catalog = cached = (now, rows)
-        return [r for r in cached[1] if self.find(r["id"]) is None]
+        try:
+            rows = await asyncio.to_thread(servable_catalog, self.engines)
+        except OctoError as exc:  # a broken catalog file: listed models stay listable
+            log.warning("catalog unavailable: %s", exc.message)
+            rows = []
+        self._catalog = (time.monotonic(), rows)
+        return self._catalog
 
     # -- routing -----------------------------------------------------------------------------------------
     def loaded(self) -> list[Slot]:
@@ -348,24 +384,28 @@ class Registry:
             if slot.keep_alive == 0 and slot.inflight == 0 and slot.handle is not None and not slot.spec.pinned:
                 asyncio.get_running_loop().create_task(self._unload(slot))
 
-    async def _ready(self, slot: Slot) -> Any:
+    async def _ready(self, slot: Slot, retry_now: bool = False) -> Any:
+        """The slot's handle, ready: a request waits for the load it triggered (or joined) up to ``--load-timeout``,
+        not its queue time-out, which starts once the model serves."""
         if slot.handle is None:
-            if slot.error is not None and time.monotonic() - slot.failed_at < FAILED_RETRY_S:
+            if slot.error is not None and slot.retry_in() > 0 and not retry_now:
                 raise slot.error
             try:
-                await asyncio.wait_for(asyncio.shield(self._load(slot)), self.config.queue_timeout)
+                await asyncio.wait_for(asyncio.shield(self._load(slot)), self.config.load_timeout)
             except TimeoutError:
-                raise QueueTimeout(f"Model '{slot.name}' is still loading after {self.config.queue_timeout:g} s; "
-                                   "retry later.", headers={"Retry-After": "5"}) from None
-        await slot.handle.ensure_ready()
+                raise QueueTimeout(f"Model '{slot.name}' is still loading after {self.config.load_timeout:g} s "
+                                   "(--load-timeout); retry later.", code="load_timeout",
+                                   headers={"Retry-After": "5"}) from None
+        if retry_now and hasattr(slot.handle, "retry_now"):  # a worker's model that failed: restarted now
+            await slot.handle.retry_now()
+        await slot.handle.ensure_ready()  # the handle's own state: 503 (with the reason) while it cannot serve
         return slot.handle
 
     # -- loading and unloading ---------------------------------------------------------------------------------
     async def load(self, model: str) -> Slot:
         """Load ``model`` now (``POST /v1/models/{id}/load``)."""
         slot = await self.route(model)
-        slot.error = None
-        await self._load(slot)
+        await self._ready(slot, retry_now=True)  # a failed model is tried again now; its error if it fails again
         return slot
 
     async def unload(self, model: str) -> Slot:
@@ -388,7 +428,9 @@ class Registry:
             fut.set_result(None)
             return fut
         if slot.loading is None:
+            slot.loading_since = time.monotonic()
             slot.loading = asyncio.get_running_loop().create_task(self._do_load(slot))
+            slot.loading.add_done_callback(_consume)
         return slot.loading
 
     async def _do_load(self, slot: Slot) -> None:
@@ -409,7 +451,7 @@ class Registry:
                     handle, rows = await open_model(config, self.engines, say=self.say,
                                                     download=slot.spec.declared)
                 await handle.activate(config)
-            slot.handle, slot.rows, slot.error = handle, rows, None
+            slot.handle, slot.rows, slot.error, slot.failures = handle, rows, None, 0
             slot.task = handle.task
             slot.aliases.update(handle.aliases)
             for alias in handle.aliases:
@@ -425,12 +467,17 @@ class Registry:
             raise  # no room now: only the requests waiting for this load are refused, the next one tries again
         except Exception as exc:  # noqa: BLE001 - every waiting request gets the reason, the server goes on
             cause = exc if isinstance(exc, OctoError) else OctoError(f"{type(exc).__name__}: {exc}")
+            from octo.supervision import backoff, retry_after
+
+            slot.failures += 1
+            slot.failed_at = time.monotonic()
+            delay = backoff(slot.failures)
             if isinstance(cause, (ModelNotFound, InvalidRequest)) and cause.status < 500:
                 slot.error = cause
             else:
-                slot.error = ModelFailed(f"Model '{slot.name}' could not be loaded: {cause.message}", param="model",
-                                         headers={"Retry-After": str(int(FAILED_RETRY_S))})
-            slot.failed_at = time.monotonic()
+                slot.error = ModelFailed(f"Model '{slot.name}' could not be loaded: {cause.message} It is tried "
+                                         f"again in {delay:g} s, or now with POST /v1/models/{slot.name}/load.",
+                                         param="model", headers=retry_after(delay))
             log.error("loading '%s' failed: %s", slot.name, cause.message)
             raise slot.error from None
         finally:
@@ -524,3 +571,9 @@ class Registry:
                 if now - slot.last_used >= slot.keep_alive:
                     self.say(f"octo: '{slot.name}' idle for {slot.keep_alive:g} s (keep_alive): unloading")
                     await self._unload(slot)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """A load nobody waits for any more (its requests timed out) leaves no 'exception never retrieved' warning."""
+    if not fut.cancelled():
+        fut.exception()

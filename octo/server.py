@@ -194,6 +194,7 @@ def _model_entry(state: AppState, slot: Any) -> dict[str, Any]:
     reason = (h.reason if h is not None else None) or (slot.error.message if slot.error is not None else None)
     if reason:
         entry["reason"] = reason
+    entry.update(slot.progress())  # a load in progress (loading_s, waiting) or a failed one's retry_in_s
     return entry
 
 
@@ -218,9 +219,12 @@ async def health(request: web.Request) -> web.Response:
     # 503 (take me out of rotation) while draining, or when a model cannot serve and will not come back by itself
     # (a wedged or dead engine thread, a model that failed); a crashed worker restarts on the next request: 200
     down = state.draining or any(s.state in ("wedged", "failed") for s in slots)
+    loading = [s for s in state.registry.slots if s.handle is None and s.loading is not None]
     body: dict[str, Any] = {"status": "draining" if state.draining else "degraded" if bad else "ok",
                             "models": [{"id": s.name, "engine": s.handle.engine_name, "state": s.state,
-                                        **({"reason": s.handle.reason} if s.handle.reason else {})} for s in slots],
+                                        **({"reason": s.handle.reason} if s.handle.reason else {}), **s.progress()}
+                                       for s in slots] + [{"id": s.name, "state": s.state, **s.progress()}
+                                                          for s in loading],
                             "uptime_s": round(time.time() - state.started, 3)}
     if state.store is not None:  # the responses store (octo.store): unavailable makes the server degraded, not down
         body["responses_store"] = state.store.health()

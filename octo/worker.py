@@ -1,9 +1,10 @@
 """An engine worker process: one loaded model (engine, scheduler, prefix cache, KV) behind socket pairs.
 
-Started by the gateway (``octo.remote``) as ``python -m octo.worker DOWN_FD UP_FD ARBITER_FD PARENT_PID`` (the
-arbiter socket: see ``octo.arbiter``). Its event loop reads the gateway's messages; its engine thread runs the
-ordinary :class:`octo.scheduler.Scheduler` and sends one message per engine step with every sequence's new text
-(``WorkerScheduler._post``), straight from that thread.
+Started by the gateway (``octo.remote``) as ``python -m octo.worker DOWN_FD UP_FD ARBITER_FD PARENT_PID BEAT_S``
+(the arbiter socket: see ``octo.arbiter``; a heartbeat goes up every BEAT_S seconds from a thread of its own, by
+which the gateway knows it is alive: ``octo.supervision``). Its event loop reads the gateway's messages; its engine
+thread runs the ordinary :class:`octo.scheduler.Scheduler` and sends one message per engine step with every
+sequence's new text (``WorkerScheduler._post``), straight from that thread.
 The engine sees one model in one process, exactly as in-process.
 
 The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies with its parent
@@ -11,7 +12,8 @@ The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies w
 
 Messages down (gateway -> worker): ``("gen", rid, kind, req)``, ``("cancel", rid)``, and requests
 ``(op, cid, *args)`` answered by ``("r", cid, ok, value)``: load, bench, serve, call, prompt_texts, stats, stop.
-Up: ``("ev", [(rid, index, kind, value), ...])`` with kind "a" (admitted: prompt tokens), "t" (text),
+Up: ``("hb",)`` (the heartbeat), ``("ev", [(rid, index, kind, value), ...])`` with kind "a" (admitted: prompt
+tokens; for every request, so that the gateway can hold its own queue deadline), "t" (text),
 "tool" (a tool-call delta), "lp" (a token's logprobs), "cached" (prompt tokens restored from the prefix cache,
 streams only), "r" (Result), "e" (error; index -1: every sequence of the request).
 """
@@ -37,9 +39,9 @@ from octo.errors import OctoError
 from octo.jobs import Ticket
 from octo.model import ModelHandle, load_engine, local_stats, prepare, run_call
 from octo.scheduler import Scheduler
+from octo.supervision import FAULT_EXIT
 
 log = logging.getLogger("octo.worker")
-FAULT_EXIT = 70  # the worker exits with this after its engine thread was found wedged or dead
 LOOP_STUCK_S = 5.0  # the event loop blocked this long (at least; the queue time-out when longer): the worker exits
 
 
@@ -155,8 +157,7 @@ class WorkerScheduler(Scheduler):
     def _ticket(self, req, sampling, events, index) -> Ticket:
         t = super()._ticket(req, sampling, events, index)
         t.result = WireFuture(self.outbox, events.rid, index, "r", t)
-        if req.stream:
-            t.admitted = WireFuture(self.outbox, events.rid, index, "a", t)
+        t.admitted = WireFuture(self.outbox, events.rid, index, "a", t)  # the gateway times out what stays queued
         return t
 
     def _post(self, posts: list) -> None:
@@ -392,11 +393,12 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-async def _main(down_fd: int, up_fd: int, arb_fd: int) -> None:
+async def _main(down_fd: int, up_fd: int, arb_fd: int, beat: float) -> None:
     from octo.arbiter import ComputeGate
 
     loop = asyncio.get_running_loop()
     sender = ipc.BlockingSender(socket.socket(fileno=up_fd))
+    ipc.start_heartbeat(sender, beat)
     worker = Worker(sender, loop, ComputeGate(socket.socket(fileno=arb_fd)))
     await ipc.open_reader(socket.socket(fileno=down_fd), worker.on_message, lambda: os._exit(0))
     await worker.closed.wait()
@@ -405,6 +407,7 @@ async def _main(down_fd: int, up_fd: int, arb_fd: int) -> None:
 
 def main() -> None:
     down_fd, up_fd, arb_fd, parent = (int(a) for a in sys.argv[1:5])
+    beat = float(sys.argv[5]) if len(sys.argv) > 5 else 1.0
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the gateway decides when we stop (drain first)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -417,7 +420,7 @@ def main() -> None:
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(_main(down_fd, up_fd, arb_fd))
+        runner.run(_main(down_fd, up_fd, arb_fd, beat))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip native destructors at exit: the gateway is done with us

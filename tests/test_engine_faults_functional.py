@@ -139,13 +139,17 @@ def test_model_info_that_cannot_serve_is_refused_at_load():
 
 
 def test_a_tokenizer_that_never_returns_costs_the_worker_not_the_server():
-    # in a worker, the chat template and tokenizer run on its event loop: blocked past the queue time-out (at least
-    # 5 s), the worker goes and the next request reloads the model (the gateway answers /health all along)
+    # in a worker, the chat template and tokenizer run on its event loop: the request is never admitted, so the
+    # gateway answers 504 itself at the queue time-out; blocked past that (at least 5 s), the worker goes and the
+    # next request reloads the model (the gateway answers /health all along)
     with run_octo(*SERVE, "--isolation", "process", "--queue-timeout", "1", "-o", "slow_s=30") as server:
         t0 = time.monotonic()
         status, body = server.post_json("/v1/chat/completions", _chat("one two TOKSLOW three"))
-        assert status == 502 and body["error"]["code"] == "engine_crashed" and "blocked" in body["error"]["message"]
-        assert time.monotonic() - t0 < 8
+        assert status == 504 and body["error"]["code"] == "queue_timeout", body
+        assert time.monotonic() - t0 < 4
+        while server.get_json("/health")["state"] == "ready" and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert "blocked" in server.get_json("/health")["reason"]
         status, body = server.post_json("/v1/chat/completions", _chat("hello again"))
         assert status == 200 and body["choices"][0]["message"]["content"] == "hello again"
 
