@@ -22,6 +22,7 @@ def flag_table() -> str:
     from octo.cli import cli
 
     serve = cli.commands["serve"]
+    ctx = click.Context(serve)
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for p in serve.params:
         if not isinstance(p, click.Option) or p.hidden:
@@ -30,14 +31,15 @@ def flag_table() -> str:
         if p.metavar:
             names += f" `{p.metavar}`"
         env = f"`{p.envvar}`" if isinstance(p.envvar, str) else ""
+        value = p.get_default(ctx, call=False)
         if p.is_flag and not p.secondary_opts:
-            default = "off" if not p.default else "on"
-        elif p.multiple:
-            default = "none"
-        elif p.default is None or p.default == "":
+            default = "on" if value is True else "off"
+        elif p.is_flag:
+            default = f"`{p.opts[0]}`" if value else f"`{p.secondary_opts[0]}`"
+        elif p.multiple or value is None or value == "" or value == ():
             default = "none"
         else:
-            default = f"`{p.default}`"
+            default = f"`{value}`"
         rows.append(f"| {names} | {env} | {default} | {cell(p.help or '')} |")
     return "\n".join(rows)
 
