@@ -439,8 +439,8 @@ def _resolve_hf(
         except ArtifactNotDownloaded:
             if not offline:
                 raise
-            raise ArtifactNotDownloaded(f"Model '{spec}' is not downloaded here, and requests never start a "
-                                        f"download. Download it first with `octo pull {repo}`.", param="model") from None
+            why = f"Model '{spec}' is not downloaded here, and requests never start a download."
+            raise ArtifactNotDownloaded(f"{why} Download it first with `octo pull {repo}`.", param="model") from None
         except ModelNotFound as exc:
             if suggest and exc.code == ModelNotFound.code:
                 raise ModelNotFound(exc.message + suggest, param="model") from None

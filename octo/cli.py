@@ -16,7 +16,7 @@ import click
 from octo import __version__
 from octo.config import ServerConfig
 from octo.errors import OctoError
-from octo.hostcheck import parse_allowed_hosts
+from octo.hostcheck import HostGuard, parse_allowed_hosts
 
 
 def _options(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -358,7 +358,8 @@ async def _serve(config: ServerConfig, specs: list) -> None:
     except OSError as exc:
         raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
     names = [] if config.api_key else [s.model for s in specs]  # behind a key, /health says the status only
-    loading = await listen.loading_responder(socks, error_response, names)  # 503 until serving
+    guard = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
+    loading = await listen.loading_responder(socks, error_response, names, guard)  # 503 until serving
     registry = None
     try:
         pm = load_plugins(config.plugins_dir)

@@ -278,3 +278,30 @@ def test_three_models_on_demand_by_default_and_max_keep_alive(models_dir):
             assert len(loaded) <= 3, [m["id"] for m in loaded]
         assert [m["keep_alive"] for m in loaded] == [3600] * len(loaded)
         assert "unloading" in s.log() and "least recently used" in s.log()
+
+
+def test_while_starting_a_foreign_host_is_refused_and_a_keyed_health_names_nothing():
+    import subprocess
+    import sys
+
+    from serverproc import REPO, free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "octo.cli", "serve", "secret-model-name", "--engine", "faulty", "--plugins-dir",
+           str(REPO / "tests" / "plugins"), "-o", "load_s=20", "--api-key", KEY, "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status, body = raw(port, "GET /health HTTP/1.1\r\nHost: localhost\r\n")
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        assert status == 503 and body["status"] == "loading" and "secret-model-name" not in json.dumps(body)
+        status, body = raw(port, "GET /health HTTP/1.1\r\nHost: evil.example.com\r\n")
+        assert status == 403 and body["error"]["code"] == "host_not_allowed"
+    finally:
+        proc.terminate()
+        proc.wait(20)
