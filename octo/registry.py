@@ -298,7 +298,8 @@ class Registry:
         from octo.servable import request_model
 
         names = {n.lower() for n in load_catalog().all_names()}
-        return request_model(model, names, self.config.models_dirs, self.config.allow_any_path)
+        declared = frozenset(a for s in self.slots if s.spec.declared for a in (s.name, *s.aliases) if a[:1] == "/")
+        return request_model(model, names, self.config.models_dirs, self.config.allow_any_path, declared)
 
     async def route(self, model: str | None) -> Slot:
         """The slot serving ``model``; a new on-demand slot for a servable model not seen before. Without a
@@ -341,7 +342,7 @@ class Registry:
                                 code=exc.code) from None
         slot = self._by_name.get(name)
         if slot is None and not spec.declared:  # a file spelled another way ("./a/../m.gguf"): its slot, no new copy
-            slot = next((s for s in map(self._named, filter(os.path.isabs, aliases)) if s is not None), None)
+            slot = next((s for s in map(self._named, filter(os.path.isabs, (name, *aliases))) if s is not None), None)
         if slot is None:
             slot = Slot(spec, name, {model, *aliases} - {name}, task)
             slot.artifact_bytes = nbytes

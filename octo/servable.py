@@ -35,9 +35,11 @@ def looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~", "\\")) or Path(model).suffix.lower() in FILE_FORMATS
 
 
-def request_model(model: str, catalog_names: set[str], dirs: tuple[str, ...], allow_any_path: bool) -> str:
+def request_model(model: str, catalog_names: set[str], dirs: tuple[str, ...], allow_any_path: bool,
+                  known_paths: frozenset[str] = frozenset()) -> str:
     """The spelling of ``model`` to resolve for a request: a catalog name or Hugging Face id as given, a path as
-    its real path; raises the 404 of :func:`unknown_model` for anything the request may not load."""
+    its real path (``known_paths``: real paths of the models named at start, servable however a request spells
+    them); raises the 404 of :func:`unknown_model` for anything the request may not load."""
     base = model.rpartition(":")[0] if ":" in model and "/" not in model.rpartition(":")[2] else model
     if model.lower() in catalog_names or base.lower() in catalog_names:
         return model
@@ -49,6 +51,10 @@ def request_model(model: str, catalog_names: set[str], dirs: tuple[str, ...], al
     found = under_dirs(model, dirs)
     if found is not None:
         return found
+    if known_paths and model.startswith("/") and "\x00" not in model:
+        real = os.path.realpath(model)
+        if real in known_paths:
+            return real
     if _HF_ID.match(model) and not looks_like_path(model):
         return model
     raise unknown_model(model, dirs)

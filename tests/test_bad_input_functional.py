@@ -543,7 +543,7 @@ def test_a_path_spelled_another_way_is_the_loaded_model(server):
     loaded = [m["id"] for m in server.get_json("/v1/models")["data"] if m["state"] == "ready"]
     path = Path(loaded[0])
     for other in (f"{path.parent}/./{path.name}", f"{path.parent}/../{path.parent.name}/{path.name}"):
-        status, _, body = send(server, "POST", CHAT, chat(model=other))
+        status, _, body = send(server, "POST", CHAT, chat(model=other), JSON)
         assert status == 200, body[:300]
     assert [m["id"] for m in server.get_json("/v1/models")["data"] if m["state"] == "ready"] == loaded
 
