@@ -233,7 +233,8 @@ def _huge_context(src: Path, dst: Path) -> None:
 
 def test_a_model_that_does_not_fit_in_memory_is_a_503_naming_why(models_dir, tmp_path):
     _huge_context(models_dir / "tiny-q8_0.gguf", tmp_path / "huge.gguf")
-    with run_octo("test-model", "--engine", "echo", "--models-dir", str(tmp_path)) as s:
+    env = {"OCTO_MODELS_DIR": f"{models_dir}:{tmp_path}"}  # folders separated by ':' in the variable
+    with run_octo("test-model", "--engine", "echo", env=env) as s:
         t0 = time.monotonic()
         status, body = post(s, "/v1/chat/completions", {"model": "huge.gguf", "messages": M}, JSON)
         assert status == 503 and body["error"]["code"] == "no_room" and "available" in body["error"]["message"]
