@@ -88,9 +88,9 @@ def no_room(config: Any, limit: int, need: int, declared: bool, others: list[int
         return f"{len(others)} models are loaded (--max-loaded {limit})", True
     if config.memory_budget_gb:
         budget, used = int(config.memory_budget_gb * 2**30), sum(others)
-        if used + need > budget:
+        if used + need > budget and (others or not declared):  # a model named at start loads alone regardless
             return (f"it needs about {gb(need)} and the loaded models {gb(used)} of --memory-budget "
-                    f"{config.memory_budget_gb:g} GB"), need <= budget
+                    f"{config.memory_budget_gb:g} GB"), need <= budget or declared
     elif config.memory_budget_gb is None and not declared:
         room = available()
         if room is not None and need > room[0]:
