@@ -306,3 +306,22 @@ def test_while_starting_a_foreign_host_is_refused_and_a_keyed_health_names_nothi
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_a_network_bind_needs_a_key():
+    import subprocess
+    import sys
+
+    from serverproc import REPO
+
+    for host in ("0.0.0.0", "::"):
+        out = subprocess.run([sys.executable, "-m", "octo.cli", "serve", "m", "--engine", "echo", "--host", host,
+                              "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "without --api-key" in out.stderr, out.stderr
+
+
+def test_on_a_network_bind_the_key_not_the_host_name_decides():
+    with run_octo("test-model", "--engine", "echo", "--host", "0.0.0.0", api_key=KEY) as s:
+        head = f"GET /v1/models HTTP/1.1\r\nHost: octo.example.com:{s.port}\r\n"
+        assert raw(s.port, head)[0] == 401
+        assert raw(s.port, head + f"Authorization: Bearer {KEY}\r\n")[0] == 200
