@@ -292,7 +292,9 @@ class Catalog:
             for engine, s in entry.variants[variant].items()
         }
 
-    def resolve(self, spec: str, engine_formats: dict[str, frozenset[str]]) -> Resolved:
+    def resolve(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved:
+        """``offline``: a Hugging Face id resolves from the local cache only (a request's model never reaches the
+        hub; one that is not downloaded is a 404 naming `octo pull`)."""
         spec = spec.strip()
         if not spec:
             raise ModelNotFound(
@@ -304,7 +306,7 @@ class Catalog:
                 repo, file = parse_hf(name)
             except ValueError as exc:
                 raise ModelNotFound(str(exc), param="model") from None
-            return _resolve_hf(spec, repo, file, variant, engine_formats)
+            return _resolve_hf(spec, repo, file, variant, engine_formats, offline=offline)
         path = _expanduser(Path(spec))
         if spec.startswith(("/", "./", "../", "~")) or path.suffix.lower() in FILE_FORMATS:
             if not _exists(path):
@@ -317,7 +319,8 @@ class Catalog:
         if _exists(path):
             return _resolve_path(spec, path, engine_formats)
         if _HF_ID.match(name):
-            return _resolve_hf(spec, name, None, variant, engine_formats, suggest=self._closest(name))
+            return _resolve_hf(spec, name, None, variant, engine_formats, suggest=self._closest(name),
+                               offline=offline)
         raise ModelNotFound(
             f"Model '{spec}' not found.{self._closest(name)} Run `octo models` for the "
             "catalog; a local path or a Hugging Face id (org/name) also works.",
@@ -424,14 +427,20 @@ def _resolve_hf(
     variant: str | None,
     engine_formats: dict[str, frozenset[str]],
     suggest: str = "",
+    offline: bool = False,
 ) -> Resolved:
     if file is not None:
         files = [file]
     else:
-        from octo.download import repo_files
+        from octo.download import ArtifactNotDownloaded, repo_files
 
         try:
-            files = repo_files(repo)
+            files = repo_files(repo, offline=True if offline else None)
+        except ArtifactNotDownloaded:
+            if not offline:
+                raise
+            why = f"Model '{spec}' is not downloaded here, and requests never start a download."
+            raise ArtifactNotDownloaded(f"{why} Download it first with `octo pull {repo}`.", param="model") from None
         except ModelNotFound as exc:
             if suggest and exc.code == ModelNotFound.code:
                 raise ModelNotFound(exc.message + suggest, param="model") from None

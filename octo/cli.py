@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import ipaddress
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ import click
 from octo import __version__
 from octo.config import ServerConfig
 from octo.errors import OctoError
+from octo.hostcheck import HostGuard, parse_allowed_hosts
 
 
 def _options(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -44,12 +44,9 @@ def _lora(ctx, param, pairs) -> dict[str, str]:
 
 
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from octo.hostcheck import is_loopback
+
+    return is_loopback(host)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -80,6 +77,12 @@ def _cors_origins(ctx, param, value):
     return tuple(dict.fromkeys(out))
 
 
+def _defaulted(param: str) -> bool:
+    """Whether the current command's ``param`` was left at its default (not given as a flag or variable)."""
+    source = click.get_current_context().get_parameter_source(param)
+    return source is None or source.name in ("DEFAULT", "DEFAULT_MAP")
+
+
 def _keep_alive(ctx, param, value):
     if value is None:
         return None
@@ -96,15 +99,27 @@ def _keep_alive(ctx, param, value):
 @click.option("--models-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="YAML list of models to load at start (name or path; engine, options, max_batch, pinned, "
                    "keep_alive).", **_env("MODELS_FILE"))
-@click.option("--max-loaded", default=0, show_default=True, type=click.IntRange(0),
-              help="Models loaded at once; the least recently used idle one unloads to make room (0: no limit).",
-              **_env("MAX_LOADED"))
-@click.option("--memory-budget", default=0.0, show_default=True, type=click.FloatRange(0),
-              help="GB the loaded models may take (weights + prefix-cache share, estimated); 0: no limit.",
+@click.option("--models-dir", "models_dirs", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A folder whose models (files and model folders, at any depth) requests may load on demand, by "
+                   "path or by their path inside it (repeatable; the variable takes folders separated by ':').",
+              **_env("MODELS_DIR"))
+@click.option("--allow-any-path", is_flag=True,
+              help="Let requests load any model file or folder this process can read (default: only catalog "
+                   "models already downloaded, the models named here and files under --models-dir).",
+              **_env("ALLOW_ANY_PATH"))
+@click.option("--max-loaded", default=None, type=click.IntRange(0),
+              help="Models loaded at once; the least recently used idle one unloads to make room (0: no limit). "
+                   "Default: 3, or the number of models named here if more.", **_env("MAX_LOADED"))
+@click.option("--memory-budget", default=None, type=click.FloatRange(0),
+              help="GB the loaded models may take (weights + KV + prefix-cache share, estimated); 0: no limit. "
+                   "Default: a model loads on demand only if its estimate fits in the host's available memory.",
               **_env("MEMORY_BUDGET"))
 @click.option("--keep-alive", default="5m", show_default=True, callback=_keep_alive,
               help="How long a model loaded on demand stays loaded when idle (seconds or 10m, 1h; -1: forever).",
               **_env("KEEP_ALIVE"))
+@click.option("--max-keep-alive", default=None, callback=_keep_alive,
+              help="The longest keep_alive a request may ask for (-1 and longer ones are held to it); default: "
+                   "--keep-alive.", **_env("MAX_KEEP_ALIVE"))
 @click.option("--engine", default=None, help="Engine for the models named here (skips the auto-benchmark).",
               **_env("ENGINE"))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.", **_env("HOST"))
@@ -146,6 +161,10 @@ def _keep_alive(ctx, param, value):
               **_env("API_KEY"))
 @click.option("--insecure-no-auth", is_flag=True,
               help="Allow binding a non-loopback address without --api-key.", **_env("INSECURE_NO_AUTH"))
+@click.option("--allowed-hosts", default="", metavar="NAMES",
+              help="On a loopback bind, Host names served besides local ones (localhost, *.localhost, this host's "
+                   "name, loopback addresses): comma-separated, *.example for subdomains, * for any.",
+              **_env("ALLOWED_HOSTS"))
 @click.option("--cors-origins", default="", callback=_cors_origins, metavar="ORIGINS",
               help="Let web pages from these origins call the API from a browser (CORS): comma-separated, e.g. "
                    "http://localhost:3000,https://app.example.com, or * for any; default: none.",
@@ -220,12 +239,13 @@ def _keep_alive(ctx, param, value):
               help="With --cluster: memory (GB) Ray reserves for each replica (0: none).", **_env("REPLICA_MEMORY"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **_env("LOG_LEVEL"))
-def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, host, port, options, lora, draft,
+def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_budget, keep_alive, max_keep_alive,
+          engine, host, port, options, lora, draft,
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
-          api_key, insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation,
-          loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir, prefix_cache_disk_mb,
-          reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas, autoscaling,
-          replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout):
+          api_key, insecure_no_auth, allowed_hosts, cors_origins, plugins_dir, bench_seconds, rebench, share_cores,
+          isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
+          prefix_cache_disk_mb, reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas,
+          autoscaling, replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -240,6 +260,9 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
     config = ServerConfig(model=model[0] if model else "", engine=engine, host=host, port=port,
                           options=_options(options), keep_alive=keep_alive, max_loaded=max_loaded,
                           memory_budget_gb=memory_budget,
+                          max_keep_alive=keep_alive if _defaulted("max_keep_alive") else max_keep_alive,
+                          allowed_hosts=parse_allowed_hosts(allowed_hosts),
+                          models_dirs=tuple(os.path.realpath(d) for d in models_dirs), allow_any_path=allow_any_path,
                           max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
@@ -358,7 +381,9 @@ async def _serve(config: ServerConfig, specs: list) -> None:
         socks = listen.open_sockets(config.host, config.port)
     except OSError as exc:
         raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
-    loading = await listen.loading_responder(socks, error_response, [s.model for s in specs])  # 503 until serving
+    names = [] if config.api_key else [s.model for s in specs]  # behind a key, /health says the status only
+    guard = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
+    loading = await listen.loading_responder(socks, error_response, names, guard)  # 503 until serving
     registry = None
     try:
         pm = load_plugins(config.plugins_dir)

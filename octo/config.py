@@ -26,8 +26,13 @@ class ServerConfig:
     plugins_dir: str | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); (): no CORS headers
     keep_alive: float | None = 300.0  # idle seconds before a model loaded on demand unloads (None: never)
-    max_loaded: int = 0  # models loaded at once (0: no limit)
-    memory_budget_gb: float = 0.0  # estimated memory of the loaded models (0: no limit)
+    max_loaded: int | None = None  # models loaded at once (0: no limit; None: the default, octo.memguard)
+    memory_budget_gb: float | None = None  # estimated memory of the loaded models (0: no limit; None: what fits in
+    #                                        MemAvailable, octo.memguard)
+    max_keep_alive: float | None = None  # longest keep_alive a request may ask for (None: unlimited)
+    allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: Host names served on a loopback bind besides local ones
+    models_dirs: tuple[str, ...] = ()  # --models-dir: folders whose models requests may load
+    allow_any_path: bool = False  # --allow-any-path: requests may load any local path
     share_cores: str = "os"  # "os": the OS shares the cores; "turns": models in workers compute in turns (arbiter)
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)
     preempt: str = "swap"  # KV pressure: a preempted sequence's KV waits in host memory ("swap") or is recomputed

@@ -127,6 +127,22 @@ def is_downloaded(artifact: Artifact) -> bool:
     return (path / artifact.subfolder if artifact.subfolder else path).exists()
 
 
+def local_path(artifact: Artifact) -> Path | None:
+    """Where ``artifact`` is on this machine, without downloading or building anything (None: not here, or
+    synthetic)."""
+    kind = uri_kind(artifact.uri)
+    if artifact.format in ("synth", "none") or kind in ("synth", "none"):
+        return None
+    if kind == "hf":
+        return _cached_hf(artifact)
+    if kind == "url":
+        dest = _url_dest(artifact.uri)
+        return dest if dest.is_file() else None
+    path = Path(artifact.uri).expanduser()
+    path = path / artifact.subfolder if artifact.subfolder else path
+    return path if path.exists() else None
+
+
 def repo_files(repo_id: str, *, offline: bool | None = None) -> list[str]:
     """The file list of a hub repository (main revision), from the hub or, offline, from the local cache."""
     from huggingface_hub import HfApi

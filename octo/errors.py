@@ -49,6 +49,14 @@ class Unauthorized(OctoError):
     code = "invalid_api_key"
 
 
+class Forbidden(OctoError):
+    """A request this server must not answer (a non-local Host on a loopback bind, a web page of another origin)."""
+
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
 class NotFound(OctoError):
     status = 404
     type = "invalid_request_error"

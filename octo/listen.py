@@ -86,14 +86,21 @@ def open_sockets(host: str | None, port: int) -> list[socket.socket]:
     return socks
 
 
-async def loading_responder(socks: list[socket.socket], error_body: Any, models: list[str]) -> web.AppRunner:
+async def loading_responder(socks: list[socket.socket], error_body: Any, models: list[str],
+                            guard: Any = None) -> web.AppRunner:
     """A 503 on every request while the server starts, served on duplicates of ``socks`` (``runner.cleanup()``
     hands them back). ``error_body(request, err)`` shapes the error as the API would (Anthropic's on /v1/messages);
-    ``/health`` lists ``models`` (those loading at start-up) as loading; a browser asking for the dashboard gets a
+    ``/health`` lists ``models`` (those loading at start-up) as loading; ``guard`` (octo.hostcheck.HostGuard) refuses
+    what the server would; a browser asking for the dashboard gets a
     page that reloads until the server is up."""
     started = time.time()
 
     async def answer(request: web.Request) -> web.StreamResponse:
+        if guard is not None:  # a non-local Host (DNS rebinding) or another page: refused while starting too
+            try:
+                guard.check(request)
+            except OctoError as err:
+                return error_body(request, err)
         headers = {"Retry-After": RETRY_AFTER_S}
         if request.path == "/health":
             return web.json_response({"status": "loading", "models": [{"id": m, "state": "loading"} for m in models],

@@ -6,10 +6,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from octo.catalog import uri_kind
 from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.engine_loop import new_engine_thread
@@ -168,23 +166,25 @@ def _candidates(resolved: Any, engine_name: str | None, registry: dict[str, type
 
 def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engine]],
                   need_local: bool = True) -> tuple[str, tuple[str, ...], str, int]:
-    """(name, aliases, task, artifact bytes) of a model this host can load, without downloading anything;
+    """(name, aliases, task, estimated bytes: weights + KV, octo.memguard) of a model this host can load, without
+    downloading anything;
     404 for an unknown model, and (``need_local``: a request's model) for one whose artifacts are not downloaded,
     naming the `octo pull` command."""
     from octo.catalog import load_catalog
-    from octo.download import ArtifactNotDownloaded, is_downloaded, pull_command
+    from octo.download import ArtifactNotDownloaded, is_downloaded, local_path, pull_command
+    from octo.memguard import model_bytes
 
     engine_name = canonical_engine(engine, registry)
     if engine_name is not None and "any" in registry[engine_name].formats:
         return model, (), "chat", 0
-    resolved = load_catalog().resolve(model, {c.name: c.formats for c in registry.values()})
+    resolved = load_catalog().resolve(model, {c.name: c.formats for c in registry.values()}, offline=need_local)
     candidates = _candidates(resolved, engine_name, registry)
     local = {e: a for e, a in candidates.items() if is_downloaded(a)}
     if not local and need_local:
         first = next(iter(candidates.values()))
         raise ArtifactNotDownloaded(f"Model '{resolved.name}' is not downloaded here, and requests never start "
                                     f"a download. Download it first: {pull_command(first)}", param="model")
-    sizes = [_size(Path(a.uri).expanduser()) for a in local.values() if uri_kind(a.uri) == "path"]
+    sizes = [model_bytes(path) for path in map(local_path, local.values()) if path is not None]
     return resolved.name, tuple(resolved.aliases), resolved.task, max(sizes, default=0)
 
 
@@ -210,12 +210,6 @@ def _downloaded(artifact: Any, is_downloaded: Callable[[Any], bool]) -> bool:
         return is_downloaded(artifact)
     except Exception:  # noqa: BLE001 - a broken cache entry reads as "not downloaded"
         return False
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def isolation_of(cls: type[Engine], config: ServerConfig) -> str:
@@ -247,7 +241,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     from octo.download import fetch
 
     formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
-    resolved = await asyncio.to_thread(load_catalog().resolve, config.model, formats)
+    resolved = await asyncio.to_thread(load_catalog().resolve, config.model, formats, not download)
     candidates = _candidates(resolved, engine_name, registry)
     if engine_name is not None:
         artifact = candidates[engine_name]

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,10 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, Overloaded, QueueTimeout
+from octo.memguard import DEFAULT_MAX_LOADED, no_room
 
 log = logging.getLogger("octo.registry")
+MAX_SPELLINGS = 256  # requests' spellings of model names remembered (the most recent)
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
 
 
@@ -167,6 +170,7 @@ class Slot:
         self.artifact_bytes = 0
         self.estimated_bytes = 0
         self.load_seconds: float | None = None
+        self.no_room = ""  # why its load waits for room (a loaded model to become idle); "" when it does not
 
     @property
     def state(self) -> str:
@@ -219,6 +223,8 @@ class Registry:
         self._by_name: dict[str, Slot] = {}
         self._sweeper: asyncio.Task | None = None
         self._room = asyncio.Lock()  # one load decides about eviction at a time
+        self._freed = asyncio.Event()  # a model became idle or unloaded (a load waiting for room looks again)
+        self._spellings: OrderedDict[str, Slot] = OrderedDict()  # requests' other spellings, bounded (_remember)
         self.loads = 0
         self.unloads = 0
         self.cluster: Any = None  # octo.cluster.Cluster with --cluster: models load as Ray Serve deployments
@@ -308,10 +314,28 @@ class Registry:
         return None
 
     def _named(self, model: str) -> Slot | None:
-        slot = self._by_name.get(model)
+        slot = self._by_name.get(model) or self._spellings.get(model)
         if slot is not None:
             return slot
         return next((s for s in self.slots if s.matches(model)), None)
+
+    def _remember(self, spelling: str, slot: Slot) -> None:
+        """A request's spelling of a model ("./m.gguf", "DEMO") kept for the next request, the most recent
+        ``MAX_SPELLINGS`` only: spellings are the clients' to invent, the registry's memory is not."""
+        self._spellings[spelling] = slot
+        self._spellings.move_to_end(spelling)
+        while len(self._spellings) > MAX_SPELLINGS:
+            self._spellings.popitem(last=False)
+
+    def _servable(self, model: str) -> str:
+        """The spelling of a request's ``model`` to resolve (a path as its real path); the 404 of an unknown name
+        for one the operator did not make servable (octo.servable)."""
+        from octo.catalog import load_catalog
+        from octo.servable import request_model
+
+        names = {n.lower() for n in load_catalog().all_names()}
+        declared = frozenset(a for s in self.slots if s.spec.declared for a in (s.name, *s.aliases) if a[:1] == "/")
+        return request_model(model, names, self.config.models_dirs, self.config.allow_any_path, declared)
 
     async def route(self, model: str | None) -> Slot:
         """The slot serving ``model``; a new on-demand slot for a servable model not seen before. Without a
@@ -342,7 +366,10 @@ class Registry:
         """Resolve ``model`` (catalog, path, Hugging Face id) to its slot, creating one when it is new."""
         from octo.loader import resolve_local
 
+        typed = model
         try:
+            if not spec.declared:
+                model = spec.model = await asyncio.to_thread(self._servable, model)
             name, aliases, task, nbytes = await asyncio.to_thread(resolve_local, model, spec.engine, self.engines,
                                                                   not spec.declared)
         except ModelNotFound as exc:
@@ -351,15 +378,18 @@ class Registry:
                                 code=exc.code) from None
         slot = self._by_name.get(name)
         if slot is None and not spec.declared:  # a file spelled another way ("./a/../m.gguf"): its slot, no new copy
-            slot = next((s for s in map(self._named, filter(os.path.isabs, aliases)) if s is not None), None)
+            slot = next((s for s in map(self._named, filter(os.path.isabs, (name, *aliases))) if s is not None), None)
         if slot is None:
             slot = Slot(spec, name, {model, *aliases} - {name}, task)
             slot.artifact_bytes = nbytes
             self.slots.append(slot)
             self._by_name[name] = slot
-        else:
+        elif spec.declared:
             slot.aliases.add(model)
-        self._by_name[model] = slot
+        if spec.declared:
+            self._by_name[model] = slot
+        else:
+            self._remember(typed, slot)
         return slot
 
     @contextlib.asynccontextmanager
@@ -367,7 +397,7 @@ class Registry:
         """The ready handle serving ``model`` for the length of one request (loaded on demand; the model is not
         unloaded while a request uses it). ``keep_alive`` (Ollama's) sets how long it stays loaded afterwards."""
         slot = await self.route(model)
-        ka = parse_keep_alive(keep_alive) if keep_alive is not None else ...
+        ka = self._capped(slot, parse_keep_alive(keep_alive)) if keep_alive is not None else ...
         slot.inflight += 1
         if slot.inflight == 1:
             self._busy_changed()
@@ -379,10 +409,20 @@ class Registry:
             slot.last_used = time.monotonic()
             if slot.inflight == 0:
                 self._busy_changed()
+                self._freed.set()
             if ka is not ...:
                 slot.keep_alive = ka
             if slot.keep_alive == 0 and slot.inflight == 0 and slot.handle is not None and not slot.spec.pinned:
                 asyncio.get_running_loop().create_task(self._unload(slot))
+
+    def _capped(self, slot: Slot, seconds: float | None) -> float | None:
+        """A request's keep_alive (None: forever) held to the longest this model may get: --max-keep-alive, or the
+        model's own keep-alive from the command line or models file if longer (None: no limit)."""
+        own = slot.spec.keep_alive if slot.spec.declared else self.config.keep_alive
+        limit = None if own is None or self.config.max_keep_alive is None else max(own, self.config.max_keep_alive)
+        if limit is None:
+            return seconds
+        return limit if seconds is None else min(seconds, limit)
 
     async def _ready(self, slot: Slot, retry_now: bool = False) -> Any:
         """The slot's handle, ready: a request waits for the load it triggered (or joined) up to ``--load-timeout``,
@@ -393,6 +433,10 @@ class Registry:
             try:
                 await asyncio.wait_for(asyncio.shield(self._load(slot)), self.config.load_timeout)
             except TimeoutError:
+                if slot.no_room:  # still waiting for a loaded model to become idle: the reason, not a 504
+                    raise Overloaded(f"No room to load '{slot.name}' within {self.config.load_timeout:g} s: "
+                                     f"{slot.no_room}; retry later.", code="no_room",
+                                     headers={"Retry-After": "5"}) from None
                 raise QueueTimeout(f"Model '{slot.name}' is still loading after {self.config.load_timeout:g} s "
                                    "(--load-timeout); retry later.", code="load_timeout",
                                    headers={"Retry-After": "5"}) from None
@@ -495,23 +539,42 @@ class Registry:
         return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=options,
                                    max_batch=spec.max_batch or c.max_batch, cache_size_mb=share)
 
+    def max_loaded(self) -> int:
+        """Models loaded at once (0: no limit): --max-loaded, by default 3 (Ollama's on a CPU host) or the number
+        of models named at start if more."""
+        if self.config.max_loaded is not None:
+            return self.config.max_loaded
+        return max(DEFAULT_MAX_LOADED, sum(1 for s in self.slots if s.spec.declared))
+
     async def _make_room(self, slot: Slot) -> None:
-        c = self.config
-        budget = int(c.memory_budget_gb * 2**30) if c.memory_budget_gb else 0
-        while True:
-            others = [s for s in self.loaded() if s is not slot]
-            used = sum(s.estimated_bytes for s in others)
-            too_many = c.max_loaded and len(others) + 1 > c.max_loaded
-            too_big = budget and used + slot.estimated_bytes > budget
-            if not (too_many or too_big) or not others:
-                return
-            idle = sorted((s for s in others if s.inflight == 0 and not s.spec.pinned), key=lambda s: s.last_used)
-            if not idle:
-                why = f"--max-loaded {c.max_loaded}" if too_many else f"--memory-budget {c.memory_budget_gb:g} GB"
-                raise Overloaded(f"No room to load '{slot.name}' ({why}): every loaded model is busy or pinned; "
-                                 "retry later.", headers={"Retry-After": "5"})
-            self.say(f"octo: unloading '{idle[0].name}' (least recently used) to make room for '{slot.name}'")
-            await self._unload(idle[0])
+        """Unload the least recently used idle models (never pinned ones, never one with requests in flight) until
+        ``slot`` fits; wait up to --queue-timeout for a busy one to become idle; 503 when it cannot fit."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout
+        try:
+            while True:
+                others = [s for s in self.loaded() if s is not slot]
+                why, possible = no_room(self.config, self.max_loaded(), slot.estimated_bytes, slot.spec.declared,
+                                        [s.estimated_bytes for s in others])
+                if not why:
+                    return
+                if not possible:
+                    raise Overloaded(f"No room to load '{slot.name}': {why}.", code="no_room",
+                                     headers={"Retry-After": "60"})
+                idle = sorted((s for s in others if s.inflight == 0 and not s.spec.pinned), key=lambda s: s.last_used)
+                if idle:
+                    self.say(f"octo: unloading '{idle[0].name}' (least recently used) to make room for '{slot.name}'")
+                    await self._unload(idle[0])
+                    continue
+                if loop.time() >= deadline or not any(not s.spec.pinned for s in others):
+                    raise Overloaded(f"No room to load '{slot.name}': {why}, and every loaded model is busy or "
+                                     "pinned; retry later.", code="no_room", headers={"Retry-After": "5"})
+                slot.no_room = f"{why}, and every loaded model is busy or pinned"
+                self._freed.clear()
+                with contextlib.suppress(TimeoutError):  # a second at most: memory frees up outside octo too
+                    await asyncio.wait_for(self._freed.wait(), min(1.0, deadline - loop.time()))
+        finally:
+            slot.no_room = ""
 
     async def _unload(self, slot: Slot) -> None:
         handle, slot.handle = slot.handle, None
@@ -525,6 +588,7 @@ class Registry:
         except Exception:  # noqa: BLE001
             log.exception("unloading '%s' failed", slot.name)
         self.unloads += 1
+        self._freed.set()
         del handle
         gc.collect()  # an in-process engine's memory goes back now, not at the next collection
         self.say(f"octo: unloaded '{slot.name}'")

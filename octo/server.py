@@ -13,8 +13,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from octo import api, api_anthropic, api_dashboard, api_ollama
+from octo.bodies import BODY_KEY
 from octo.config import ServerConfig
 from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
+from octo.hostcheck import HostGuard
 from octo.metrics import CONTENT_TYPE, Metrics
 from octo.serving import new_id
 from octo.state import STATE, AppState
@@ -37,6 +39,7 @@ CORS_EXPOSE = "Retry-After, X-Request-Id"
 CORS_MAX_AGE = "7200"
 # the /v1 route each prefix-less alias stands for (its metrics label): see _add_unprefixed
 V1_OF = web.AppKey("octo_v1_of", dict)
+HOST_GUARD = web.AppKey("octo_host_guard", HostGuard)
 
 
 class _MalformedRequestLog(logging.Filter):
@@ -86,6 +89,9 @@ def _from_http(exc: web.HTTPException) -> OctoError:
 async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
     state: AppState = request.app[STATE]
     started = time.perf_counter()
+    guard = request.app[HOST_GUARD]
+    if not guard.host_allowed(request.headers.get("Host")):  # DNS rebinding: before anything else, preflights too
+        return _refused(request, state, guard, started)
     if request.method == "OPTIONS":
         # Every path, before the API key (browsers send CORS preflights without credentials): 204, and the CORS
         # headers (_on_prepare) for an allowed origin only; never the 405 of a route that has no OPTIONS
@@ -96,6 +102,7 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
     endpoint = resource.canonical if resource is not None else "unmatched"
     endpoint = request.app[V1_OF].get(endpoint, endpoint)  # /chat/completions counts as /v1/chat/completions
     status = 500
+    err: OctoError | None = None
     counted = request.path not in _OPEN_PATHS
     if counted:
         state.inflight += 1
@@ -103,6 +110,8 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
         key = state.config.api_key
         # every method but OPTIONS (answered above), HEAD too; the dashboard page and its static files are open
         # (the API calls the page makes carry the key)
+        if "Origin" in request.headers:  # a browser's request: only from this server's own page or --cors-origins
+            guard.check(request)
         if key and counted and not api_dashboard.is_public(request.path):
             _check_key(request, key)
         if state.draining and counted:
@@ -110,7 +119,8 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
                              code="server_shutting_down", headers={"Retry-After": "5", "Connection": "close"})
         resp = await handler(request)
         status = resp.status
-    except OctoError as err:
+    except OctoError as exc:
+        err = exc  # (the name of an ``except ... as`` is unbound after its block)
         resp = error_response(request, err)
         status = err.status
     except web.HTTPException as exc:
@@ -132,7 +142,34 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
             state.inflight -= 1
         if state.metrics is not None:
             state.metrics.observe(endpoint, status, time.perf_counter() - started)
+    if 400 <= status < 500:
+        log_refusal(request, status, err)
     return resp
+
+
+def _refused(request: web.Request, state: AppState, guard: HostGuard, started: float) -> web.Response:
+    """The 403 of a request whose Host this server does not answer (counted and logged like any other refusal)."""
+    try:
+        guard.check(request)
+    except OctoError as err:
+        if state.metrics is not None:
+            state.metrics.observe("unmatched", err.status, time.perf_counter() - started)
+        log_refusal(request, err.status, err)
+        return error_response(request, err)
+    raise AssertionError("a refused Host passed the check")
+
+
+def log_refusal(request: web.Request, status: int, err: OctoError | None) -> None:
+    """One INFO line per refused request (4xx): the route, the param and the message; the body too at DEBUG."""
+    message = err.message if err is not None else "refused by the handler"
+    param = err.param if err is not None else None
+    code = err.code if err is not None else None
+    log.info("refused %s %s: %d %s%s: %s", request.method, request.path[:200], status, code or "",
+             f" (param {param})" if param else "", message)
+    if log.isEnabledFor(logging.DEBUG):
+        body = request.get(BODY_KEY)
+        if body:
+            log.debug("refused request body (%d bytes): %r", len(body), bytes(body[:4096]))
 
 
 async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
@@ -165,11 +202,15 @@ async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
 
 
 def _check_key(request: web.Request, key: str) -> None:
+    if not _has_key(request, key):
+        raise Unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'.")
+
+
+def _has_key(request: web.Request, key: str) -> bool:
     given = request.headers.get("Authorization", "")
     token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
     # a header's bytes that are not UTF-8 arrive as surrogates: compared as the bytes they were, never an error
-    if not token or not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
-        raise Unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'.")
+    return bool(token) and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode())
 
 
 # -- info routes -------------------------------------------------------------------------------------
@@ -220,16 +261,20 @@ async def health(request: web.Request) -> web.Response:
     # (a wedged or dead engine thread, a model that failed); a crashed worker restarts on the next request: 200
     down = state.draining or any(s.state in ("wedged", "failed") for s in slots)
     loading = [s for s in state.registry.slots if s.handle is None and s.loading is not None]
-    body: dict[str, Any] = {"status": "draining" if state.draining else "degraded" if bad else "ok",
+    status = "draining" if state.draining else "degraded" if bad else "ok"
+    if status == "ok" and state.store is not None and state.store.status == "unavailable":
+        status = "degraded"  # the responses store (octo.store): unavailable makes the server degraded, not down
+    key = state.config.api_key
+    if key and not _has_key(request, key):  # open to load balancers: the status only, details need the key
+        return api.json_response({"status": status}, status=503 if down else 200)
+    body: dict[str, Any] = {"status": status,
                             "models": [{"id": s.name, "engine": s.handle.engine_name, "state": s.state,
                                         **({"reason": s.handle.reason} if s.handle.reason else {}), **s.progress()}
                                        for s in slots] + [{"id": s.name, "state": s.state, **s.progress()}
                                                           for s in loading],
                             "uptime_s": round(time.time() - state.started, 3)}
-    if state.store is not None:  # the responses store (octo.store): unavailable makes the server degraded, not down
+    if state.store is not None:
         body["responses_store"] = state.store.health()
-        if body["status"] == "ok" and state.store.status == "unavailable":
-            body["status"] = "degraded"
     if len(slots) == 1:  # a one-model server: its model's details at the top
         body.update({"model": slots[0].name, **_model_entry(state, slots[0])})
         body.pop("id"), body.pop("object"), body.pop("owned_by")
@@ -438,6 +483,7 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     api_dashboard.add_routes(r, root=api_ollama.root)
     if plugin_manager is not None:
         plugin_manager.hook.register_routes(app=app)
+    app[HOST_GUARD] = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
     app[V1_OF] = _add_unprefixed(r)  # last: the /v1 routes registered above (plugins' too) get their alias
     app.on_response_prepare.append(_on_prepare)
 

@@ -39,8 +39,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 # -- CORS ----------------------------------------------------------------------------------------------------------
 def test_cors_is_off_by_default_and_options_is_still_answered(echo_server):
-    status, headers, _ = send(echo_server, "GET", "/v1/models", headers={"Origin": ORIGIN})
-    assert status == 200 and "access-control-allow-origin" not in headers and "vary" not in headers
+    # a page of another origin is refused outright (docs/security.md), and gets no CORS headers
+    status, headers, body = send(echo_server, "GET", "/v1/models", headers={"Origin": ORIGIN})
+    assert status == 403 and json.loads(body)["error"]["code"] == "origin_not_allowed"
+    assert "access-control-allow-origin" not in headers and "vary" not in headers
     for path in ("/v1/chat/completions", "/v1/models", "/health", "/nothing", "/chat/completions"):
         status, headers, body = send(echo_server, "OPTIONS", path, headers={
             "Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
@@ -80,7 +82,7 @@ def test_a_disallowed_origin_gets_no_cors_headers(cors_server):
     assert status == 204 and not any(k.startswith("access-control-") for k in h)
     assert "Origin" in h["vary"]
     status, h, _ = send(cors_server, "GET", "/v1/models", headers={"Origin": "http://localhost:3001", **AUTH})
-    assert status == 200 and "access-control-allow-origin" not in h and "Origin" in h["vary"]
+    assert status == 403 and "access-control-allow-origin" not in h and "Origin" in h["vary"]
 
 
 def test_answers_and_errors_to_an_allowed_origin_carry_cors(cors_server):

@@ -121,7 +121,7 @@ def test_a_client_that_stops_reading_holds_neither_memory_nor_the_others(faulty)
     rss0 = rss_tree(pid)
     sock = socket.create_connection(("127.0.0.1", faulty.port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     try:  # it never reads; meanwhile a normal request is as fast as ever
         time.sleep(0.5)
