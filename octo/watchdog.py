@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from octo.engine_loop import _fail_job
 from octo.errors import ModelFailed
+from octo.events import Failed
 from octo.jobs import Ticket
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class Watchdog:
             if isinstance(t, Ticket):
                 t._cancel = True  # should the thread come back, they leave at its next step
                 if t.events is not None:
-                    t.events.put_nowait((t.index, "done", err))
+                    t.events.put_nowait(Failed(t.index, err))
         for job in [*jobs, *running]:
             _fail_job(job, err)
         if self.on_fault is not None:
