@@ -46,12 +46,8 @@ class Handle(Protocol):
     selection: dict[str, Any]  # how the engine was chosen (/v1/engines)
     benchmarks: dict[str, Any]
     fingerprint: str
-
-    @property
-    def state(self) -> str: ...  # "ready", or why not ("loading", "crashed", "failed", "wedged", "stopped")
-
-    @property
-    def reason(self) -> str | None: ...
+    state: str  # "ready", or why not ("loading", "crashed", "failed", "wedged", "stopped")
+    reason: str | None  # why not ready
 
     @property
     def task(self) -> str: ...
@@ -93,7 +89,7 @@ class Handle(Protocol):
 class WireTicket:
     """The gateway's view of one sequence running in a worker or replica (what the routes read of a Ticket)."""
 
-    __slots__ = ("rid", "index", "result", "admitted", "state", "error", "n_prompt")
+    __slots__ = ("rid", "index", "result", "admitted", "state", "error", "n_prompt", "started")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, rid: int, index: int) -> None:
         self.rid = rid
@@ -103,6 +99,7 @@ class WireTicket:
         self.state = "pending"  # pending -> active -> done | failed | cancelled
         self.error: OctoError | None = None
         self.n_prompt = 0
+        self.started = False  # admitted to the batch (a failure after it is the stream's, not the admission's)
 
 
 class Pending:
@@ -136,7 +133,7 @@ class Forwarder(HandleInfo):
                 req.events.put_nowait(decode[code](index, value))
             elif code == ADMITTED:
                 t = req.tickets[index]
-                t.n_prompt = value
+                t.n_prompt, t.started = value, True
                 if t.state == "pending":
                     t.state = "active"
                 if t.admitted is not None and not t.admitted.done():
@@ -183,8 +180,8 @@ class Forwarder(HandleInfo):
             if t.state == "pending":
                 t.admitted = t.admitted or loop.create_future()
                 await t.admitted
-            if t.error is not None and t.state == "failed":
-                raise t.error
+            if t.error is not None and t.state == "failed" and not t.started:
+                raise t.error  # refused or failed in the queue (one admitted streams its error as an event)
 
     def abandon(self, tickets: list[WireTicket]) -> None:
         if tickets and any(t.state in ("pending", "active") for t in tickets):
