@@ -34,6 +34,7 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, KVCacheFull
 from octo.hookspecs import hookimpl
+from octo.options import parse_engine_options
 
 _WORD = re.compile(r"\s*\S+")
 EOS = 0
@@ -50,18 +51,11 @@ class EchoEngine(Engine):
     supports_min_tokens = True  # Feed.no_eos: past its message it repeats it
     prefill_chunk = 4096
     isolation = "thread"  # pure Python: nothing native to contain
+    supports_rollback = True  # its KV is a count, its sampler a position in the reply: both can be set back
 
     def __init__(self, config=None) -> None:
         super().__init__(config)
-        opts: dict[str, Any] = {}
-        for key, value in self.config.options.items():
-            if key not in _OPTIONS:
-                raise ConfigError(f"Unknown option '{key}' for engine echo; known: {', '.join(_OPTIONS)}.",
-                                  param=key)
-            try:
-                opts[key] = _OPTIONS[key](value)
-            except ValueError:
-                raise ConfigError(f"Option '{key}' must be a number, got '{value}'.", param=key) from None
+        opts = parse_engine_options("echo", _OPTIONS, self.config.options)
         self.delay = opts.get("token_delay_ms", 0.0) / 1000.0
         self.kv_cells = opts.get("kv_cells", 0)
         self.n_ctx = opts.get("n_ctx", self.kv_cells or 8192)
@@ -151,6 +145,7 @@ class EchoEngine(Engine):
         out: list[int | None] = []
         for feed in feeds:
             seq, slot = feed.seq, feed.seq.slot
+            slot["undo"] = (seq.n_cached, slot["emitted"])  # what kv_rollback puts back
             seq.n_cached += len(feed.tokens)
             if not feed.sample:
                 out.append(None)
@@ -167,6 +162,13 @@ class EchoEngine(Engine):
                 feed.logprob = (0.0, [(tok, 0.0)][:feed.logprobs])
             out.append(tok)
         return out
+
+    def kv_rollback(self, seq: Sequence, n_tokens: int) -> None:
+        slot = seq.slot
+        undo = slot.get("undo")
+        if undo is not None and undo[0] >= n_tokens:  # the failed step got to this sequence: its sample goes too
+            slot["emitted"] = undo[1]
+        seq.n_cached = n_tokens
 
     def remove_sequence(self, seq: Sequence) -> None:
         seq.slot = None

@@ -23,6 +23,9 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+from pydantic_core import from_json
+
 from octo import chatprep
 from octo.engine import SamplingParams, Task
 from octo.errors import InvalidRequest, UnsupportedParameter
@@ -187,6 +190,16 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
+def anthropic_paths(err: InvalidRequest) -> InvalidRequest:
+    """An error about the chat form of the tools named in Anthropic's terms: ``tools[3].input_schema``, not
+    ``tools[3].function.parameters`` (the message names the path too)."""
+    for chat, ours in ((".function.parameters", ".input_schema"), (".function.", ".")):
+        err.message = err.message.replace(chat, ours)
+        if err.param:
+            err.param = err.param.replace(chat, ours)
+    return err
+
+
 def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
     messages = _messages(req)
     tools: list[dict[str, Any]] | None = None
@@ -201,7 +214,10 @@ def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
             if t.description:
                 fn["description"] = t.description
             tools.append({"type": "function", "function": fn})
-        names = chatprep.check_tools(tools)
+        try:
+            names = chatprep.check_tools(tools)
+        except InvalidRequest as err:
+            raise anthropic_paths(err) from None
     choice, parallel = None, None
     tc = req.tool_choice
     if tc is not None:
@@ -308,8 +324,11 @@ def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
             raise UnsupportedParameter(name, f"the {engine.name} engine cannot honour it")
     out_format = req.output_config.format if req.output_config is not None else None
     rf = {"type": "json_schema", "schema": out_format.schema_} if out_format is not None else None
-    grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, inp.tools, inp.choice, inp.parallel, fmt,
-                                                                   rf_param="output_config.format"))
+    try:
+        grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, inp.tools, inp.choice, inp.parallel, fmt,
+                                                                       rf_param="output_config.format"))
+    except InvalidRequest as err:
+        raise anthropic_paths(err) from None
     max_tokens = req.max_tokens
     n_ctx = getattr(getattr(handle, "info", None), "n_ctx", 0) or 0
     if n_ctx and len(tokens) < n_ctx:
@@ -351,12 +370,22 @@ def usage(result: Result) -> dict[str, Any]:
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    """The call's ``tool_use`` block; its ``input`` is the arguments' text as the model wrote it (an orjson
+    Fragment: numbers keep their digits, nothing is parsed and re-serialised), ``{}`` where it is not an object."""
+    text = call["function"]["arguments"] or "{}"
     try:
-        args = json.loads(call["function"]["arguments"] or "{}")
+        value: Any = orjson.Fragment(text) if isinstance(orjson.loads(text), dict) else {}
+    except orjson.JSONDecodeError:  # a call cut off by max_tokens: what its arguments hold so far
+        value = _partial_object(text)
+    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"], "input": value}
+
+
+def _partial_object(text: str) -> dict[str, Any]:
+    try:
+        value = from_json(text, allow_partial="trailing-strings", allow_inf_nan=False)
     except ValueError:
-        args = {}
-    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-            "input": args if isinstance(args, dict) else {}}
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def content_blocks(result: Result, opts: Options) -> list[dict[str, Any]]:

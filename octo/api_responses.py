@@ -4,6 +4,8 @@ SQLite (octo.store)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 
@@ -11,7 +13,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from octo import responses
-from octo.api import _body, _events, _model, _sse, dumps, json_response
+from octo.api import SSE_HEADERS, _body, _events, _model, dumps, json_response
 from octo.errors import ContextLengthExceeded, NotFound, OctoError
 from octo.events import Done, Failed, Logprob, Text, ToolDelta
 from octo.protocol import ChatCompletionRequest, _validation_error, parse
@@ -20,13 +22,19 @@ from octo.state import STATE
 from octo.store import ResponseStore
 
 MAX_TRUNCATIONS = 256
+WARNING_HEADER = "x-octo-warning"
+log = logging.getLogger("octo.responses")
 
 
 def _store(request: web.Request) -> ResponseStore:
     state = request.app[STATE]
-    if state.store is None:
-        state.store = ResponseStore()
+    if state.store is None:  # (an app made without setup(): opened on first use, checked as at start)
+        state.store = new_store(state.config)
     return state.store
+
+
+def new_store(config: Any) -> ResponseStore:
+    return ResponseStore(ttl_s=config.responses_ttl, max_bytes=int(config.responses_max_mb * 2**20))
 
 
 def _chat(body: dict[str, Any], req: ResponsesRequest) -> ChatCompletionRequest:
@@ -59,6 +67,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse(ResponsesRequest, body)
     responses.check_unsupported(req)
     store = _store(request)
+    if req.store:  # decided before anything is generated: a response that could not be stored is not made
+        await store.check_writable()
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         prev = await store.get(req.previous_response_id)
@@ -96,17 +106,27 @@ async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, chat_
     else:
         raise ContextLengthExceeded("The conversation does not fit the model's context.", param="input")
     status, incomplete = responses.status_of(result)
-    output = responses.output_items(result)
+    output = responses.output_items(result, req)
     obj = responses.response_object(rid, req, model, int(time.time()), status, output, result, incomplete)
     if req.store:
         await _store(request).put(obj, [*conversation, responses.assistant_message(output)])
-    return json_response(obj)
+    return json_response(obj, headers=_warning(req))
+
+
+def _warning(req: ResponsesRequest) -> dict[str, str] | None:
+    """The ``x-octo-warning`` header (and an info log line) saying what of the request the model was not given."""
+    warning = responses.ToolNames(req).warning()
+    if warning is None:
+        return None
+    log.info("POST /v1/responses: %s", warning)
+    return {WARNING_HEADER: warning}
 
 
 async def _stream(request: web.Request, handle: Any, tickets: list, events: Any, req: ResponsesRequest, rid: str,
                   model: str, conversation: list[dict[str, Any]]) -> web.StreamResponse:
     es = responses.EventStream(rid, req, model)
-    resp = await _sse(request)
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **(_warning(req) or {})})
+    await resp.prepare(request)
     await resp.write(b"".join(_sse_event(e) for e in es.start()))
     lps: list = []
     async for batch in _events(events, 1):
@@ -122,9 +142,12 @@ async def _stream(request: web.Request, handle: Any, tickets: list, events: Any,
                 out += es.tool(ev.delta)
             elif cls is Done:
                 closing, final = es.finish(ev.result)
-                out += closing
-                if req.store:
-                    await _store(request).put(final, [*conversation, responses.assistant_message(final["output"])])
+                try:
+                    if req.store:
+                        await _store(request).put(final, [*conversation, responses.assistant_message(final["output"])])
+                    out += closing
+                except OctoError as err:  # the store failed while this response ran: it ends failed, not stored
+                    out.append(es.failed(err))
             elif cls is Failed:
                 err = ev.error if isinstance(ev.error, OctoError) else OctoError(str(ev.error))
                 out.append(es.failed(err))
@@ -146,6 +169,25 @@ async def delete_response(request: web.Request) -> web.Response:
     if not await _store(request).delete(rid):
         raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
     return json_response({"id": rid, "object": "response", "deleted": True})
+
+
+def setup(app: web.Application) -> None:
+    """The routes, and the store opened and checked at start (in its own thread: the server does not wait)."""
+    add_routes(app.router)
+
+    async def open_store(app: web.Application) -> None:
+        state = app[STATE]
+        if state.store is None:
+            state.store = new_store(state.config)
+            state.store.start()
+
+    async def close_store(app: web.Application) -> None:
+        store = app[STATE].store
+        if store is not None:
+            await asyncio.get_running_loop().run_in_executor(None, store.close)
+
+    app.on_startup.append(open_store)
+    app.on_cleanup.append(close_store)
 
 
 def add_routes(router: web.UrlDispatcher) -> None:

@@ -6,6 +6,9 @@ vLLM's names accepted too, so clients of either work.
   "count": n, "max_model_len": n_ctx}``; with ``with_pieces`` each token is ``{"id", "piece"}`` (the piece as text,
   or its bytes as a list of integers when they are not UTF-8 by themselves).
 - detokenize: ``{"tokens": [ids], "model"?}`` -> ``{"content": str, "prompt": str}`` (llama-server's and vLLM's key).
+- GET /tokenizer_info (``?model=``; vLLM's): the tokenizer's configuration as vLLM serves it (``tokenizer_class``,
+  ``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``, ``add_bos_token``, ``model_max_length``,
+  ``chat_template``), what lm-evaluation-harness's remote tokenizer (``tokenizer_backend=remote``) reads.
 
 ``add_special`` keeps what the engine adds to every prompt it tokenizes (the BOS of most llama.cpp models; engines on
 Hugging Face tokenizers add none: their chat templates write it); without it those tokens are left out. Special
@@ -24,6 +27,7 @@ from aiohttp import web
 from octo import api
 from octo.errors import InvalidRequest
 from octo.protocol import _Model, parse
+from octo.reasoning import template_source
 from octo.serving import check_token_ids
 from octo.state import STATE
 
@@ -49,6 +53,7 @@ def add_routes(router: web.UrlDispatcher) -> None:
     # create_app adds /tokenize and /detokenize (llama-server's and vLLM's paths) as it does every /v1 alias
     router.add_post("/v1/tokenize", tokenize_route)
     router.add_post("/v1/detokenize", detokenize_route)
+    router.add_get("/v1/tokenizer_info", tokenizer_info_route)
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
@@ -72,6 +77,12 @@ async def detokenize_route(request: web.Request) -> web.Response:
     async with request.app[STATE].registry.use(req.model, req.keep_alive) as handle:
         text = await handle.detokenize(req.tokens)
     return api.json_response({"content": text, "prompt": text})
+
+
+async def tokenizer_info_route(request: web.Request) -> web.Response:
+    model = request.query.get("model")
+    async with request.app[STATE].registry.use(model, None) as handle:
+        return api.json_response(await handle.call("tokenizer_info", None))
 
 
 # -- model side (a ModelHandle: in the gateway or in the model's worker process) -------------------------------
@@ -112,6 +123,28 @@ def detokenize(handle: Any, tokens: list[int]) -> str:
     except NotImplementedError:
         raise _no_tokenizer(handle) from None
     return b"".join(parts).decode("utf-8", "replace")
+
+
+def tokenizer_info(handle: Any) -> dict[str, Any]:
+    """vLLM's /tokenizer_info of the served model: its special tokens as text, whether it adds a BOS to every text,
+    its context length and chat template. The pad token is the EOS (octo pads nothing: as most causal LMs)."""
+    engine = handle.engine
+    try:
+        added = list(engine.tokenize("", special=False))
+    except NotImplementedError:
+        raise _no_tokenizer(handle) from None
+    names = _special_names(engine)
+    eos_ids = sorted(handle.info.eos_token_ids)
+    eos = names.get(eos_ids[0]) or _text(engine, eos_ids[0]) if eos_ids else None
+    bos = names.get(added[0]) or _text(engine, added[0]) if added else None
+    unk = next((n for n in ("<unk>", "[UNK]") if n in names.values()), None)
+    return {"tokenizer_class": f"{type(engine).__name__}Tokenizer", "bos_token": bos, "eos_token": eos,
+            "pad_token": eos, "unk_token": unk, "add_bos_token": bool(added),
+            "model_max_length": handle.info.n_ctx or None, "chat_template": template_source(engine) or None}
+
+
+def _text(engine: Any, token: int) -> str | None:
+    return engine.token_bytes(token).decode("utf-8", "replace") or None
 
 
 def _no_tokenizer(handle: Any) -> InvalidRequest:

@@ -191,6 +191,12 @@ def _keep_alive(ctx, param, value):
 @click.option("--shutdown-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM/SIGINT: seconds running and queued requests get to finish (new ones get 503) before "
                    "what remains is cancelled.", **_env("SHUTDOWN_TIMEOUT"))
+@click.option("--responses-ttl", default="30d", show_default=True, callback=lambda c, p, v: _duration(v, p),
+              help="Stored responses (Responses API, store: true) expire this long after they were made, as OpenAI's "
+                   "do: seconds or a duration such as 12h, 7d (0: never).", **_env("RESPONSES_TTL"))
+@click.option("--responses-max-mb", default=1024.0, show_default=True, type=click.FloatRange(0),
+              help="Size cap of the stored responses, MB: over it the oldest are pruned first (0: no cap).",
+              **_env("RESPONSES_MAX_MB"))
 @click.option("--cluster", default=None, metavar="ray[://ADDRESS]",
               help="Serve every model as a Ray Serve deployment: 'ray' starts a local Ray head, 'ray://HEAD:10001' "
                    "joins a cluster (pip install 'octo[ray]'). octo stays the HTTP front door.", **_env("CLUSTER"))
@@ -211,8 +217,8 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
           api_key, insecure_no_auth, cors_origins, plugins_dir, bench_seconds, rebench, share_cores, isolation,
           loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir, prefix_cache_disk_mb,
-          reasoning_format, shutdown_timeout, cluster, replicas, autoscaling, replica_cpus, replica_gpus,
-          replica_memory, log_level):
+          reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas, autoscaling,
+          replica_cpus, replica_gpus, replica_memory, log_level):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -236,7 +242,8 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
                           step_stretch=step_stretch, prefix_dedup=prefix_dedup,
                           tool_format=None if tool_format == "auto" else tool_format, reasoning_format=reasoning_format,
                           prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_mb=prefix_cache_disk_mb,
-                          shutdown_timeout=shutdown_timeout)
+                          shutdown_timeout=shutdown_timeout, responses_ttl=responses_ttl,
+                          responses_max_mb=responses_max_mb)
     if cluster or replicas != 1 or autoscaling:
         _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
@@ -255,6 +262,15 @@ def serve(model, models_file, max_loaded, memory_budget, keep_alive, engine, hos
         raise click.ClickException(err.message) from None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(_serve(config, specs))
+
+
+def _duration(value: str, param: click.Parameter) -> float:
+    from octo.store import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
 
 
 def _cluster_settings(config: ServerConfig, cluster, replicas, autoscaling, cpus, gpus, memory) -> None:

@@ -38,6 +38,8 @@ class ServerConfig:
     prefix_cache_dir: str | None = None  # the prefix cache's disk tier (octo.disk_cache); None: memory only
     prefix_cache_disk_mb: float = 4096.0  # its budget
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish
+    responses_ttl: float = 30 * 86400.0  # stored responses expire this long after they were made (0: never)
+    responses_max_mb: float = 1024.0  # the responses store's cap, oldest pruned first (0: no cap)
     cluster: str | None = None  # "ray" or "ray://HOST:10001": each model is a Ray Serve deployment (octo.cluster)
     replicas: int = 1  # with cluster: replicas per model (the models file may set its own)
     autoscaling: dict | None = None  # with cluster: Ray Serve autoscaling_config (min/max replicas, target)

@@ -130,7 +130,7 @@ class Emission:
         if t.thinker is not None:
             self._split(t, t.thinker.finish(), posts)
         if t.parser is not None:
-            self._events(t, t.parser.finish(), posts)
+            self._events(t, t.parser.finish(truncated=t.finish == "length"), posts)
         if t.prompt_lps is not None and not t.prompt_lps and t.seq.tokens:
             t.prompt_lps.append((self.engine.token_bytes(t.seq.tokens[0]), None, []))
 

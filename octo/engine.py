@@ -250,6 +250,10 @@ class Engine:
     # Where a loaded model runs by default: "process" (its own worker process, so a native crash costs only its
     # requests) or "thread" (inside the gateway). Engines with native code keep "process"; --isolation overrides.
     isolation: ClassVar[str] = "process"
+    # Whether ``kv_rollback`` can undo what a ``step`` that raised did to its sequences. True: one sequence that makes
+    # steps raise costs its own request only (the scheduler retries the others in smaller groups); False: a step that
+    # raises fails every sequence it fed.
+    supports_rollback: ClassVar[bool] = False
     # Safer configurations for crashes the engine knows, tried in order when a worker dies of a signal during
     # load, warm-up or its first steps: (options overlay, what crashed), e.g. ({"repack": "false"}, "the weight
     # repack crashed on this host"). An overlay is skipped when the user set one of its options explicitly.
@@ -326,12 +330,22 @@ class Engine:
         A failure that belongs to one sequence (its sampler, its grammar) is returned as an exception instance in that
         feed's place: that request fails alone and the others go on. An exception raised from ``step`` fails every
         sequence of the step, except :class:`octo.errors.KVCacheFull` ("the shared pool had no room; nothing was
-        consumed"), after which the scheduler preempts a sequence and runs the step again.
+        consumed"), after which the scheduler preempts a sequence and runs the step again, and except in engines that
+        declare ``supports_rollback``: the scheduler undoes the step (``kv_rollback``) and runs its sequences again in
+        smaller groups until the one that raises is alone (``octo.step_isolation``); only that one fails.
         """
         raise NotImplementedError
 
     def remove_sequence(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and KV (finished, cancelled or failed)."""
+
+    def kv_rollback(self, seq: Sequence, n_tokens: int) -> None:
+        """Undo what a ``step`` that raised did to ``seq`` (engines that declare ``supports_rollback``): keep the
+        first ``n_tokens`` positions of its KV (what it held before that step), drop the rest, set ``n_cached`` to
+        ``n_tokens``, and put back per-sequence state the step advanced (a sampler's count) so that running the feed
+        again gives what it would have given. When the KV cannot be kept, drop it all and set ``n_cached`` to 0 (the
+        scheduler then fails the sequence, as without rollback)."""
+        raise NotImplementedError
 
     def kv_stats(self) -> dict[str, Any] | None:
         """Live numbers about the engine's KV (its layout, ...) for ``/v1/queue/stats``, or None. Called from another

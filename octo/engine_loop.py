@@ -30,12 +30,13 @@ from octo.jobs import Ticket, _Call, _Job
 from octo.kv_pressure import KVPressure, _age, _check_restored, _check_saved
 from octo.pacer import Pacer
 from octo.sharing import PrefixSharing
+from octo.step_isolation import StepIsolation
 
 log = logging.getLogger("octo.scheduler")
 MAX_LOOP_FAILURES = 3  # iterations in a row failing outside a step: the loop gives up (octo.watchdog takes over)
 
 
-class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
+class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
     """Methods that run on the model's engine thread; the state they share lives on the Scheduler."""
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future:
@@ -306,41 +307,13 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
         for f, t in zip(feeds, owners, strict=True):
             if t.extra:
                 self._dress(f, t)
-        gate = self.gate
         n_decode = sum(1 for f in feeds if len(f.tokens) == 1 and f.sample)
         n_fed = sum(len(f.tokens) for f in feeds)
         starts = [f.seq.n_cached for f in feeds]
-        self.watchdog.busy(n_fed)
         started = time.perf_counter()
-        try:
-            if gate is not None:  # several models share the cores: compute in turns (octo.arbiter)
-                gate.enter()
-            try:
-                out = eng.step(feeds)
-            finally:
-                if gate is not None:
-                    gate.exit()
-            if len(out) != len(feeds):
-                raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
-        except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
-            if self._reclaim(n_fed):
-                return
-            if len(self._active) > 1 and eng.kv_room() is not None:  # (no shared pool: preempting frees nothing)
-                log.info("%s; preempting the youngest sequence", exc.message)
-                self._preempt(max(self._active, key=_age))
-                return
-            for t in owners:
-                if t.state == "active":
-                    self._fail(t, exc, posts)
+        out = self._call_step(feeds, owners, starts, posts)
+        if out is None:
             return
-        except BaseException as exc:  # noqa: BLE001 - fail this step's sequences, keep serving
-            log.exception("engine step failed")
-            for t in owners:
-                if t.state == "active":
-                    self._fail(t, exc, posts)
-            return
-        finally:
-            self.watchdog.idle(between=True)
         self.steps += 1
         self._pacer.observe(time.perf_counter() - started, n_decode, n_fed - n_decode)
         eos = eng.info.eos_token_ids if eng.info else frozenset()
@@ -371,6 +344,45 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier):
                     log.exception("taking the engine's output for sequence %d failed", t.seq.id)
                 if t.state == "active":
                     self._fail(t, exc, posts)
+
+    def _call_step(self, feeds: list[Feed], owners: list[Ticket], starts: list[int], posts: list) -> list | None:
+        """``Engine.step(feeds)`` (``starts``: each sequence's ``n_cached`` before it): its outputs, or None when the
+        step is over (failed, or to run again)."""
+        eng, gate = self.engine, self.gate
+        n_fed = sum(len(f.tokens) for f in feeds)
+        self.watchdog.busy(n_fed)
+        try:
+            if gate is not None:  # several models share the cores: compute in turns (octo.arbiter)
+                gate.enter()
+            try:
+                out = eng.step(feeds)
+            finally:
+                if gate is not None:
+                    gate.exit()
+            if len(out) != len(feeds):
+                raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
+        except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
+            if self._reclaim(n_fed):
+                return None
+            if len(self._active) > 1 and eng.kv_room() is not None:  # (no shared pool: preempting frees nothing)
+                log.info("%s; preempting the youngest sequence", exc.message)
+                self._preempt(max(self._active, key=_age))
+                return None
+            for t in owners:
+                if t.state == "active":
+                    self._fail(t, exc, posts)
+            return None
+        except BaseException as exc:  # noqa: BLE001 - fail this step's sequences (or only the one that raises)
+            log.exception("engine step failed")
+            out = self._isolate(feeds, starts, exc)  # engines that can undo a step: octo.step_isolation
+            if out is None:
+                for t in owners:
+                    if t.state == "active":
+                        self._fail(t, exc, posts)
+                return None
+        finally:
+            self.watchdog.idle(between=True)
+        return out
 
     def _take(self, f: Feed, t: Ticket, tok: Any, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any,
               n_vocab: int) -> bool:

@@ -6,6 +6,7 @@ against an engine's vocabulary and runs the matchers."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 # JSON whitespace allowed at each place JSON allows it: nothing, one space, or one line break and up to 20 spaces or
 # tabs of indentation: llama.cpp's rule for its JSON grammars (`ws ::= | " " | "\n" [ \t]{0,20}`), so pretty-printed
 # JSON is fine and a model cannot spend its tokens on blank runs. A schema's own "x-guidance" options win.
+log = logging.getLogger("octo.grammars")
 JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 
 
@@ -165,8 +167,8 @@ def check_strict_schema(schema: Any, param: str) -> None:
     walk(schema, ())
 
 
-def _check_json_schema(schema: Any, param: str) -> None:
-    """llguidance's verdict on a schema: unsupported keywords, bad refs, unknown formats... as a 400."""
+def _schema_errors(schema: Any, param: str) -> list[str]:
+    """llguidance's complaints about a schema (unsupported keywords, unknown formats...), [] when it compiles."""
     ll = _ll()
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON Schema object.", param=param)
@@ -175,9 +177,34 @@ def _check_json_schema(schema: Any, param: str) -> None:
     except (ValueError, TypeError) as e:
         raise InvalidRequest(f"Invalid JSON schema in {param}: {e}", param=param) from None
     is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise InvalidRequest(f"Unsupported JSON schema in {param}: {messages[0] if messages else 'invalid'}",
-                             param=param)
+    return (messages or ["invalid"]) if is_error else []
+
+
+def _check_json_schema(schema: Any, param: str) -> None:
+    """llguidance's verdict on a schema: unsupported keywords, bad refs, unknown formats... as a 400."""
+    errors = _schema_errors(schema, param)
+    if errors:
+        raise InvalidRequest(f"Unsupported JSON schema in {param}: {errors[0]}", param=param)
+
+
+def usable_schema(schema: Any, strict: bool, param: str) -> Any:
+    """The schema to enforce. Strict (OpenAI's Structured Outputs): as given, or a 400 naming what breaks the rules
+    or is not supported. Otherwise keywords llguidance does not implement (``propertyNames``, ``not``, ``if``/``then``,
+    an unknown ``format``: what zod, pydantic and agents' tool sets emit) are relaxed, not enforced (llguidance's
+    ``lenient`` mode: a looser constraint, still valid for every document the schema accepts), with a warning in
+    the log; a schema that does not compile even so is a 400."""
+    if strict:
+        check_strict_schema(schema, param)
+        _check_json_schema(schema, param)
+        return schema
+    errors = _schema_errors(schema, param)
+    if not errors:
+        return schema
+    relaxed = {**schema, "x-guidance": {**(schema.get("x-guidance") or {}), "lenient": True}}
+    if _schema_errors(relaxed, param):
+        raise InvalidRequest(f"Unsupported JSON schema in {param}: {errors[0]}", param=param)
+    log.warning("%s: %s: relaxed, not enforced", param, "; ".join(errors))
+    return relaxed
 
 
 def _with_whitespace(schema: dict[str, Any]) -> dict[str, Any]:
@@ -240,8 +267,10 @@ def _seq(*parts: str) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _functions(c: Constraint) -> list[tuple[str, dict[str, Any]]]:
-    funcs: list[tuple[str, dict[str, Any]]] = []
+def _functions(c: Constraint) -> list[tuple[str, dict[str, Any], str, bool]]:
+    """(name, parameters schema, its request path, strict) of each tool: names and shapes checked, schemas not
+    yet compiled (only those the constraint needs are: :func:`_tool_lark`)."""
+    funcs: list[tuple[str, dict[str, Any], str, bool]] = []
     if not c.tools:
         raise InvalidRequest("tools must be a non-empty array when tool_choice is set.", param=c.param)
     for i, tool in enumerate(c.tools):
@@ -253,17 +282,14 @@ def _functions(c: Constraint) -> list[tuple[str, dict[str, Any]]]:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
             raise InvalidRequest(f"{where}.function.name {name!r} must be 1-64 letters, digits, '_', '-' or '.'.",
                                  param=f"{where}.function.name")
-        if any(name == other for other, _ in funcs):
+        if any(name == f[0] for f in funcs):
             raise InvalidRequest(f"Duplicate function name {name!r} in tools.", param=f"{where}.function.name")
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, Mapping) or params.get("type", "object") != "object":
             raise InvalidRequest(f"{where}.function.parameters must be a JSON Schema of type 'object'.",
                                  param=f"{where}.function.parameters")
         params = {"type": "object", **params}  # arguments are an object even when the schema omits the type
-        if fn.get("strict"):
-            check_strict_schema(params, f"{where}.function.parameters")
-        _check_json_schema(params, f"{where}.function.parameters")
-        funcs.append((name, params))
+        funcs.append((name, params, f"{where}.function.parameters", bool(fn.get("strict"))))
     return funcs
 
 
@@ -282,7 +308,8 @@ def _tool_lark(c: Constraint, vocab: Vocab) -> str:
         raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a named function.",
                              param="tool_choice")
     rules = []
-    for k, (name, params) in enumerate(funcs):
+    for k, (name, params, where, strict) in enumerate(funcs):
+        params = usable_schema(params, strict, where)
         head = _lit(f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{fmt.args_key}": ')
         rules.append(f"fn{k}: {head} %json {json.dumps(_with_whitespace(params), ensure_ascii=False)} \"}}\"")
     fns = "(" + " | ".join(f"fn{k}" for k in range(len(funcs))) + ")"
@@ -320,10 +347,8 @@ def grammar_text(c: Constraint, vocab: Vocab) -> str:
     """The llguidance grammar (a JSON string) of a constraint, after the checks that name the request field."""
     ll = _ll()
     if c.kind == "json_schema":
-        if c.strict:
-            check_strict_schema(c.schema, c.param)
-        _check_json_schema(c.schema, c.param)
-        return ll.LLMatcher.grammar_from_json_schema(json.dumps(_with_whitespace(c.schema)))
+        schema = usable_schema(c.schema, c.strict, c.param)
+        return ll.LLMatcher.grammar_from_json_schema(json.dumps(_with_whitespace(schema)))
     if c.kind == "json_object":
         return ll.LLMatcher.grammar_from_json_schema(json.dumps(_with_whitespace({"type": "object"})))
     if not isinstance(c.text, str):

@@ -132,7 +132,7 @@ class Ticket(_Job):
         text, calls = "".join(self.text), self.calls
         tools = self.req.tools
         if tools is not None and self.parser is None:  # not streamed: parse the whole text once
-            parsed = parse_tool_calls(text, tools.format, tools.names)
+            parsed = parse_tool_calls(text, tools.format, tools.names, truncated=self.finish == "length")
             text, calls = parsed.content, parsed.tool_calls or None
             if calls and tools.single:
                 calls = calls[:1]

@@ -165,7 +165,12 @@ class ModelHandle(HandleInfo):
             return None
         key = cache_key(self.engine_name, eng.version(), artifact_digest(self.artifact),
                         {k: str(v) for k, v in self.engine.config.options.items()})
-        return DiskPrefixCache(config.prefix_cache_dir, key, int(config.prefix_cache_disk_mb * 2**20))
+        try:
+            return DiskPrefixCache(config.prefix_cache_dir, key, int(config.prefix_cache_disk_mb * 2**20))
+        except Exception as exc:  # noqa: BLE001 - a cache folder that cannot be used costs the disk tier, not the model
+            log.warning("--prefix-cache-dir %s cannot be used (%s: %s); model '%s' keeps an in-memory prefix cache "
+                        "only", config.prefix_cache_dir, type(exc).__name__, exc, self.name)
+            return None
 
     async def activate(self, config: ServerConfig) -> None:
         if self.scheduler is None:
@@ -330,6 +335,10 @@ async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
         if not isinstance(out, Transcription):
             raise EngineError(f"The {handle.engine_name} engine's transcription returned {type(out).__name__}.")
         return out
+    if op == "tokenizer_info":
+        from octo import api_tokens
+
+        return api_tokens.tokenizer_info(handle)
     raise ValueError(f"unknown call {op!r}")
 
 

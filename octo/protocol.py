@@ -174,6 +174,24 @@ class _Sampling(_Model):
         return v
 
 
+METADATA_MAX_KEYS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512  # OpenAI's limits
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """``metadata`` within OpenAI's limits: 16 keys, keys of 64 characters, values of 512 (400 naming it)."""
+    if value is None:
+        return value
+    if len(value) > METADATA_MAX_KEYS:
+        raise ValueError(f"at most {METADATA_MAX_KEYS} keys, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > METADATA_MAX_KEY:
+            raise ValueError(f"keys have at most {METADATA_MAX_KEY} characters, got one of {len(key)}")
+        if len(item) > METADATA_MAX_VALUE:
+            raise ValueError(f"values have at most {METADATA_MAX_VALUE} characters, got one of {len(item)} "
+                             f"(key '{key}')")
+    return value
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -198,6 +216,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[FunctionTool] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     verbosity: str | None = None
+    _metadata_limits = field_validator("metadata")(check_metadata)
     web_search_options: dict[str, Any] | None = None
 
 

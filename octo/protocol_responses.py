@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other, default_if_null
+from octo.protocol import MAX_TOKENS_LIMIT, _Model, _Other, check_metadata, default_if_null
 
 
 class InputText(_Model):
@@ -45,6 +45,7 @@ class FunctionCallItem(_Model):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None  # a function of a namespace tool (octo.responses.ToolNames)
     id: str | None = None
     status: str | None = None
 
@@ -84,17 +85,27 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
+class NamespaceTool(_Model):
+    """A group of function tools (Codex's ``multi_agent_v1``, MCP servers): the model calls its functions, and the
+    call names the namespace."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
 class OtherTool(_Other):
     pass
 
 
 def _tool_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "function-tool" if kind == "function" else "other-tool"
+    return {"function": "function-tool", "namespace": "namespace-tool"}.get(kind, "other-tool")
 
 
-Tool = Annotated[Annotated[FunctionTool, Tag("function-tool")] | Annotated[OtherTool, Tag("other-tool")],
-                 Discriminator(_tool_kind)]
+Tool = Annotated[Annotated[FunctionTool, Tag("function-tool")] | Annotated[NamespaceTool, Tag("namespace-tool")]
+                 | Annotated[OtherTool, Tag("other-tool")], Discriminator(_tool_kind)]
 
 
 class FunctionChoice(_Model):
@@ -159,3 +170,4 @@ class ResponsesRequest(_Model):
     keep_alive: float | str | None = None
 
     _null_is_default = field_validator("store", "stream", mode="before")(default_if_null)
+    _metadata_limits = field_validator("metadata")(check_metadata)

@@ -18,13 +18,73 @@ from typing import Any
 
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.jobs import Result
-from octo.protocol_responses import FunctionCallItem, FunctionCallOutputItem, InputText, MessageItem, ResponsesRequest
+from octo.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputText,
+    MessageItem,
+    NamespaceTool,
+    ResponsesRequest,
+)
 
 log = logging.getLogger("octo.responses")
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # encrypted reasoning for stateless (store: false) clients such as Codex: octo's models produce no reasoning items,
 # so there is never anything to include (honoured as empty, like OpenAI's non-reasoning models)
 INCLUDE_REASONING = "reasoning.encrypted_content"
+# OpenAI's built-in web search: the model may search or not, at its own choice, and octo cannot run it, so the tool is
+# accepted and not offered to the model (a warning says so: log line and x-octo-warning header), as a model that
+# chose not to search. Other built-in tools (file_search, code_interpreter...) stay a 400: they name data to use.
+NOT_OFFERED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
+REASONING_SUMMARIES = ("auto", "concise", "detailed", "none")
+
+
+def flat_name(namespace: str, name: str) -> str:
+    """The name a namespace's function has for the model: Codex's canonical flat name (``ns__name``)."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+class ToolNames:
+    """The request's tools as the model sees them: Chat Completions function tools (a namespace's functions under
+    their flat names), where each came from (``tools[4].tools[1]``, for errors), the built-in tools not offered, and
+    the way back from a flat name to the call's ``name`` and ``namespace``."""
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.chat_tools: list[dict[str, Any]] = []
+        self.paths: list[str] = []
+        self.split: dict[str, tuple[str, str]] = {}  # flat name -> (namespace, name)
+        self.not_offered: list[str] = []
+        for i, tool in enumerate(req.tools or []):
+            if isinstance(tool, FunctionTool):
+                self._add(tool, tool.name, f"tools[{i}]")
+            elif isinstance(tool, NamespaceTool):
+                for j, fn in enumerate(tool.tools):
+                    flat = flat_name(tool.name, fn.name)
+                    self.split[flat] = (tool.name, fn.name)
+                    self._add(fn, flat, f"tools[{i}].tools[{j}]")
+            elif tool.type in NOT_OFFERED:
+                self.not_offered.append(f"tools[{i}] ({tool.type})")
+            else:
+                raise UnsupportedParameter(f"tools[{i}]", f"built-in tools of type '{tool.type}' are not supported; "
+                                           "use function tools")
+
+    def _add(self, tool: FunctionTool, name: str, path: str) -> None:
+        fn = tool.model_dump(exclude_none=True, exclude={"type"})
+        self.chat_tools.append({"type": "function", "function": {**fn, "name": name}})
+        self.paths.append(path)
+
+    def call_fields(self, flat: str) -> dict[str, str]:
+        """``name`` (and ``namespace``) of a function_call item calling ``flat``."""
+        if flat in self.split:
+            namespace, name = self.split[flat]
+            return {"name": name, "namespace": namespace}
+        return {"name": flat}
+
+    def warning(self) -> str | None:
+        if not self.not_offered:
+            return None
+        return (f"{', '.join(self.not_offered)}: built-in tool not offered to the model (octo cannot run it)")
 
 
 def new_id(prefix: str) -> str:
@@ -39,8 +99,14 @@ def check_unsupported(req: ResponsesRequest) -> None:
             raise UnsupportedParameter(name)
     if req.background:
         raise UnsupportedParameter("background", "responses run in the foreground only")
-    if req.reasoning is not None and any(v is not None for v in req.reasoning.model_dump().values()):
-        raise UnsupportedParameter("reasoning", "octo's models have no reasoning settings")
+    if req.reasoning is not None:  # a reasoning summary of a model that does not reason is empty: accepted
+        if req.reasoning.effort not in (None, "none"):
+            raise UnsupportedParameter("reasoning.effort", "octo's Responses models have no reasoning effort setting")
+        for name in ("summary", "generate_summary"):
+            if getattr(req.reasoning, name) not in (None, *REASONING_SUMMARIES):
+                raise InvalidRequest(f"Invalid value for 'reasoning.{name}': expected one of "
+                                     f"{', '.join(REASONING_SUMMARIES)}.", param=f"reasoning.{name}",
+                                     code="invalid_value")
     if req.service_tier not in (None, "auto", "default"):
         raise UnsupportedParameter("service_tier")
     if req.text is not None and req.text.verbosity is not None:
@@ -49,10 +115,7 @@ def check_unsupported(req: ResponsesRequest) -> None:
         if item not in (INCLUDE_LOGPROBS, INCLUDE_REASONING):
             raise UnsupportedParameter(f"include[{i}]", f"'{item}' is not supported (only '{INCLUDE_LOGPROBS}' "
                                        f"and '{INCLUDE_REASONING}')")
-    for i, tool in enumerate(req.tools or []):
-        if tool.type != "function":
-            raise UnsupportedParameter(f"tools[{i}]", f"built-in tools of type '{tool.type}' are not supported; "
-                                       "use function tools")
+    ToolNames(req)  # refuses the built-in tools octo neither runs nor may leave out
     if req.input is None and req.previous_response_id is None:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
 
@@ -68,74 +131,88 @@ def _text(content: str | list[Any], where: str) -> str:
     return "".join(parts)
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input items as chat messages."""
+def chat_name(item: dict[str, Any] | FunctionCallItem) -> str:
+    """The function name a function_call item has in the chat conversation (flat for a namespace's function)."""
+    get = item.get if isinstance(item, dict) else lambda k: getattr(item, k)
+    return flat_name(get("namespace"), get("name")) if get("namespace") else get("name")
+
+
+def input_messages(req: ResponsesRequest, names: ToolNames | None = None) -> list[dict[str, Any]]:
+    """The request's input items as chat messages. Function calls in a row are one assistant message, followed by
+    the tool messages of the outputs that answer them, in the calls' order, wherever those outputs are in the
+    input (clients send parallel calls first and their outputs after: ``[call A, call B, output A, output B]``)."""
     if req.input is None:
         return []
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
+    items = req.input
+    outputs = {item.call_id: (i, item) for i, item in enumerate(items) if isinstance(item, FunctionCallOutputItem)}
+    called = {item.call_id for item in items if isinstance(item, FunctionCallItem)}
     out: list[dict[str, Any]] = []
-    for i, item in enumerate(req.input):
+    group: list[str] = []  # call ids of the assistant message being built
+    for i, item in enumerate(items):
+        if group and not isinstance(item, FunctionCallItem):
+            out += [_tool_message(outputs[c][1], outputs[c][0]) for c in group if c in outputs]
+            group = []
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+                    "function": {"name": chat_name(item), "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            group.append(item.call_id)
         elif isinstance(item, FunctionCallOutputItem):
-            out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": _text(item.output, f"input[{i}].output")})
+            if item.call_id not in called:  # answers a call of the previous response
+                out.append(_tool_message(item, i))
         else:
             raise UnsupportedParameter(f"input[{i}]", f"input items of type '{item.type}' are not supported")
+    out += [_tool_message(outputs[c][1], outputs[c][0]) for c in group if c in outputs]
     return out
 
 
-def _check_calls(req: ResponsesRequest, history: list[dict[str, Any]]) -> None:
-    """Each function call is answered by a ``function_call_output`` before the next message, and each output answers
-    a call (of this input, or of the previous response), as OpenAI's API checks."""
+def _tool_message(item: FunctionCallOutputItem, i: int) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")}
+
+
+def check_calls(req: ResponsesRequest, history: list[dict[str, Any]]) -> None:
+    """Every ``function_call_output`` answers a call before it (of this input, or of the previous response), and
+    every call is answered, in any order (matched by ``call_id``), as OpenAI's API checks."""
     last = history[-1] if history else {}
     earlier = {c["id"] for c in last.get("tool_calls") or ()}  # the previous response's calls
-    pending: dict[str, int] = {}  # call_id -> its function_call item, until its output
+    calls: dict[str, int] = {}  # call_id -> its function_call item
+    answered: set[str] = set()
     for i, item in enumerate(req.input if isinstance(req.input, list) else ()):
-        if isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in pending and item.call_id not in earlier:
+        if isinstance(item, FunctionCallItem):
+            calls.setdefault(item.call_id, i)
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls and item.call_id not in earlier:
                 raise InvalidRequest(f"No function call found for the function_call_output with call_id "
                                      f"{item.call_id!r}.", param=f"input[{i}].call_id")
-            pending.pop(item.call_id, None)
-            earlier.discard(item.call_id)
-            continue
-        if pending or earlier:
-            _no_output(pending, earlier)
-        if isinstance(item, FunctionCallItem):
-            pending[item.call_id] = i
-    if pending or earlier:
-        _no_output(pending, earlier)
-
-
-def _no_output(pending: dict[str, int], earlier: set[str]) -> None:
-    if pending:
-        call_id, i = next(iter(pending.items()))
-        raise InvalidRequest(f"No tool output found for function call {call_id!r}.", param=f"input[{i}]")
-    raise InvalidRequest(f"No tool output found for function call {next(iter(earlier))!r} of the previous response.",
-                         param="input")
+            answered.add(item.call_id)
+    for call_id, i in calls.items():
+        if call_id not in answered:
+            raise InvalidRequest(f"No tool output found for function call {call_id!r}.", param=f"input[{i}]")
+    for call_id in earlier - answered:
+        raise InvalidRequest(f"No tool output found for function call {call_id!r} of the previous response.",
+                             param="input")
 
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the Chat Completions body of ``req`` after ``history``, the conversation to store: history + new input)."""
-    conversation = [*history, *input_messages(req)]
-    _check_calls(req, history)
+    check_calls(req, history)
+    names = ToolNames(req)
+    conversation = [*history, *input_messages(req, names)]
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     if not messages:
         raise InvalidRequest("input must not be empty.", param="input")
     if req.client_metadata:  # the client's own identifiers (Codex: session, thread, turn): for the server's log
         log.debug("client_metadata %s", req.client_metadata)
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
-    if req.tools:
-        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                         for t in req.tools]
+    if names.chat_tools:
+        body["tools"] = names.chat_tools
     if req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice if isinstance(req.tool_choice, str) else \
             {"type": "function", "function": {"name": req.tool_choice.name}}
@@ -177,7 +254,12 @@ def translate_error(err: OctoError, req: ResponsesRequest) -> OctoError:
     param = getattr(err, "param", None)
     if not param:
         return err
-    new = param.replace(".function.", ".") if param.startswith("tools[") else param
+    new = param
+    if param.startswith("tools["):  # the flat list's index: the tool (or namespace member) it came from
+        index, _, rest = param[len("tools["):].partition("]")
+        paths = ToolNames(req).paths
+        if index.isdigit() and int(index) < len(paths):
+            new = paths[int(index)] + rest.replace(".function.", ".", 1).replace(".function", "", 1)
     for chat, ours in _PARAMS[1:]:
         if new.startswith(chat):
             new = ours + new[len(chat):]
@@ -203,9 +285,11 @@ def message_item(text: str, status: str = "completed", logprobs: list | None = N
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
-def call_item(call: dict[str, Any], status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+def call_item(call: dict[str, Any], names: ToolNames, status: str = "completed",
+              item_id: str | None = None) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+            **names.call_fields(call["function"]["name"]), "arguments": call["function"]["arguments"],
+            "status": status}
 
 
 def status_of(result: Result) -> tuple[str, dict[str, Any] | None]:
@@ -214,19 +298,21 @@ def status_of(result: Result) -> tuple[str, dict[str, Any] | None]:
     return "completed", None
 
 
-def output_items(result: Result) -> list[dict[str, Any]]:
+def output_items(result: Result, req: ResponsesRequest) -> list[dict[str, Any]]:
     status, _ = status_of(result)
     items = []
     if result.text or not result.tool_calls:
         items.append(message_item(result.text, status, logprob_entries(result.logprobs)))
-    items += [call_item(c) for c in result.tool_calls or []]
+    names = ToolNames(req)
+    items += [call_item(c, names, status) for c in result.tool_calls or []]
     return items
 
 
 def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat message of a response's output (stored, so that a later turn continues it)."""
     text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+    calls = [{"id": it["call_id"], "type": "function",
+              "function": {"name": chat_name(it), "arguments": it["arguments"]}}
              for it in output if it["type"] == "function_call"]
     msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     if calls:
@@ -250,9 +336,10 @@ def response_object(rid: str, req: ResponsesRequest, model: str, created: int, s
         {"type": "text"}
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     for t in tools:
-        t.setdefault("strict", False)
-        t.setdefault("parameters", None)
-        t.setdefault("description", None)
+        for fn in [t] if t["type"] == "function" else t.get("tools", []) if t["type"] == "namespace" else []:
+            fn.setdefault("strict", False)
+            fn.setdefault("parameters", None)
+            fn.setdefault("description", None)
     choice = req.tool_choice if req.tool_choice is None or isinstance(req.tool_choice, str) else \
         req.tool_choice.model_dump()
     obj = {
@@ -260,7 +347,9 @@ def response_object(rid: str, req: ResponsesRequest, model: str, created: int, s
         "error": error, "incomplete_details": incomplete, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "max_tool_calls": None, "model": model, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-        "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                      "summary": (req.reasoning.summary or req.reasoning.generate_summary) if req.reasoning else None},
         "service_tier": "default", "store": req.store,
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": choice or "auto", "tools": tools,
@@ -286,6 +375,7 @@ class EventStream:
         self._msg: dict[str, Any] | None = None  # the message item being streamed
         self._call: dict[str, Any] | None = None  # the function_call item being streamed
         self.logprobs = bool(req.include and INCLUDE_LOGPROBS in req.include)
+        self.names = ToolNames(req)
 
     def _ev(self, kind: str, **fields: Any) -> dict[str, Any]:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
@@ -325,7 +415,7 @@ class EventStream:
             if tc.get("id"):  # a new call
                 out += self._close_message() + self._close_call()
                 item = call_item({"id": tc["id"], "function": {"name": fn.get("name", ""), "arguments": ""}},
-                                 "in_progress")
+                                 self.names, "in_progress")
                 idx = len(self.output)
                 out.append(self._ev("response.output_item.added", output_index=idx, item=dict(item)))
                 item["_index"] = idx
@@ -349,12 +439,12 @@ class EventStream:
                 self._ev("response.content_part.done", item_id=m["id"], output_index=idx, content_index=0, part=part),
                 self._ev("response.output_item.done", output_index=idx, item=dict(m))]
 
-    def _close_call(self) -> list[dict[str, Any]]:
+    def _close_call(self, status: str = "completed") -> list[dict[str, Any]]:
         c, self._call = self._call, None
         if c is None:
             return []
         idx = c.pop("_index")
-        c["status"] = "completed"
+        c["status"] = status
         return [self._ev("response.function_call_arguments.done", item_id=c["id"], output_index=idx,
                          name=c["name"], arguments=c["arguments"]),
                 self._ev("response.output_item.done", output_index=idx, item=dict(c))]
@@ -362,7 +452,7 @@ class EventStream:
     def finish(self, result: Result) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The closing events and the final response object."""
         status, incomplete = status_of(result)
-        out = self._close_call()
+        out = self._close_call(status)
         if not self.output and self._msg is None:  # an empty answer is still a message
             out += self.text("")
         out += self._close_message("incomplete" if status == "incomplete" else "completed")

@@ -312,6 +312,7 @@ class Scheduler(EngineLoop):
             "total_resumed": self.total_resumed,
             "prefix_dedup": self.dedup,
             "total_shared_tokens": self.total_shared_tokens,
+            "isolated_steps": self.isolated_steps,  # steps that raised, split until the failing sequence was alone
             "engine_thread": self.watchdog.state,
             "kv": self.engine.kv_stats(),
         }

@@ -220,6 +220,10 @@ async def health(request: web.Request) -> web.Response:
                             "models": [{"id": s.name, "engine": s.handle.engine_name, "state": s.state,
                                         **({"reason": s.handle.reason} if s.handle.reason else {})} for s in slots],
                             "uptime_s": round(time.time() - state.started, 3)}
+    if state.store is not None:  # the responses store (octo.store): unavailable makes the server degraded, not down
+        body["responses_store"] = state.store.health()
+        if body["status"] == "ok" and state.store.status == "unavailable":
+            body["status"] = "degraded"
     if len(slots) == 1:  # a one-model server: its model's details at the top
         body.update({"model": slots[0].name, **_model_entry(state, slots[0])})
         body.pop("id"), body.pop("object"), body.pop("owned_by")
@@ -419,7 +423,7 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     r.add_post("/v1/audio/translations", translations)
     from octo import api_responses
 
-    api_responses.add_routes(r)
+    api_responses.setup(app)  # routes, and the responses store opened and checked at start
     from octo import api_tokens
 
     api_tokens.add_routes(r)

@@ -27,7 +27,6 @@ so the JSON forms also count at the start of an answer without their marker, if 
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import secrets
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from octo.errors import InvalidRequest
+from octo.toolscan import BAD, DECODER, MORE, WS, Scanner, call_at, load_json, python_calls, skip_ws
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -179,116 +179,6 @@ def detect_format(template: str | None, override: str | None = None) -> ToolForm
     return fmt
 
 
-# -- JSON / Python-call scanning --------------------------------------------------------------------------------
-MORE = "more"  # the text so far cannot decide: wait for more (or, at the end, it is not a call)
-BAD = "bad"    # decided: not a call here
-_WS = " \t\r\n"
-
-
-def _skip_ws(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
-        i += 1
-    return i
-
-
-_SIGNIFICANT = re.compile(r'["\\{}\[\]]')
-
-
-class _Scanner:
-    """Finds where a JSON object/array ends, resuming where the previous call stopped: the parser's buffer only
-    grows at its end while a call is pending, so a long call is scanned once, not once per delta."""
-
-    def __init__(self) -> None:
-        self.saved: dict[int, tuple[int, list[str], bool]] = {}
-
-    def __call__(self, s: str, i: int) -> int | str:
-        """End of the JSON object/array starting at ``s[i]``, MORE when unfinished, BAD when broken."""
-        j, stack, in_str = self.saved.pop(i, (i, [], False))
-        for m in _SIGNIFICANT.finditer(s, j):
-            k = m.start()
-            if k < j:  # the character after a backslash
-                continue
-            c, j = s[k], k + 1
-            if in_str:
-                if c == "\\":
-                    j = k + 2
-                in_str = c != '"'
-            elif c == '"':
-                in_str = True
-            elif c in "{[":
-                stack.append("}" if c == "{" else "]")
-            elif not stack or stack.pop() != c:
-                return BAD
-            elif not stack:
-                return j
-        self.saved[i] = (max(j, len(s)), stack, in_str)  # past len(s) when the text ends in a backslash
-        return MORE
-
-
-def _load(s: str) -> Any:
-    try:
-        return json.loads(s)
-    except (ValueError, RecursionError):
-        return BAD
-
-
-def _call_from_obj(obj: Any) -> tuple[str, str] | str:
-    """(name, arguments JSON) of a ``{"name", "arguments"|"parameters"}`` object, else BAD."""
-    if isinstance(obj, dict) and "name" not in obj and isinstance(obj.get("function"), dict):
-        return _call_from_obj(obj["function"])  # {"type": "function", "function": {...}}
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return BAD
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        args = _load(args) if args.strip() else {}
-    if not isinstance(args, dict):
-        return BAD
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-_JSON_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
-
-
-def _py_value(node: ast.AST) -> Any:
-    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
-        return _JSON_NAMES[node.id]
-    if isinstance(node, ast.Dict):
-        return {_py_value(k): _py_value(v) for k, v in zip(node.keys, node.values, strict=True)}
-    if isinstance(node, ast.List | ast.Tuple):
-        return [_py_value(v) for v in node.elts]
-    return ast.literal_eval(node)
-
-
-def _python_calls(src: str) -> list[tuple[str, str]] | str:
-    """Calls written as Python: ``f(a=1)`` per line, ``[f(a=1), g()]``, or ``tool.call(query="x")``."""
-    try:
-        tree = ast.parse(src.strip(), mode="exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return BAD
-    nodes: list[ast.AST] = []
-    for stmt in tree.body:
-        if not isinstance(stmt, ast.Expr):
-            return BAD
-        nodes.extend(stmt.value.elts if isinstance(stmt.value, ast.List) else [stmt.value])
-    calls = []
-    for node in nodes:
-        if not isinstance(node, ast.Call) or node.args:
-            return BAD
-        func = node.func
-        if isinstance(func, ast.Attribute) and func.attr == "call" and isinstance(func.value, ast.Name):
-            name = func.value.id  # Llama's builtin tools: brave_search.call(query="...")
-        elif isinstance(func, ast.Name):
-            name = func.id
-        else:
-            return BAD
-        try:
-            args = {kw.arg: _py_value(kw.value) for kw in node.keywords if kw.arg}
-        except (ValueError, TypeError, SyntaxError, RecursionError):
-            return BAD
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
-    return calls or BAD
-
-
 # -- block parsers: (text from the opener, final) -> MORE | BAD | (calls, consumed) ----------------------------
 Block = str | tuple[list[tuple[str, str]], int]
 Scan = Callable[[str, int], int | str]
@@ -298,7 +188,7 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
     """One JSON object or an array of objects at ``s[i]``, each a call."""
     j = i
     for want in ("[{" if s[i:i + 1] == "[" else "{") + '"':  # decide early: "[ {" / "{ \"" must open a call
-        j = _skip_ws(s, j) if j > i else j
+        j = skip_ws(s, j) if j > i else j
         if j >= len(s):
             return BAD if final else MORE
         if s[j] != want:
@@ -309,9 +199,16 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
         return BAD if final else MORE
     if end == BAD:
         return BAD
-    value = _load(s[i:end])
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_from_obj(o) for o in items]
+    value = load_json(s[i:end])
+    if value == BAD:
+        return BAD
+    if isinstance(value, list):
+        starts = [skip_ws(s, i + 1)]
+        for _ in value[1:]:  # each element's start: past the previous one and its comma
+            starts.append(skip_ws(s, skip_ws(s, DECODER.raw_decode(s, starts[-1])[1]) + 1))
+        calls = [call_at(s, k, o) for k, o in zip(starts, value, strict=True)]
+    else:
+        calls = [call_at(s, i, value)]
     if not calls or BAD in calls:
         return BAD
     return calls, end
@@ -320,11 +217,11 @@ def _json_calls_at(s: str, i: int, final: bool, scan: Scan) -> tuple[list[tuple[
 def _close_tag(s: str, i: int, tag: str, final: bool, optional: bool) -> int | str:
     """Consume whitespace + ``tag`` after a call. A missing tag is tolerated at the end of the text, and anywhere
     when ``optional`` (vLLM's ``functools[...]`` has no closing marker; Phi-4's is a special token)."""
-    j = _skip_ws(s, i)
+    j = skip_ws(s, i)
     if s.startswith(tag, j):
         return j + len(tag)
     if tag.startswith(s[j:]):  # the text ends inside the tag (or before it)
-        return i if final else MORE
+        return len(s) if final else MORE  # at the end: the cut-off tag is markup, not content
     return i if optional else BAD
 
 
@@ -332,7 +229,7 @@ def _wrapped_block(openers: tuple[str, ...], close: str, optional: bool) -> Call
     """Parser of ``opener`` + JSON call(s) + ``close`` blocks (Hermes, Phi-4)."""
 
     def parse(s: str, final: bool, scan: Scan) -> Block:
-        i = next((_skip_ws(s, len(o)) for o in openers if s.startswith(o)), 0)
+        i = next((skip_ws(s, len(o)) for o in openers if s.startswith(o)), 0)
         found = _json_calls_at(s, i, final, scan)
         if isinstance(found, str):
             return found
@@ -343,14 +240,14 @@ def _wrapped_block(openers: tuple[str, ...], close: str, optional: bool) -> Call
 
 
 def _llama_block(s: str, final: bool, scan: Scan) -> Block:
-    i = _skip_ws(s, len("<|python_tag|>")) if s.startswith("<|python_tag|>") else 0
+    i = skip_ws(s, len("<|python_tag|>")) if s.startswith("<|python_tag|>") else 0
     if s.startswith("<|python_tag|>") and i < len(s) and s[i] not in "{[":
         # builtin tool: name.call(k=v); complete at a line end or at the end of the text
         nl = s.find("\n", i)
         if nl < 0 and not final:
             return MORE
         stop = len(s) if nl < 0 else nl
-        calls = _python_calls(s[i:stop])
+        calls = python_calls(s[i:stop])
         return BAD if calls == BAD else (calls, stop)
     calls: list[tuple[str, str]] = []
     i_done = 0
@@ -362,9 +259,9 @@ def _llama_block(s: str, final: bool, scan: Scan) -> Block:
             return (calls, i_done) if calls else BAD
         calls += found[0]
         i_done = found[1]
-        j = _skip_ws(s, i_done)
+        j = skip_ws(s, i_done)
         if j < len(s) and s[j] == ";":
-            j = _skip_ws(s, j + 1)
+            j = skip_ws(s, j + 1)
         if j >= len(s):
             return (calls, i_done) if final else MORE
         if s[j] != "{":
@@ -377,7 +274,7 @@ _ARGS_CALL_PART = re.compile(r"[A-Za-z0-9_.\-]*(\[(A(R(G(S)?)?)?)?)?")
 
 
 def _mistral_block(s: str, final: bool, scan: Scan) -> Block:
-    i = _skip_ws(s, len("[TOOL_CALLS]")) if s.startswith("[TOOL_CALLS]") else 0
+    i = skip_ws(s, len("[TOOL_CALLS]")) if s.startswith("[TOOL_CALLS]") else 0
     if i >= len(s):
         return BAD if final else MORE
     if s[i] in "[{":
@@ -391,10 +288,10 @@ def _mistral_block(s: str, final: bool, scan: Scan) -> Block:
     end = scan(s, start) if s[start] == "{" else BAD
     if end == MORE:
         return BAD if final else MORE
-    obj = _load(s[start:end]) if end != BAD else BAD
+    obj = load_json(s[start:end]) if end != BAD else BAD
     if not isinstance(obj, dict):
         return BAD
-    return [(m.group(1), json.dumps(obj, ensure_ascii=False))], end
+    return [(m.group(1), s[start:end])], end
 
 
 def _gemma_block(s: str, final: bool, scan: Scan) -> Block:
@@ -409,7 +306,7 @@ def _gemma_block(s: str, final: bool, scan: Scan) -> Block:
     stripped = body.strip()
     calls = _json_lines(stripped) if stripped.startswith(("{", "[")) else BAD
     if calls == BAD:
-        calls = _python_calls(stripped)
+        calls = python_calls(stripped)
     return BAD if calls == BAD else (calls, end)
 
 
@@ -417,8 +314,8 @@ def _json_lines(s: str) -> list[tuple[str, str]] | str:
     """Calls written as JSON objects or arrays one after the other (a complete text)."""
     calls: list[tuple[str, str]] = []
     i = 0
-    while (i := _skip_ws(s, i)) < len(s):
-        found = _json_calls_at(s, i, True, _Scanner())
+    while (i := skip_ws(s, i)) < len(s):
+        found = _json_calls_at(s, i, True, Scanner())
         if isinstance(found, str):
             return BAD
         calls += found[0]
@@ -435,6 +332,10 @@ _OPENERS: dict[str, list[tuple[str, bool, Callable[[str, bool, Scan], Block]]]] 
              for o in ("<|tool_call|>", "functools[", "[")],
     "gemma": [("```tool_code", False, _gemma_block), ("```json", True, _gemma_block), ("{", True, _gemma_block)],
 }
+
+
+# the head of a call cut off after its name: {"name": "f", "arguments": ...
+_CALL_HEAD = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_.\-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 class ToolCallParser:
@@ -456,7 +357,7 @@ class ToolCallParser:
         self._last_was_call = False
         self._n_calls = 0
         self._done = False
-        self._scan = _Scanner()
+        self._scan = Scanner()
 
     def feed(self, delta: str) -> list[Event]:
         if self._done:
@@ -464,9 +365,12 @@ class ToolCallParser:
         self._buf += delta
         return self._run(final=False)
 
-    def finish(self) -> list[Event]:
-        """Decide what is left: unfinished calls become content."""
-        events = self._run(final=True)
+    def finish(self, truncated: bool = False) -> list[Event]:
+        """Decide what is left: unfinished calls become content, except when the output was cut off (``truncated``:
+        max_tokens): then a call that had begun is a call, with the arguments generated so far, as OpenAI returns a
+        truncated call (its template markup never reaches the content)."""
+        events = self._run(final=False) + self._cut_call() if truncated else []
+        events += self._run(final=True)
         if self._held_ws and not self._last_was_call:
             events.append(ContentDelta(self._held_ws))
         self._held_ws = ""
@@ -474,12 +378,31 @@ class ToolCallParser:
         return events
 
     # -- internals ------------------------------------------------------------------------------------------
+    def _cut_call(self) -> list[Event]:
+        """The call the undecided text began, cut off in its arguments: its events, or [] when it is no call."""
+        pos, complete = self._find(self._buf)
+        if pos != 0 or not self._buf.strip():
+            return []
+        if not complete:  # cut off inside the opening markup: markup, not content
+            self._buf = ""
+            return []
+        if self._block(self._buf, False) != MORE or self._block(self._buf, True) != BAD:
+            return []  # no call, or a whole one that only lacks its closing text
+        heads = list(_CALL_HEAD.finditer(self._buf))
+        if len(heads) != 1 or (self.tool_names is not None and heads[0].group(1) not in self.tool_names):
+            self._buf = ""  # cut off before its name was written: markup of no call
+            return []
+        name, arguments = heads[0].group(1), self._buf[heads[0].end():]
+        self._buf, self._held_ws, self._last_was_call = "", "", True
+        self._n_calls += 1
+        return [ToolCallStart(self._n_calls - 1, self._new_id(), name), ToolCallArguments(self._n_calls - 1, arguments)]
+
     def _content(self, text: str, out: list[Event]) -> None:
         if self._last_was_call:
-            text = text.lstrip(_WS)
+            text = text.lstrip(WS)
         if not text:
             return
-        body = text.rstrip(_WS)
+        body = text.rstrip(WS)
         if body:
             out.append(ContentDelta(self._held_ws + body))
             self._held_ws = ""
@@ -494,7 +417,7 @@ class ToolCallParser:
             if at_start:
                 if self._started:
                     continue
-                i = _skip_ws(s, 0)
+                i = skip_ws(s, 0)
                 if i < best[0] and i < len(s) and (s.startswith(opener, i) or opener.startswith(s[i:])):
                     best = (i, s.startswith(opener, i))
                 continue
@@ -549,15 +472,16 @@ class ToolCallParser:
 
 
 def parse_tool_calls(text: str, fmt: ToolFormat | str, tool_names: Iterable[str] | None = None,
-                     new_id: Callable[[], str] | None = None) -> ParsedMessage:
-    """Content and tool calls of a complete generated text (the streaming parser run over all of it)."""
+                     new_id: Callable[[], str] | None = None, truncated: bool = False) -> ParsedMessage:
+    """Content and tool calls of a complete generated text (the streaming parser run over all of it); ``truncated``:
+    the text was cut off by max_tokens (:meth:`ToolCallParser.finish`)."""
     parser = ToolCallParser(fmt, tool_names, new_id)
-    return assemble(parser.feed(text) + parser.finish())
+    return assemble(parser.feed(text) + parser.finish(truncated))
 
 
 def _args_obj(call: dict[str, Any]) -> Any:
     args = call["function"].get("arguments")
     if isinstance(args, str):
-        loaded = _load(args) if args.strip() else {}
+        loaded = load_json(args) if args.strip() else {}
         return args if loaded == BAD else loaded
     return args if args is not None else {}

@@ -32,6 +32,18 @@ elif ! npm install --global --prefix "$codex_prefix" --no-audit --no-fund --logl
   echo "system-deps: npm could not install @anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" \
        "(tests/test_claude_code_functional.py will skip)" >&2
 fi
+# The openai npm package (the official Node SDK) for tests/test_client_matrix_functional.py, pinned, as a local
+# package in the git-ignored .cache/npm-clients (no root needed); without npm, or when npm fails, the test skips
+OPENAI_NODE_VERSION=7.57.0
+clients_prefix="$(cd "$(dirname "$0")/.." && pwd)/.cache/npm-clients"
+if [ -f "$clients_prefix/node_modules/openai/package.json" ] && \
+   grep -q "\"version\": \"$OPENAI_NODE_VERSION\"" "$clients_prefix/node_modules/openai/package.json"; then
+  :
+elif ! command -v npm >/dev/null 2>&1; then
+  echo "system-deps: npm not found, the openai npm package not installed (its client test will skip)" >&2
+elif ! npm install --prefix "$clients_prefix" --no-audit --no-fund --loglevel=error "openai@$OPENAI_NODE_VERSION"; then
+  echo "system-deps: npm could not install openai@$OPENAI_NODE_VERSION (its client test will skip)" >&2
+fi
 
 [ ${#missing[@]} -eq 0 ] && exit 0
 SUDO=""

@@ -31,8 +31,12 @@ PROMPT = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
 
 
 def claude_binary() -> str | None:
-    if LOCAL_CLAUDE.exists():
-        return str(LOCAL_CLAUDE)
+    """npm's bin link, the package's own binary (an npm that left no bin link), or a `claude` in PATH."""
+    package = LOCAL_CLAUDE.parent.parent / "lib" / "node_modules" / "@anthropic-ai" / "claude-code" / "bin"
+    package = package / "claude.exe"
+    for found in (LOCAL_CLAUDE, package):
+        if found.exists():
+            return str(found)
     return shutil.which("claude")
 
 

@@ -3,13 +3,13 @@ through `/v1/responses`. The echo engine is the scripted model: the task prompt 
 tool (`exec_command`), Codex runs the command in its sandbox and sends the output back as a `function_call_output`,
 and the echo model answers with that output as text, which ends the turn.
 
-Codex sends every turn as `stream: true, store: false` with `include: ["reasoning.encrypted_content"]` (accepted:
-octo's models produce no reasoning items, so there is nothing to include), `prompt_cache_key` (octo caches prefixes
-anyway), `parallel_tool_calls` and `client_metadata` (its session identifiers, logged at debug level). The config
-below keeps Codex from sending what a local non-reasoning model cannot honour and octo refuses with a 400: a
-reasoning summary (`model_reasoning_summary = "none"`), the built-in `web_search` tool (`web_search = "disabled"`)
-and the `namespace` tool of sub-agents (`agents.enabled = false`); `features.plugins = false` stops its look-ups of
-github.com and chatgpt.com, and update checks and analytics are off, so nothing leaves the machine.
+Codex runs with its DEFAULT settings: the config only names a custom provider (`base_url`, `wire_api =
+"responses"`). So every turn is `stream: true, store: false` with `include: ["reasoning.encrypted_content"]` and
+`reasoning: {"summary": "auto"}` (accepted: octo's models produce no reasoning, so there is nothing to include or
+summarise), `prompt_cache_key`, `parallel_tool_calls`, `client_metadata` (its session identifiers, logged at debug
+level), a `namespace` tool of sub-agent functions (offered to the model under their flat names) and the built-in
+`web_search` tool (not offered to the model: octo cannot run it; an `x-octo-warning` header says so). docs/agents.md
+has the decision per field.
 
 Codex comes from npm: `scripts/system-deps.sh` (run by `make test`) installs the pinned version into `.cache/npm`; the
 test skips when neither that nor a `codex` in PATH is found."""
@@ -31,30 +31,24 @@ PROMPT = f"<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
 CONFIG = """\
 model = "test-model"
 model_provider = "octo"
-model_reasoning_summary = "none"
-web_search = "disabled"
-check_for_update_on_startup = false
 
 [model_providers.octo]
 name = "octo"
 base_url = "http://127.0.0.1:{port}/v1"
 wire_api = "responses"
-
-[analytics]
-enabled = false
-
-[agents]
-enabled = false
-
-[features]
-plugins = false
 """
 
 
-def codex_binary() -> str | None:
+def codex_binary() -> list[str] | None:
+    """The command that runs Codex: npm's bin link, its package's launcher run by node (an npm that left no bin
+    link), or a `codex` in PATH."""
     if LOCAL_CODEX.exists():
-        return str(LOCAL_CODEX)
-    return shutil.which("codex")
+        return [str(LOCAL_CODEX)]
+    script = LOCAL_CODEX.parent.parent / "lib" / "node_modules" / "@openai" / "codex" / "bin" / "codex.js"
+    if script.exists() and shutil.which("node"):
+        return [shutil.which("node"), str(script)]
+    found = shutil.which("codex")
+    return [found] if found else None
 
 
 def test_codex_exec_runs_a_shell_command_through_responses(tmp_path):
@@ -72,7 +66,7 @@ def test_codex_exec_runs_a_shell_command_through_responses(tmp_path):
         env = {**os.environ, "CODEX_HOME": str(home), "NO_COLOR": "1"}
         for key in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "CODEX_API_KEY"):
             env.pop(key, None)
-        cmd = [codex, "exec", "--strict-config", "--skip-git-repo-check", "--sandbox", "workspace-write", "--json",
+        cmd = [*codex, "exec", "--strict-config", "--skip-git-repo-check", "--sandbox", "workspace-write", "--json",
                "-C", str(work), PROMPT]
         proc = subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=180)

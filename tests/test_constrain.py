@@ -467,19 +467,51 @@ def _error(constraint, vocab) -> InvalidRequest:
     return info.value
 
 
-def test_unsupported_schemas_are_refused(small):
+def test_unsupported_keywords_are_relaxed_and_broken_schemas_refused(small, caplog):
+    """Keywords llguidance does not implement are relaxed with a warning (not enforced: a looser, still valid
+    constraint), unless strict mode asks for exactly the schema; schemas that cannot compile are a 400."""
     p = "response_format.json_schema.schema"
     for schema, words in (
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
         ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
         ({"type": "string", "format": "color"}, "format"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, "propertyNames"),
+    ):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="octo.grammars"):
+            grammar = compile_constraint(Constraint.json_schema(schema), small)
+        assert grammar is not None and words in caplog.text and p in caplog.text, caplog.text
+    for schema, words in (
         ({"type": "string", "pattern": "^(?=a)a+$"}, "look-around"),
         ({"$ref": "#/$defs/missing"}, "missing"),
         ({"type": "strin"}, "strin"),
-        ({"not": {"type": "string"}}, "not"),
     ):
         err = _error(Constraint.json_schema(schema), small)
         assert err.param == p and words in err.message and err.status == 400, err.message
+    strict = {"type": "object", "properties": {"a": {"type": "string", "format": "color"}}, "required": ["a"],
+              "additionalProperties": False}
+    err = _error(Constraint.json_schema(strict, strict=True), small)
+    assert err.param == p and "format" in err.message
+
+
+def test_only_the_forced_tools_schemas_are_compiled(small, caplog):
+    """A forced tool compiles its own schema only: another tool's unsupported (or broken) schema is not a 400."""
+    good = {"type": "function", "function": {"name": "read", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    broken = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}
+    zod = {"type": "function", "function": {"name": "env", "parameters": {
+        "type": "object", "properties": {"vars": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"},
+                                                  "additionalProperties": {"type": "string"}}}}}}
+    named = {"type": "function", "function": {"name": "read"}}
+    assert compile_constraint(Constraint.tool_calls([good, broken, zod], named), small) is not None
+    err = _error(Constraint.tool_calls([good, broken], "required"), small)
+    assert err.param == "tools[1].function.parameters" and "strin" in err.message
+    with caplog.at_level("WARNING", logger="octo.grammars"):
+        compile_constraint(Constraint.tool_calls([good, zod], {"type": "function", "function": {"name": "env"}}),
+                           small)
+    assert "tools[1].function.parameters" in caplog.text and "propertyNames" in caplog.text
 
 
 def test_strict_mode_rules(small):
@@ -519,7 +551,7 @@ def test_response_format_mapping(small):
 def test_bad_tools_and_grammars(small):
     bad_params = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                                           "properties": {"a": {
-                                                                                              "not": {}}}}}}]
+                                                                                              "$ref": "#/x"}}}}}]
     assert _error(Constraint.tool_calls(bad_params), small).param == "tools[1].function.parameters"
     strict_tool = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "string"}}}}}]

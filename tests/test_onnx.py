@@ -157,7 +157,7 @@ def test_chat_template(engine):
 
 
 def test_unknown_option_and_bad_values(int4_dir):
-    with pytest.raises(ConfigError, match="Unknown onnx engine option 'n_threads'"):
+    with pytest.raises(ConfigError, match="Unknown option 'n_threads' for engine onnx"):
         OnnxEngine(EngineConfig(options={"n_threads": "2"}))
     with pytest.raises(ConfigError, match="backend"):
         OnnxEngine(EngineConfig(options={"backend": "gpu"}))

@@ -156,11 +156,14 @@ def test_what_codex_sends_is_accepted(server):
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools[0]"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{**TOOLS[0], "name": "bad name"}]}]},
+     "tools[0].tools[0].name"),
+    ({"input": "x", "reasoning": {"summary": "verbose"}}, "reasoning.summary"),
     ({"input": [{"type": "reasoning", "id": "r", "summary": []}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {}, "x": 1}}},
      "text.format.x"),
@@ -174,3 +177,75 @@ def test_bad_requests_are_400_naming_the_field(server, body, param):
     status, out = post(server, {"model": "test-model", **body})
     assert status == 400, out
     assert out["error"]["param"] == param, out
+
+
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents",
+             "tools": [{"type": "function", "name": "spawn_agent", "description": "Spawn one", "strict": False,
+                        "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_codex_default_request_is_served(server, stream):
+    """What Codex 0.169 sends with its default settings: a reasoning summary (a model without reasoning has none to
+    give), a namespace tool (its functions are offered under their flat names, and a call names its namespace) and
+    the built-in web_search (not offered: a warning header says so)."""
+    call = ('<tool_call>\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"message": "go", "n": 1e5}}\n'
+            '</tool_call>')
+    body = {"model": "test-model", "input": [{"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": call}]}],
+            "tools": [*TOOLS, NAMESPACE, {"type": "web_search", "external_web_access": False}],
+            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False,
+            "include": ["reasoning.encrypted_content"]}
+    url = f"http://127.0.0.1:{server.port}/v1/responses"
+    with httpx.stream("POST", url, json={**body, "stream": stream}, timeout=60) as r:
+        r.read()
+    assert r.status_code == 200, r.text
+    assert "tools[2] (web_search)" in r.headers["x-octo-warning"]
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        final = events[-1]["response"]
+    else:
+        final = r.json()
+    assert final["reasoning"]["summary"] == "auto"
+    check("Response", final)
+    calls = [o for o in final["output"] if o["type"] == "function_call"]
+    assert [(c["name"], c.get("namespace")) for c in calls] == [("spawn_agent", "multi_agent_v1")]
+    assert calls[0]["arguments"] == '{"message": "go", "n": 1e5}'  # the model's text, not re-serialised
+    # the next turn sends the call back with its namespace, and its output
+    turn = {**body, "input": [*body["input"], {k: v for k, v in calls[0].items() if k != "status"},
+                              {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "done"}]}
+    status, out = post(server, turn)
+    assert status == 200 and "done" in out["output"][0]["content"][0]["text"], out
+
+
+PARALLEL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
+def test_parallel_calls_then_outputs_in_any_order(server, client):
+    """Clients send parallel calls back as OpenAI documents them: all calls, then the outputs (in any order)."""
+    first = client.responses.create(model="test-model", input=PARALLEL, tools=TOOLS, store=False)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    history = [{"role": "user", "content": PARALLEL},
+               *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+                 for c in calls]]
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": f"sunny in {city}"}
+               for c, city in zip(calls, ["Paris", "Rome"], strict=True)]
+    for order in (outputs, outputs[::-1]):
+        r = client.responses.create(model="test-model", input=[*history, *order], tools=TOOLS, store=False)
+        text = r.output_text
+        assert text.index("sunny in Paris") < text.index("sunny in Rome"), text  # in the calls' order
+    # with a message between the calls and an output, as long as each call is answered
+    r = client.responses.create(model="test-model", input=[*history, outputs[1], {"role": "user", "content": "and"},
+                                                           outputs[0]], tools=TOOLS, store=False)
+    assert "sunny in Paris" in r.output_text
+    status, out = post(server, {"model": "test-model", "input": [*history, outputs[0]], "tools": TOOLS})
+    assert status == 400 and out["error"]["param"] == "input[2]", out  # the Rome call is never answered
+    assert calls[1].call_id in out["error"]["message"]
+    stray = {"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}
+    status, out = post(server, {"model": "test-model", "input": [*history, *outputs, stray], "tools": TOOLS})
+    assert status == 400 and out["error"]["param"] == "input[5].call_id", out
+    status, out = post(server, {"model": "test-model", "input": [history[0], outputs[0], *history[1:], outputs[1]],
+                                "tools": TOOLS})
+    assert status == 400 and out["error"]["param"] == "input[1].call_id", out  # an output before its call

@@ -17,6 +17,7 @@ from octo.synth.tokenizer import CHAT_TEMPLATE as SYNTH_CHATML
 from octo.toolcalls import (
     FORMATS,
     ContentDelta,
+    ParsedMessage,
     ToolCallArguments,
     ToolCallParser,
     ToolCallStart,
@@ -295,3 +296,43 @@ def test_tool_system_prompt_example_parses():
         example = prompt.split("parameters schema):\n", 1)[1].split("\nCall a function", 1)[0]
         assert fmt.parse(example, NAMES).tool_calls, family
         assert "get_time now" in prompt
+
+
+# -- arguments as written, truncated calls (issue 35) ---------------------------------------------------------------
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": 1.50, "y": 1e5}}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1.50, "y": 1e5}}]'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": 1.50, "y": 1e5}'),
+    ("llama3", '{"name": "f", "parameters": {"x": 1.50, "y": 1e5}}'),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1.50, \\"y\\": 1e5}"}\n</tool_call>'),
+])
+def test_arguments_keep_the_models_text(fmt, text):
+    parsed = parse_tool_calls(text, fmt, ["f"])
+    assert [c["function"]["arguments"] for c in parsed.tool_calls] == ['{"x": 1.50, "y": 1e5}'], parsed
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "f", "arguments": {"x": 1e999}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"x": NaN}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"x": -Infinity}}\n</tool_call>',
+])
+def test_numbers_without_a_json_value_are_no_call(text):
+    parsed = parse_tool_calls(text, "hermes", ["f"])
+    assert parsed.tool_calls == [] and parsed.content == text
+    assert parse_tool_calls("```tool_code\nf(x=1e999)\n```", "gemma", ["f"]).tool_calls == []
+
+
+def test_truncated_call_is_a_call_with_what_was_generated():
+    cut = 'Sure. <tool_call>\n{"name": "f", "arguments": {"city": "Pa'
+    parsed = parse_tool_calls(cut, "hermes", ["f"], truncated=True)
+    assert parsed.content == "Sure." and [(c["function"]["name"], c["function"]["arguments"])
+                                          for c in parsed.tool_calls] == [("f", '{"city": "Pa')]
+    assert parse_tool_calls(cut, "hermes", ["f"]).tool_calls == []  # not cut off: an unfinished call is text
+    for markup in ("<tool_c", '<tool_call>\n{"na'):  # cut before the name: markup of no call
+        assert parse_tool_calls(markup, "hermes", ["f"], truncated=True) == ParsedMessage("", [])
+    whole = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_'  # only its closing tag is cut
+    parsed = parse_tool_calls(whole, "hermes", ["f"], truncated=True)
+    assert parsed.content == "" and parsed.tool_calls[0]["function"]["arguments"] == '{"a": 1}'
+    streamed = ToolCallParser("hermes", ["f"])
+    events = [e for piece in cut for e in streamed.feed(piece)] + streamed.finish(truncated=True)
+    assert assemble(events).tool_calls[0]["function"]["arguments"] == '{"city": "Pa'

@@ -77,6 +77,7 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
     supports_logprobs: ClassVar[bool] = True
     supports_prompt_logprobs: ClassVar[bool] = True
     prefill_chunk: ClassVar[int] = 256
+    supports_rollback: ClassVar[bool] = True  # kv_rollback: llama_memory_seq_rm of what a failed step wrote (.kvcache)
     fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = (
         ({"repack": "false"}, "the AMX/CPU weight repack crashed on this host"),
     )

@@ -13,6 +13,7 @@ from typing import Any
 from octo.engine import KVHandle, Sequence, common_prefix
 
 from .native import LogTap
+from .sampling import SamplerChain
 
 log = logging.getLogger("octo.engines.llamacpp")
 STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")  # llama.cpp's sequence-state io_magic (llama-context.cpp)
@@ -254,6 +255,21 @@ class KVCells:
         if data is not None:
             buf, size = data
         return self._L.llama_state_seq_set_data(self.ctx, buf, size, seq_id) == size
+
+    def kv_rollback(self, seq: Sequence, n_tokens: int) -> None:
+        """Undo a step that raised (octo.step_isolation): its positions from ``n_tokens`` on leave the KV
+        (``llama_memory_seq_rm``, which only drops this sequence from cells it shares). A sampler chain that may have
+        drawn in that step and keeps state (penalties' history, a random draw) is rebuilt from the sequence's tokens:
+        penalties come back exactly, a random draw restarts from its seed; a plain greedy pick keeps no state."""
+        slot: Slot | None = seq.slot
+        if slot is None:
+            seq.n_cached = 0
+            return
+        advanced = seq.n_cached > n_tokens  # the step got to this sequence (its n_cached moves before it samples)
+        seq.n_cached = n_tokens if self._seq_rm(slot.seq_id, n_tokens) else 0
+        if advanced and slot.chain is not None and slot.chain.argmax is None:
+            old, slot.chain = slot.chain, SamplerChain(self.n_vocab, seq.sampling, self.penalty_last_n, seq.tokens)
+            old.close()
 
     def kv_free(self, handle: KVHandle) -> None:
         if isinstance(handle.data, int):  # the cells stay while a running sequence shares them

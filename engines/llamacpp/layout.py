@@ -77,11 +77,10 @@ def given(engine: Any) -> tuple[bool, dict[str, Any]] | None:
     env = os.environ.get(ENV, "").strip()
     if env and env.lower() != "auto":
         from octo.errors import ConfigError
-
-        from .native import _auto_bool
+        from octo.options import auto_bool
 
         try:
-            return _auto_bool(env) == "true", {"source": ENV}
+            return auto_bool(env) == "true", {"source": ENV}
         except ValueError:
             raise ConfigError(f"{ENV}={env!r}: expected true, false or auto", param="kv_unified") from None
     if engine.is_embedding:

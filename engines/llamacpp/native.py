@@ -14,6 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from octo.errors import ConfigError
+from octo.options import (
+    auto_bool,
+    boolean,
+    choice,
+    non_negative_int,
+    parse_engine_options,
+    positive_int,
+    probability,
+)
 
 log = logging.getLogger("octo.engines.llamacpp")
 
@@ -21,15 +30,6 @@ GGUF_MAGIC = b"GGUF"
 
 
 # -- engine options (-o KEY=VALUE) -----------------------------------------------------------------
-def _bool(v: str) -> bool:
-    s = v.strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean, got {v!r}")
-
-
 def _flash(v: str) -> str:
     s = v.strip().lower()
     s = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(s, s)
@@ -38,29 +38,11 @@ def _flash(v: str) -> str:
     return s
 
 
-def _auto_bool(v: str) -> str:
-    s = v.strip().lower()
-    if s == "auto":
-        return s
-    return "true" if _bool(s) else "false"
-
-
-def _positive(v: str) -> int:
-    n = int(v)
-    if n <= 0:
-        raise ValueError(f"expected a positive integer, got {v!r}")
-    return n
-
-
 # KV cache element types: (ggml type name, bytes per element: a q8_0 block holds 32 values in 34 bytes, q4_0 in 18)
 CACHE_TYPES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
-def _cache_type(v: str) -> str:
-    s = v.strip().lower()
-    if s not in CACHE_TYPES:
-        raise ValueError(f"expected one of {', '.join(CACHE_TYPES)}, got {v!r}")
-    return s
+_cache_type = choice(*CACHE_TYPES)
 
 
 def parse_lora(v: str) -> dict[str, str]:
@@ -87,68 +69,47 @@ def parse_lora(v: str) -> dict[str, str]:
     return pairs
 
 
-def _probability(v: str) -> float:
-    p = float(v)
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"expected a probability between 0 and 1, got {v!r}")
-    return p
-
-
-def _nonneg(v: str) -> int:
-    n = int(v)
-    if n < 0:
-        raise ValueError(f"expected an integer >= 0, got {v!r}")
-    return n
-
-
 OPTIONS = {
-    "n_ctx": (_positive, "context length per sequence (default: the model's, from GGUF metadata)"),
-    "n_threads": (_positive, "decode threads (default: physical cores)"),
-    "n_threads_batch": (_positive, "prompt/batch threads (default: n_threads)"),
-    "n_batch": (_positive, "tokens per llama_decode call (default: max(512, max_batch + prefill_chunk))"),
-    "n_ubatch": (_positive, "physical micro-batch (default: min(n_batch, 512))"),
-    "prefill_chunk": (_positive, "prompt tokens fed per step while other sequences decode (default 256)"),
+    "n_ctx": (positive_int, "context length per sequence (default: the model's, from GGUF metadata)"),
+    "n_threads": (positive_int, "decode threads (default: physical cores)"),
+    "n_threads_batch": (positive_int, "prompt/batch threads (default: n_threads)"),
+    "n_batch": (positive_int, "tokens per llama_decode call (default: max(512, max_batch + prefill_chunk))"),
+    "n_ubatch": (positive_int, "physical micro-batch (default: min(n_batch, 512))"),
+    "prefill_chunk": (positive_int, "prompt tokens fed per step while other sequences decode (default 256)"),
     "flash_attn": (_flash, "auto | on | off (default auto; on when cache_type quantizes the KV cache)"),
     "cache_type": (_cache_type, "KV cache element type: f16 (default), q8_0, q4_0 or f32 (K and V both; a quantized "
                    "V cache needs flash attention, which is then turned on)"),
     "lora": (parse_lora, "LoRA adapters (GGUF) a request picks by model name base:NAME: {\"NAME\": \"PATH\"} or "
              "NAME=PATH;NAME=PATH (what --lora passes)"),
     "draft": (str, "speculative decoding: a GGUF draft model with the same vocabulary (what --draft passes)"),
-    "n_draft": (_positive, "with draft: tokens the draft proposes per step (default 4)"),
-    "draft_p_min": (_probability, "with draft: a sequence stops drafting at a token the draft gives less probability "
+    "n_draft": (positive_int, "with draft: tokens the draft proposes per step (default 4)"),
+    "draft_p_min": (probability, "with draft: a sequence stops drafting at a token the draft gives less probability "
                     "(default 0.75, as llama-server's --draft-p-min; 0: always n_draft)"),
-    "draft_max_batch": (_positive, "with draft: speculate only while at most this many sequences decode (default 4)"),
-    "kv_unified": (_auto_bool, "KV layout: true (one pool shared by all sequences), false (a stream of n_ctx cells per "
+    "draft_max_batch": (positive_int, "with draft: speculate only while at most this many sequences decode "
+                        "(default 4)"),
+    "kv_unified": (auto_bool, "KV layout: true (one pool shared by all sequences), false (a stream of n_ctx cells per "
                    "sequence) or auto (default: the faster on an agent-shaped probe at load, cached per host; "
                    "OCTO_LLAMACPP_KV_UNIFIED sets the default)"),
-    "kv_adapt": (_auto_bool, "with the unified pool: run bursts of short concurrent sequences in per-sequence streams "
+    "kv_adapt": (auto_bool, "with the unified pool: run bursts of short concurrent sequences in per-sequence streams "
                  "of the same memory (pool / max_batch cells each), back in the pool when a sequence outgrows one: "
                  "auto (default: when a probe at load finds streams faster for short traffic, cached per host), "
                  "true, false"),
-    "kv_compact": (_bool, "unified pool: rewrite a sequence's cells as one run once decoding beside others has "
+    "kv_compact": (boolean, "unified pool: rewrite a sequence's cells as one run once decoding beside others has "
                    "scattered them (default true; ggml's CPU attention is slower over scattered cells)"),
-    "kv_cells": (_positive, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))"),
-    "cache_seqs": (_nonneg, "prefix-cache entries kept as shared cells of the unified pool (default 16; 0: RAM "
-                   "snapshots only)"),
-    "repack": (_auto_bool, "repack quantized weights into llama.cpp's extra CPU buffer types (AMX, AVX): auto "
+    "kv_cells": (positive_int, "cells in the unified KV pool (default min(n_ctx * max_batch, max(n_ctx_train, "
+                 "n_ctx)))"),
+    "cache_seqs": (non_negative_int, "prefix-cache entries kept as shared cells of the unified pool (default 16; "
+                   "0: RAM snapshots only)"),
+    "repack": (auto_bool, "repack quantized weights into llama.cpp's extra CPU buffer types (AMX, AVX): auto "
                "(default: on unless a once-per-host probe crashes), true, false (llama-server's --no-repack)"),
-    "use_mmap": (_bool, "memory-map the GGUF (default true)"),
+    "use_mmap": (boolean, "memory-map the GGUF (default true)"),
     "n_gpu_layers": (int, "layers offloaded to a GPU backend if llama.cpp has one (default: llama.cpp's, all)"),
     "penalty_last_n": (int, "tokens the repetition/presence/frequency penalties look back on (default 64)"),
 }
 
 
 def parse_options(options: dict[str, str]) -> dict:
-    out = {}
-    for key, value in options.items():
-        if key not in OPTIONS:
-            known = ", ".join(sorted(OPTIONS))
-            raise ConfigError(f"Unknown llamacpp engine option {key!r}; known options: {known}.", param=key)
-        try:
-            out[key] = OPTIONS[key][0](value)
-        except ValueError as e:
-            raise ConfigError(f"Invalid value for llamacpp option {key!r}: {e}", param=key) from None
-    return out
+    return parse_engine_options("llamacpp", OPTIONS, options)
 
 
 def physical_cores() -> int:

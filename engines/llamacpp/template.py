@@ -1,64 +1,7 @@
-"""Chat templates from GGUF metadata, rendered with jinja2 the way Hugging Face transformers renders them.
-
-Same environment as ``transformers.utils.chat_template_utils._compile_jinja_template``: a sandboxed
-environment with ``trim_blocks`` / ``lstrip_blocks``, the ``loopcontrols`` extension, a pass-through
-``{% generation %}`` tag, ``raise_exception``, ``strftime_now`` and a ``tojson`` filter that keeps
-non-ASCII characters; the template sees ``messages``, ``bos_token``, ``eos_token`` and
-``add_generation_prompt``.
-"""
+"""Chat templates from GGUF metadata, rendered as Hugging Face transformers renders them (octo.chat_template)."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
-from typing import Any
+from octo.chat_template import ChatTemplate
 
-from octo.errors import InvalidRequest
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message: str):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-class ChatTemplate:
-    def __init__(self, source: str, bos_token: str | None, eos_token: str | None) -> None:
-        from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        class Generation(Extension):  # transformers' AssistantTracker, minus the mask bookkeeping
-            tags = {"generation"}
-
-            def parse(self, parser):
-                next(parser.stream)
-                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.source = source
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self._template = env.from_string(source)
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **extra,
-            )
-        except TemplateError as e:
-            raise InvalidRequest(f"The model's chat template rejected the messages: {e}", param="messages") from None
+__all__ = ["ChatTemplate"]

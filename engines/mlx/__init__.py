@@ -42,14 +42,15 @@ from typing import Any
 from octo.engine import Detection, Engine, Feed, KVHandle, ModelInfo, Sequence, Task
 from octo.errors import ConfigError, EngineError
 from octo.hookspecs import hookimpl
+from octo.options import parse_engine_options, positive_int
 
 from . import lora, runtime
 from .batch import DecodeBatch, cache_nbytes, copy_prompt_cache, prefix_view
 from .sampling import SAMPLING_PARAMS, RowSampler, prompt_entries, sample_rows, set_logprobs
 
 log = logging.getLogger("octo.engines.mlx")
-_OPTIONS = {"blas": str, "dtype": str, "n_ctx": int, "penalty_last_n": int, "prefill_chunk": int, "kv_cells": int,
-            "cache_type": str, "lora": str}
+_OPTIONS = {"blas": str, "dtype": str, "n_ctx": positive_int, "penalty_last_n": positive_int,
+            "prefill_chunk": positive_int, "kv_cells": positive_int, "cache_type": str, "lora": str}
 _CACHE_TYPES = ("f16", "q8_0", "q4_0")
 _DTYPES = ("auto", "keep", "float32", "float16", "bfloat16")
 
@@ -79,16 +80,7 @@ class MLXEngine(Engine):
 
     def __init__(self, config=None) -> None:
         super().__init__(config)
-        opts: dict[str, Any] = {}
-        for key, value in self.config.options.items():
-            if key not in _OPTIONS:
-                raise ConfigError(f"Unknown option '{key}' for engine mlx; known: {', '.join(_OPTIONS)}.", param=key)
-            try:
-                opts[key] = _OPTIONS[key](value)
-            except ValueError:
-                raise ConfigError(f"Option '{key}' must be an integer, got '{value}'.", param=key) from None
-            if _OPTIONS[key] is int and opts[key] <= 0:
-                raise ConfigError(f"Option '{key}' must be > 0.", param=key)
+        opts = parse_engine_options("mlx", _OPTIONS, self.config.options)
         self.blas = opts.get("blas", "auto")
         self.dtype = opts.get("dtype", "auto")
         if self.dtype not in _DTYPES:

@@ -8,49 +8,21 @@ SentencePiece (``▁`` is a space, ``<0xNN>`` a byte), else the token's decoded 
 
 from __future__ import annotations
 
-import json
-import threading
 from typing import Any
 
 from octo.errors import InvalidRequest
-from octo.tokenbytes import decoder_kind, token_byte_table
+from octo.tokenbytes import TokenizerText
 
 
-class TextCodec:
+class TextCodec(TokenizerText):
     def __init__(self, wrapper: Any, n_vocab: int) -> None:
         """``wrapper``: mlx-lm's ``TokenizerWrapper``; ``n_vocab``: rows of the model's output layer."""
-        from tokenizers import Tokenizer
-
         self.wrapper = wrapper
         hf = wrapper._tokenizer
         backend = getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tokenizer", None)
         if backend is None:
             raise ValueError(f"{type(hf).__name__} has no fast (tokenizers) backend")
-        self._special = backend
-        self._plain = Tokenizer.from_str(backend.to_str())
-        self._plain.encode_special_tokens = True
-        self.n_vocab = max(n_vocab, backend.get_vocab_size(with_added_tokens=True))
-        self._bytes: list[bytes] | None = None
-        self._lock = threading.Lock()
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
-        self.kind = decoder_kind({"decoder": decoder})
-
-    def tokenize(self, text: str, special: bool = True) -> list[int]:
-        tok = self._special if special else self._plain
-        return tok.encode(text, add_special_tokens=False).ids
-
-    def token_bytes(self, token: int) -> bytes:
-        table = self._bytes if self._bytes is not None else self._table()
-        return table[token] if 0 <= token < len(table) else b""
-
-    def _table(self) -> list[bytes]:
-        with self._lock:
-            if self._bytes is None:
-                self._bytes = self._build_table()
-        return self._bytes
-
-    def _build_table(self) -> list[bytes]:
-        return token_byte_table(self._special, self.n_vocab, self.kind)
+        super().__init__(backend, n_vocab)
 
     def render_chat(
         self,
@@ -77,11 +49,3 @@ class TextCodec:
         if isinstance(source, dict):
             source = source.get("default")
         return source if isinstance(source, str) else None
-
-    def special_tokens(self) -> dict[str, int]:
-        """The tokenizer's special added tokens (control tokens: their bytes are b"") by their text."""
-        return {
-            t.content: int(i)
-            for i, t in self._special.get_added_tokens_decoder().items()
-            if t.special and 0 <= int(i) < self.n_vocab
-        }

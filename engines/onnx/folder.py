@@ -11,14 +11,13 @@ folder's ``chat_template.jinja`` (where onnxruntime-genai's model builder writes
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from octo.chat_template import ChatTemplate
 from octo.errors import ConfigError, InvalidRequest
-from octo.tokenbytes import decoder_kind, token_byte_table
+from octo.tokenbytes import TokenizerText
 
 
 @dataclass
@@ -82,7 +81,7 @@ def read_config(folder: Path) -> tuple[DecoderSpec, dict]:
     return spec, cfg
 
 
-class TextCodec:
+class TextCodec(TokenizerText):
     """Tokenizer, token bytes and chat template of one folder."""
 
     def __init__(self, folder: Path, n_vocab: int) -> None:
@@ -92,13 +91,7 @@ class TextCodec:
         if not path.is_file():
             raise ConfigError(f"'{folder}' has no tokenizer.json (the onnx engine needs a Hugging Face fast "
                               "tokenizer file).")
-        self._special = Tokenizer.from_file(str(path))
-        self._plain = Tokenizer.from_file(str(path))
-        self._plain.encode_special_tokens = True
-        self.n_vocab = max(n_vocab, self._special.get_vocab_size(with_added_tokens=True))
-        self.kind = decoder_kind(json.loads(path.read_text(encoding="utf-8")))
-        self._bytes: list[bytes] | None = None
-        self._lock = threading.Lock()
+        super().__init__(Tokenizer.from_file(str(path)), n_vocab)
         tcfg = _read_json(folder / "tokenizer_config.json")
         source = None
         if (folder / "chat_template.jinja").is_file():
@@ -113,33 +106,12 @@ class TextCodec:
         self.template = ChatTemplate(source, _token_text(tcfg.get("bos_token")),
                                      _token_text(tcfg.get("eos_token"))) if source else None
 
-    def tokenize(self, text: str, special: bool = True) -> list[int]:
-        tok = self._special if special else self._plain
-        return tok.encode(text, add_special_tokens=False).ids
-
-    def token_bytes(self, token: int) -> bytes:
-        table = self._bytes if self._bytes is not None else self._table()
-        return table[token] if 0 <= token < len(table) else b""
-
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None) -> str:
         if self.template is None:
             raise InvalidRequest("This model has no chat template; use /v1/completions.", param="messages")
-        return self.template.render(messages, add_generation_prompt, tools)
+        return self.template.render(messages, add_generation_prompt, tools=tools, documents=None)
 
-    def special_tokens(self) -> dict[str, int]:
-        """The tokenizer's special added tokens (control tokens: their bytes are b"") by their text."""
-        return {t.content: int(i) for i, t in self._special.get_added_tokens_decoder().items()
-                if t.special and 0 <= int(i) < self.n_vocab}
-
-    def _table(self) -> list[bytes]:
-        with self._lock:
-            if self._bytes is None:
-                self._bytes = self._build_table()
-        return self._bytes
-
-    def _build_table(self) -> list[bytes]:
-        return token_byte_table(self._special, self.n_vocab, self.kind)
 
 
 def _read_json(path: Path) -> dict:
@@ -154,54 +126,3 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message: str):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-class ChatTemplate:
-    """transformers' chat-template environment: sandboxed, trim/lstrip blocks, loop controls, ``tojson``,
-    ``raise_exception``, ``strftime_now`` and a pass-through ``{% generation %}`` tag."""
-
-    def __init__(self, source: str, bos_token: str | None, eos_token: str | None) -> None:
-        from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        class Generation(Extension):
-            tags = {"generation"}
-
-            def parse(self, parser):
-                next(parser.stream)
-                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[Generation, loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self.source = source
-        self.bos_token = bos_token
-        self.eos_token = eos_token
-        self._template = env.from_string(source)
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        """The template over ``messages``; ``tools`` is the template's ``tools`` variable (None when not given, as
-        transformers' ``apply_chat_template`` passes it, so ``tools is not none`` tests work)."""
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise InvalidRequest(f"The model's chat template rejected the messages: {e}",
-                                 param="messages") from None

@@ -27,40 +27,20 @@ from typing import Any
 from octo.engine import Detection, Engine, ModelInfo, Segment, Task, Transcription, TranscriptionRequest
 from octo.errors import ConfigError, EngineError, InvalidRequest, OctoError
 from octo.hookspecs import hookimpl
-
-
-def _bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got '{value}'")
-
-
-def _optional_float(value: str) -> float | None:
-    return None if value.strip().lower() in ("none", "off", "") else float(value)
-
-
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise ValueError(f"expected a positive integer, got {n}")
-    return n
-
+from octo.options import boolean, optional_float, parse_engine_options, positive_int
 
 _OPTIONS = {
-    "threads": _positive_int,
+    "threads": positive_int,
     "device": str,
-    "fp16": _bool,
-    "beam_size": _positive_int,
-    "best_of": _positive_int,
-    "max_new_tokens": _positive_int,
-    "condition_on_previous_text": _bool,
+    "fp16": boolean,
+    "beam_size": positive_int,
+    "best_of": positive_int,
+    "max_new_tokens": positive_int,
+    "condition_on_previous_text": boolean,
     "temperature_increment": float,
-    "compression_ratio_threshold": _optional_float,
-    "logprob_threshold": _optional_float,
-    "no_speech_threshold": _optional_float,
+    "compression_ratio_threshold": optional_float,
+    "logprob_threshold": optional_float,
+    "no_speech_threshold": optional_float,
 }
 _BATCH_FIELDS = {"max_new_tokens": "sample_len"}
 
@@ -88,16 +68,7 @@ class WhisperEngine(Engine):
 
     def __init__(self, config=None) -> None:
         super().__init__(config)
-        opts: dict[str, Any] = {}
-        for key, value in self.config.options.items():
-            if key not in _OPTIONS:
-                raise ConfigError(
-                    f"Unknown option '{key}' for engine whisper; known: {', '.join(_OPTIONS)}.", param=key
-                )
-            try:
-                opts[key] = _OPTIONS[key](value)
-            except ValueError as exc:
-                raise ConfigError(f"Option '{key}': {exc}", param=key) from None
+        opts = parse_engine_options("whisper", _OPTIONS, self.config.options)
         if opts.get("device", "cpu") not in ("cpu", "cuda") and not str(opts["device"]).startswith("cuda:"):
             raise ConfigError(f"Option 'device' must be cpu or cuda, got '{opts['device']}'.", param="device")
         self.opts = opts

@@ -2,7 +2,8 @@
 
 ``faulty`` behaves like echo (it repeats the last user message) and fails on purpose. Words in a prompt choose a
 fault for that sequence, once it has generated ``after`` tokens: HANG (its step never returns), STEPFAIL (the step
-raises: every sequence in it fails), SEQFAIL (the step returns an exception for this sequence alone), BYTESFAIL
+raises before it feeds anything), POISON (the step feeds and samples every sequence, then raises: what it did must be
+undone), SEQFAIL (the step returns an exception for this sequence alone), BYTESFAIL
 (``token_bytes`` raises when the word itself is generated), CRASH (the process dies, with ``crash_in=step``). Options:
   -o crash_in=none|load|warmup|step   where it dies (default none; "step" only for prompts that contain CRASH)
   -o how=segv|abort|kill|exit          how: SIGSEGV, SIGABRT (abort()), SIGKILL (as the OOM killer does), exit(3)
@@ -10,6 +11,7 @@ raises: every sequence in it fails), SEQFAIL (the step returns an exception for 
   -o safe=true                         never crash: its fallback configuration (what a crash at load or warm-up
                                        retries with, like llama.cpp's repack=false)
   -o token_delay_ms=N                  as echo
+  -o rollback=false                    declare no ``kv_rollback`` (a step that raises fails all its sequences)
 Faults of the other engine methods (words in the prompt, or in an embeddings input):
   TOKFAIL TOKNONE TOKNEG TOKSLOW   ``tokenize`` raises, returns None, returns a negative id, takes ``slow_s`` seconds
   RENDERFAIL RENDERNONE            ``render_chat`` raises, returns None
@@ -44,13 +46,13 @@ from octo.engine import Task
 from octo.errors import ConfigError, KVCacheFull
 from octo.hookspecs import hookimpl
 
-_FAULT_WORDS = frozenset({"HANG", "STEPFAIL", "SEQFAIL", "BYTESFAIL", "ADDFAIL", "REMOVEFAIL", "REMOVEHANG",
+_FAULT_WORDS = frozenset({"HANG", "STEPFAIL", "POISON", "SEQFAIL", "BYTESFAIL", "ADDFAIL", "REMOVEFAIL", "REMOVEHANG",
                           "NEGTOK", "BIGTOK", "STRTOK", "EMPTYTOK", "NOADVANCE", "KVFULL", "LPBAD", "SAVEFAIL",
                           "SAVEBAD", "SAVEWRONG", "SAVENEG", "FREEFAIL", "RESTOREOVER"})
 _BAD_TOKENS = {"NEGTOK": -1, "BIGTOK": 10**9, "STRTOK": "x", "EMPTYTOK": []}
 _OWN = {"crash_in": ("none", "load", "warmup", "step"), "how": ("segv", "abort", "kill", "exit"), "after": None,
         "safe": ("true", "false"), "kv_room": ("ok", "fail"), "info": ("ok", "bad"), "slow_s": None,
-        "load_s": None}
+        "load_s": None, "rollback": ("true", "false")}
 
 
 def die(how: str) -> None:
@@ -84,6 +86,8 @@ class FaultyEngine(EchoEngine):
         self.bad_info = own.get("info") == "bad"
         self.slow_s = float(own.get("slow_s", "3600"))
         self.load_s = float(own.get("load_s", "0"))  # a slow load (seconds)
+        if own.get("rollback") == "false":
+            self.supports_rollback = False
         self.steps = 0
 
     def load(self, artifact, name):
@@ -194,6 +198,8 @@ class FaultyEngine(EchoEngine):
             raise KVCacheFull("the faulty engine says its KV is full")
         before = [f.seq.n_cached for f in feeds]
         out = super().step(feeds)
+        if any("POISON" in f.seq.slot["faults"] for f in late):  # after every sequence advanced
+            raise RuntimeError("the faulty engine was poisoned by a sequence of this step")
         for i, f in enumerate(feeds):
             faults, late = f.seq.slot["faults"], f.seq.slot["emitted"] > self.after
             if "NOADVANCE" in faults:

@@ -1,0 +1,55 @@
+"""docs/configuration.md's flag table, generated from `octo serve`'s own options (click), as llm and datasette
+generate theirs with cog. `python scripts/config_docs.py` rewrites the table between the markers;
+tests/test_docs.py fails when the committed page differs from what the code says.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+BEGIN, END = "<!-- serve-flags:begin -->", "<!-- serve-flags:end -->"
+
+
+def cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def flag_table() -> str:
+    from octo.cli import cli
+
+    serve = cli.commands["serve"]
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for p in serve.params:
+        if not isinstance(p, click.Option) or p.hidden:
+            continue
+        names = " / ".join(f"`{o}`" for o in [*p.opts, *p.secondary_opts])
+        if p.metavar:
+            names += f" `{p.metavar}`"
+        env = f"`{p.envvar}`" if isinstance(p.envvar, str) else ""
+        if p.is_flag and not p.secondary_opts:
+            default = "off" if not p.default else "on"
+        elif p.multiple:
+            default = "none"
+        elif p.default is None or p.default == "":
+            default = "none"
+        else:
+            default = f"`{p.default}`"
+        rows.append(f"| {names} | {env} | {default} | {cell(p.help or '')} |")
+    return "\n".join(rows)
+
+
+def render(text: str) -> str:
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{flag_table()}\n{END}{tail}"
+
+
+if __name__ == "__main__":
+    new = render(DOC.read_text())
+    if "--check" in sys.argv:
+        sys.exit(0 if new == DOC.read_text() else 1)
+    DOC.write_text(new)
