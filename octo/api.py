@@ -76,7 +76,9 @@ async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[Event]]:
         batch = [await queue.get()]
         while not queue.empty():
             batch.append(queue.get_nowait())
-        done += sum(1 for e in batch if isinstance(e, END))
+        for e in batch:
+            if type(e) in END:
+                done += 1
         yield batch
 
 

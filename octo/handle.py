@@ -124,12 +124,12 @@ class Forwarder(HandleInfo):
 
     def on_wire(self, items: list[tuple[int, int, int, Any]]) -> None:
         """Wire events (``octo.events.encode``) of this handle's requests, in order."""
-        requests, decode = self._requests, DECODE
+        requests, decode, stream_codes = self._requests, DECODE, STREAM_CODES  # (locals: this runs per token)
         for rid, code, index, value in items:
             req = requests.get(rid)
             if req is None:
                 continue  # abandoned by its client
-            if code < STREAM_CODES:
+            if code < stream_codes:
                 req.events.put_nowait(decode[code](index, value))
             elif code == ADMITTED:
                 t = req.tickets[index]
