@@ -3,8 +3,8 @@
 model's worker (octo.anthropic builds it and shapes the answer).
 
 A stream's ``message_start`` is written when the first event of the sequence arrives, so that it can report
-``usage.cache_read_input_tokens``: the engine thread posts a ``(index, "cached", n)`` event, before any text, when it
-restored ``n`` prompt tokens from the prefix cache (none: nothing was cached)."""
+``usage.cache_read_input_tokens``: the engine thread posts a ``Cached`` event (``octo.events``), before any text,
+when it restored prompt tokens from the prefix cache (none: nothing was cached)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from aiohttp import web
 from octo import anthropic
 from octo.api import _body, _events, _model, _sse, dumps, json_response
 from octo.errors import OctoError
-from octo.jobs import Result
+from octo.events import Cached, Done, Failed, Text, ToolDelta
 from octo.protocol import parse
 from octo.protocol_anthropic import AnthropicCountTokensRequest, AnthropicRequest
 
@@ -56,23 +56,24 @@ async def _stream(request: web.Request, ticket: Any, events: Any, mid: str, mode
     started = False
     async for batch in _events(events, 1):
         out: list[bytes] = []
-        if not started:  # the "cached" event, when there is one, comes first
+        if not started:  # the Cached event, when there is one, comes first
             started = True
-            cached = sum(value for _, kind, value in batch if kind == "cached")
+            cached = sum(ev.tokens for ev in batch if isinstance(ev, Cached))
             out.append(_event(*anthropic.message_start(mid, model, ticket.n_prompt, cached)))
             out.append(_event("ping", {"type": "ping"}))
-        for _, kind, value in batch:
-            if kind == "text":
-                evs = blocks.text(value)
-            elif kind == "tool":
-                evs = blocks.tool(value)
-            elif kind == "done" and isinstance(value, Result):
-                evs = blocks.finish(value)
-            elif kind == "done":
-                out.append(_event("error", anthropic_error_body(value)))
+        for ev in batch:
+            cls = type(ev)
+            if cls is Text:
+                evs = blocks.text(ev.text)
+            elif cls is ToolDelta:
+                evs = blocks.tool(ev.delta)
+            elif cls is Done:
+                evs = blocks.finish(ev.result)
+            elif cls is Failed:
+                out.append(_event("error", anthropic_error_body(ev.error)))
                 continue
             else:
-                continue  # "cached", "lp"
+                continue  # Cached, Logprob
             out += [_event(name, obj) for name, obj in evs]
         if out:
             await resp.write(b"".join(out))

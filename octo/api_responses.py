@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from octo import responses
 from octo.api import SSE_HEADERS, _body, _events, _model, dumps, json_response
 from octo.errors import ContextLengthExceeded, NotFound, OctoError
-from octo.jobs import Result
+from octo.events import Done, Failed, Logprob, Text, ToolDelta
 from octo.protocol import ChatCompletionRequest, _validation_error, parse
 from octo.protocol_responses import ResponsesRequest
 from octo.state import STATE
@@ -131,24 +131,25 @@ async def _stream(request: web.Request, handle: Any, tickets: list, events: Any,
     lps: list = []
     async for batch in _events(events, 1):
         out: list[dict[str, Any]] = []
-        for _, kind, value in batch:
-            if kind == "lp":
-                lps.append(value)
-            elif kind == "text":
-                out += es.text(value, lps)
+        for ev in batch:
+            cls = type(ev)
+            if cls is Logprob:
+                lps.append(ev.entry)
+            elif cls is Text:
+                out += es.text(ev.text, lps)
                 lps = []
-            elif kind == "tool":
-                out += es.tool(value)
-            elif kind == "done" and isinstance(value, Result):
-                closing, final = es.finish(value)
+            elif cls is ToolDelta:
+                out += es.tool(ev.delta)
+            elif cls is Done:
+                closing, final = es.finish(ev.result)
                 try:
                     if req.store:
                         await _store(request).put(final, [*conversation, responses.assistant_message(final["output"])])
                     out += closing
                 except OctoError as err:  # the store failed while this response ran: it ends failed, not stored
                     out.append(es.failed(err))
-            elif kind == "done":
-                err = value if isinstance(value, OctoError) else OctoError(str(value))
+            elif cls is Failed:
+                err = ev.error if isinstance(ev.error, OctoError) else OctoError(str(ev.error))
                 out.append(es.failed(err))
         if out:
             await resp.write(b"".join(_sse_event(e) for e in out))

@@ -3,12 +3,12 @@ replicas each run an ordinary octo model (``octo.cluster_replica``); octo's aioh
 forwards to the deployment's handle, so endpoints, errors, auth, metrics and streaming are those of a local model.
 
 :class:`Cluster` connects to Ray (or starts a small local head) and deploys models; :class:`ClusterHandle` is a model
-served by a deployment, with the surface of ``octo.remote.RemoteHandle`` (the registry and the route handlers cannot
-tell them apart). Backpressure: a replica takes at most ``max_batch + max_queue`` requests (``max_ongoing_requests``)
-and the gateway queues at most ``max_batch`` more (``max_queued_requests``); beyond that Ray's ``BackPressureError``
-is octo's 503 with ``Retry-After``. A replica that dies ends its in-flight requests with a 503 ``replica_lost``;
-Ray Serve restarts it and the others go on. Requests of one conversation prefer one replica
-(``cluster_replica.AffinityRouter``), so its prefix cache keeps working.
+served by a deployment: an ``octo.handle.Handle`` sharing the worker handle's forwarding (``octo.handle.Forwarder``;
+the registry and the route handlers cannot tell them apart). Backpressure: a replica takes at most
+``max_batch + max_queue`` requests (``max_ongoing_requests``) and the gateway queues at most ``max_batch`` more
+(``max_queued_requests``); beyond that Ray's ``BackPressureError`` is octo's 503 with ``Retry-After``. A replica that
+dies ends its in-flight requests with a 503 ``replica_lost``; Ray Serve restarts it and the others go on. Requests of
+one conversation prefer one replica (``cluster_replica.AffinityRouter``), so its prefix cache keeps working.
 
 This module imports ray only inside functions: ``octo serve`` without ``--cluster`` never imports it.
 """
@@ -30,8 +30,7 @@ import orjson
 from octo import serving
 from octo.config import ServerConfig
 from octo.errors import ConfigError, ModelFailed, OctoError, Overloaded, QueueTimeout
-from octo.model import HandleInfo
-from octo.remote import RemoteHandle, RemoteTicket, _Request
+from octo.handle import Forwarder, WireTicket
 
 log = logging.getLogger("octo.cluster")
 ANSWERED_BY: contextvars.ContextVar[str | None] = contextvars.ContextVar("octo_replica", default=None)
@@ -340,7 +339,7 @@ class _EngineStub:
 
 
 # -- a model served by a deployment ----------------------------------------------------------------------
-class ClusterHandle(HandleInfo):
+class ClusterHandle(Forwarder):
     """A model whose replicas run on the cluster; the registry and route handlers use it as a worker's handle."""
 
     isolation = "cluster"
@@ -358,14 +357,8 @@ class ClusterHandle(HandleInfo):
         self.state, self.reason = "ready", None
         self.answered: dict[str, int] = {}
         self.lost = 0
-        self._requests: dict[int, _Request] = {}
+        self._requests = {}
         self._streams: dict[int, tuple[Any, asyncio.Task]] = {}
-
-    # the gateway side of a request's events is exactly a worker's
-    _on_events = RemoteHandle._on_events
-    _finish = RemoteHandle._finish
-    _fail_request = RemoteHandle._fail_request
-    wait_admitted = RemoteHandle.wait_admitted
 
     # -- life cycle --------------------------------------------------------------------------------------
     async def activate(self, config: ServerConfig) -> None:
@@ -377,23 +370,21 @@ class ClusterHandle(HandleInfo):
 
     async def close(self) -> None:
         self.state = "stopped"
-        for rid in list(self._requests):
-            self._fail_request(rid, ModelFailed(f"Model '{self.name}' was unloaded.", headers={"Retry-After": "5"}))
+        self.fail_all(ModelFailed(f"Model '{self.name}' was unloaded.", headers={"Retry-After": "5"}))
         for gen, task in list(self._streams.values()):
             _cancel(gen)
             task.cancel()
         await self.cluster.delete(self.app)
 
     # -- requests ----------------------------------------------------------------------------------------
-    async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[RemoteTicket], asyncio.Queue | None]:
+    async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[WireTicket], asyncio.Queue | None]:
         """Route the request to a replica (session affinity) and read its events; refused at once (503) when every
         replica and the queue in front of them are full."""
         loop = asyncio.get_running_loop()
         rid = next(_ids)
-        tickets = [RemoteTicket(loop, rid, i) for i in range(serving.sequence_count(kind, req))]
+        tickets = [WireTicket(loop, rid, i) for i in range(serving.sequence_count(kind, req))]
         if not req.stream:
             return await self._run(rid, tickets, kind, req), None
-        events = asyncio.Queue()
         gen = self._stream_dh.generate.remote(kind, req, affinity=affinity_key(kind, req))
         try:
             first = await asyncio.wait_for(gen.__anext__(), self.config.queue_timeout)
@@ -406,11 +397,11 @@ class ClusterHandle(HandleInfo):
         replica = first[1]
         ANSWERED_BY.set(replica)
         self.answered[replica] = self.answered.get(replica, 0) + 1
-        self._requests[rid] = _Request(tickets, events, bool(req.stream))
+        events = self.open_request(rid, tickets, True)
         self._streams[rid] = (gen, loop.create_task(self._pump(rid, gen)))
         return tickets, events
 
-    async def _run(self, rid: int, tickets: list[RemoteTicket], kind: str, req: Any) -> list[RemoteTicket]:
+    async def _run(self, rid: int, tickets: list[WireTicket], kind: str, req: Any) -> list[WireTicket]:
         """A request that is not streamed: one call whose answer holds every event (the tickets are done when it
         returns); a client that goes away cancels it on the replica."""
         resp = self._dh.run.remote(kind, req, affinity=affinity_key(kind, req))
@@ -423,27 +414,27 @@ class ClusterHandle(HandleInfo):
             raise self._lost(exc) from None
         ANSWERED_BY.set(replica)
         self.answered[replica] = self.answered.get(replica, 0) + 1
-        self._requests[rid] = _Request(tickets, None, False)
-        self._on_events([(rid, index, kind, value) for _, index, kind, value in batch])
+        self.open_request(rid, tickets, False)
+        self.on_wire([(rid, code, index, value) for _, code, index, value in batch])
         if rid in self._requests:
-            self._fail_request(rid, ReplicaLost(f"The replica serving '{self.name}' ended the request without "
+            self.fail_request(rid, ReplicaLost(f"The replica serving '{self.name}' ended the request without "
                                                 "its result.", headers={"Retry-After": "1"}))
         return tickets
 
     async def _pump(self, rid: int, gen: Any) -> None:
         try:
             async for batch in gen:  # the replica numbers its requests itself: these events are ``rid``'s
-                self._on_events([(rid, index, kind, value) for _, index, kind, value in batch])
+                self.on_wire([(rid, code, index, value) for _, code, index, value in batch])
                 if rid not in self._requests:
                     return
             if rid in self._requests:
-                self._fail_request(rid, ReplicaLost(f"The replica serving '{self.name}' ended the request without "
+                self.fail_request(rid, ReplicaLost(f"The replica serving '{self.name}' ended the request without "
                                                     "its result.", headers={"Retry-After": "1"}))
         except asyncio.CancelledError:
             _cancel(gen)
             raise
         except BaseException as exc:  # noqa: BLE001 - the replica died: its requests end now, never hang
-            self._fail_request(rid, self._lost(exc))
+            self.fail_request(rid, self._lost(exc))
         finally:
             self._streams.pop(rid, None)
 
@@ -454,17 +445,11 @@ class ClusterHandle(HandleInfo):
             log.warning("%s: %s", self.name, err.message)
         return err
 
-    def abandon(self, tickets: list[RemoteTicket]) -> None:
-        if tickets and any(t.state in ("pending", "active") for t in tickets):
-            rid = tickets[0].rid
-            self._requests.pop(rid, None)
-            entry = self._streams.pop(rid, None)
-            if entry is not None:
-                _cancel(entry[0])  # the replica's generator ends: its sequences leave the batch
-                entry[1].cancel()
-            for t in tickets:
-                if t.state in ("pending", "active"):
-                    t.state = "cancelled"
+    def _cancel(self, rid: int, tracked: bool) -> None:
+        entry = self._streams.pop(rid, None)
+        if entry is not None:
+            _cancel(entry[0])  # the replica's generator ends: its sequences leave the batch
+            entry[1].cancel()
 
     async def _op(self, name: str, *args: Any) -> Any:
         try:
@@ -478,21 +463,6 @@ class ClusterHandle(HandleInfo):
         if not ok:
             raise value
         return value
-
-    async def call(self, op: str, payload: Any) -> Any:
-        return await self._op("call", op, payload)
-
-    async def prompt_texts(self, req: Any) -> list[str]:
-        return await self._op("prompt_texts", req)
-
-    async def count_tokens(self, kind: str, req: Any) -> int:
-        return await self._op("count_tokens", kind, req)
-
-    async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
-        return await self._op("tokenize", text, add_special, parse_special, with_pieces)
-
-    async def detokenize(self, tokens: list[int]) -> str:
-        return await self._op("detokenize", tokens)
 
     # -- where it runs -----------------------------------------------------------------------------------
     def replica_rows(self) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ Imported only with ``octo serve --cluster`` (it imports ray). A replica is an or
 model and chooses its engine with ``octo.loader.open_model`` on its own node (the start-up benchmark there), and
 serves it with the same :class:`octo.worker.Worker` an engine worker process runs (``WorkerScheduler``, prefix
 cache, constraints), whose messages go to per-request Ray streams instead of a socket. The gateway reads those
-streams with the same event handling as a worker's (``octo.remote.RemoteHandle._on_events``).
+streams with the same event handling as a worker's (``octo.handle.Forwarder.on_wire``, events of ``octo.events``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from octo import serving
 from octo.config import ServerConfig
 from octo.errors import OctoError
+from octo.events import DONE
 
 log = logging.getLogger("octo.cluster")
 _ids = itertools.count(1)
@@ -141,8 +142,8 @@ class OctoReplica:
                 batch = await q.get()
                 while not q.empty():  # what came meanwhile goes in the same message
                     batch += q.get_nowait()
-                for _rid, index, ev, _value in batch:
-                    if ev in ("r", "e"):
+                for _rid, code, index, _value in batch:
+                    if code >= DONE:
                         finished = expected if index < 0 else finished + 1
                 yield batch
         finally:

@@ -5,9 +5,9 @@
   token, and the sequence finishes as soon as nothing but the end of output can follow. The same layer serves JSON
   schemas, ``json_object`` and tool calls on every engine that declares ``supports_masks``.
 - **Logprobs**: the feed asks for them (``Feed.logprobs`` / ``Feed.prompt_logprobs``); the engine's answer is kept per
-  token as ``(token bytes, logprob, [(bytes, logprob), ...])`` and streamed as ``(index, "lp", entry)`` events.
+  token as ``(token bytes, logprob, [(bytes, logprob), ...])`` and streamed as ``octo.events.Logprob`` events.
 - **Tool calls**: a streamed sequence whose request offers tools runs its text through an incremental
-  :class:`octo.toolcalls.ToolCallParser`: content goes out as text events, calls as ``(index, "tool", delta)`` events
+  :class:`octo.toolcalls.ToolCallParser`: content goes out as ``Text`` events, calls as ``ToolDelta`` events
   in Chat Completions' delta shape (a non-streamed one is parsed once at the end, ``Ticket._result``).
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 
 from octo.engine import Feed
 from octo.errors import EngineError
+from octo.events import Logprob, Reasoning, Text, ToolDelta
 from octo.jobs import Ticket
 from octo.toolcalls import ContentDelta, ToolCallArguments, ToolCallStart, to_openai_delta
 
@@ -96,7 +97,7 @@ class Emission:
             entry = (tb(tok), _clamp(lp), [(tb(a), _clamp(b)) for a, b in top])
             t.lps.append(entry)
             if t.req.stream:
-                posts.append((_put, t.events, (t.index, "lp", entry)))
+                posts.append((_put, t.events, Logprob(t.index, entry)))
         return True
 
     def _emit(self, t: Ticket, piece: str, posts: list) -> None:
@@ -112,7 +113,7 @@ class Emission:
             if kind == "thinking":
                 t.reasoning.append(text)
                 if t.req.stream:
-                    posts.append((_put, t.events, (t.index, "reasoning", text)))
+                    posts.append((_put, t.events, Reasoning(t.index, text)))
             elif text:
                 self._answer(t, text, posts)
 
@@ -120,7 +121,7 @@ class Emission:
         if t.parser is None:
             t.text.append(piece)
             if t.req.stream:
-                posts.append((_put, t.events, (t.index, "text", piece)))
+                posts.append((_put, t.events, Text(t.index, piece)))
             return
         self._events(t, t.parser.feed(piece), posts)
 
@@ -137,7 +138,7 @@ class Emission:
         for ev in events:
             if isinstance(ev, ContentDelta):
                 t.text.append(ev.text)
-                posts.append((_put, t.events, (t.index, "text", ev.text)))
+                posts.append((_put, t.events, Text(t.index, ev.text)))
                 continue
             if ev.index > 0 and t.req.tools.single:  # parallel_tool_calls false: the first call only
                 continue
@@ -147,7 +148,7 @@ class Emission:
                 calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
             elif isinstance(ev, ToolCallArguments):
                 calls[ev.index]["function"]["arguments"] += ev.delta
-            posts.append((_put, t.events, (t.index, "tool", to_openai_delta(ev))))
+            posts.append((_put, t.events, ToolDelta(t.index, to_openai_delta(ev))))
 
 
 def _put(queue: Any, item: Any) -> None:

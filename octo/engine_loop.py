@@ -25,6 +25,7 @@ from octo.disk_cache import DiskTier
 from octo.emission import Emission, _put
 from octo.engine import Feed, KVHandle, common_prefix
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
+from octo.events import Cached, Done, Failed
 from octo.jobs import Ticket, _Call, _Job
 from octo.kv_pressure import KVPressure, _age, _check_restored, _check_saved
 from octo.pacer import Pacer
@@ -241,7 +242,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 elif fresh is not None:  # the engine refused the disk entry's bytes: not kept
                     self._free_kv(fresh)
             if t.cached and t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
-                posts.append((_put, t.events, (t.index, "cached", t.cached)))
+                posts.append((_put, t.events, Cached(t.index, t.cached)))
         if t.prompt_lps is None:
             self._find_lead(t)
         self._active.append(t)
@@ -436,7 +437,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             self.total_processed += 1
         result = t._result()
         if t.req.stream:
-            posts.append((_put, t.events, (t.index, "done", result)))
+            posts.append((_put, t.events, Done(t.index, result)))
         posts.append((_set_result, t.result, result))
 
     def _fail(self, t: Ticket, exc: BaseException, posts: list) -> None:
@@ -445,7 +446,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         self._retire(t, save=False)
         err = _as_octo_error(exc)
         if t.events is not None:
-            posts.append((_put, t.events, (t.index, "done", err)))
+            posts.append((_put, t.events, Failed(t.index, err)))
         posts.append((_set_exception, t.result, err))
 
     def _retire(self, t: Ticket, save: bool = True) -> None:

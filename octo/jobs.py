@@ -13,6 +13,7 @@ from typing import Any
 
 from octo.engine import SamplingParams, Sequence
 from octo.errors import OctoError
+from octo.events import END, Text
 from octo.reasoning import ThinkSplitter
 from octo.textstream import TextStream
 from octo.toolcalls import ToolCallParser, parse_tool_calls
@@ -93,7 +94,7 @@ class Ticket(_Job):
         self.req = req
         self.seq = Sequence(self.id, list(req.prompt_tokens), sampling)
         self.n_prompt = len(req.prompt_tokens)
-        # (index, "text", str) | (index, "done", Result | OctoError); shared by the tickets of one request
+        # the stream's octo.events (Text, ..., then Done or Failed); shared by the tickets of one request
         self.events = events
         self.result: asyncio.Future = loop.create_future()
         self.stream = TextStream(req.stop)
@@ -129,11 +130,11 @@ class Ticket(_Job):
     async def deltas(self):
         """Text pieces as they are generated (streaming, one ticket per queue); ends when it finishes."""
         while True:
-            _, kind, value = await self.events.get()
-            if kind == "text":
-                yield value
-            else:
+            ev = await self.events.get()
+            if isinstance(ev, END):
                 return
+            if isinstance(ev, Text):
+                yield ev.text
 
     def _result(self) -> Result:
         gen = self.seq.tokens[self.n_prompt:len(self.seq.tokens) - self.hit_eos]

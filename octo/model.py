@@ -1,13 +1,7 @@
 """One loaded model as the HTTP layer sees it: :class:`ModelHandle` runs it in this process (``--isolation
-thread``, and inside every worker process); ``octo.remote.RemoteHandle`` runs it in a worker process. Both offer
-the same async surface, so the route handlers never know where a model lives:
-
-    ensure_ready()                      restart a crashed worker on demand (in-process: nothing to do)
-    submit(kind, req, size)             -> (tickets, events): queue the sequences of a chat/completion/messages request
-    wait_admitted(tickets), abandon(tickets)
-    call(op, payload)                   "embed" or "transcribe", through the model's admission queue
-    prompt_texts(req), count_tokens(kind, req), tokenize(text, ...), detokenize(tokens), stats()
-"""
+thread``, and inside every worker process and cluster replica). It implements ``octo.handle.Handle``, the surface the
+routes use, as do ``octo.remote.RemoteHandle`` (a worker process) and ``octo.cluster.ClusterHandle`` (Ray Serve
+replicas), so the route handlers never know where a model lives. Its streams carry ``octo.events``."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from octo.arbiter import ARBITER
 from octo.config import ServerConfig
 from octo.engine import Engine, ModelInfo
 from octo.errors import EngineCrashed, ModelFailed, OctoError, QueueTimeout
-from octo.model import HandleInfo
+from octo.handle import Forwarder, WireTicket, consume_exception
 from octo.supervision import configs_for, describe_exit, remember, remembered  # noqa: F401 - remembered: loader
 
 log = logging.getLogger("octo.remote")
@@ -269,30 +269,7 @@ def _opts(overlay: dict[str, str]) -> str:
 
 
 # -- a model served by a worker --------------------------------------------------------------------------
-class RemoteTicket:
-    """The gateway's view of one sequence running in a worker (what the route handlers read of a Ticket)."""
-
-    __slots__ = ("rid", "index", "result", "admitted", "state", "error", "n_prompt")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, rid: int, index: int) -> None:
-        self.rid = rid
-        self.index = index
-        self.result: asyncio.Future = loop.create_future()
-        self.admitted: asyncio.Future | None = None
-        self.state = "pending"  # pending -> active -> done
-        self.error: OctoError | None = None
-        self.n_prompt = 0
-
-
-class _Request:
-    __slots__ = ("tickets", "events", "remaining", "stream", "since")
-
-    def __init__(self, tickets: list[RemoteTicket], events: asyncio.Queue | None, stream: bool) -> None:
-        self.tickets, self.events, self.remaining, self.stream = tickets, events, len(tickets), stream
-        self.since = time.monotonic()
-
-
-class RemoteHandle(HandleInfo):
+class RemoteHandle(Forwarder):
     isolation = "process"
 
     def __init__(self, name: str, aliases: tuple[str, ...], engine_cls: type[Engine], artifact: str,
@@ -311,7 +288,7 @@ class RemoteHandle(HandleInfo):
         self.retry_at = 0.0  # monotonic time after which a failed model is tried again
         self._stats: tuple[float, dict[str, Any]] | None = None  # the worker's last figures, and when
         self.shares_cores = False
-        self._requests: dict[int, _Request] = {}
+        self._requests = {}
         self._restarting: asyncio.Task | None = None
         self._adopt(worker, loaded)
 
@@ -324,7 +301,7 @@ class RemoteHandle(HandleInfo):
         self.fallback_reason = loaded.get("fallback_reason")
         self.started_at = time.monotonic()
         self.threads_limit: int | None = None  # set by the registry while several models are busy
-        worker.on_events = self._on_events
+        worker.on_events = self.on_wire
         worker.on_exit = self._on_exit
         worker.on_tick = self._expire_queued
 
@@ -393,7 +370,7 @@ class RemoteHandle(HandleInfo):
                               headers=supervision.retry_after(wait))
         if self.state in ("crashed", "failed") and self._restarting is None:
             self._restarting = asyncio.get_running_loop().create_task(self._restart())
-            self._restarting.add_done_callback(_consume)
+            self._restarting.add_done_callback(consume_exception)
         if self._restarting is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._restarting), self.config.load_timeout)
@@ -424,8 +401,7 @@ class RemoteHandle(HandleInfo):
                                 "and queued requests were ended. The next request restarts it.", param="model")
             stopped = worker.fault is not None  # wedged or dead engine thread: it stopped itself (octo.watchdog)
             self.reason = f"the {self.engine_name} worker " + (f"stopped: {why}" if stopped else f"crashed ({why})")
-        for rid in list(self._requests):
-            self._fail_request(rid, err)
+        self.fail_all(err)
         configs = configs_for(self.engine_cls, self.config.options)
         # only a signal of its own code soon after a start can be the configuration's fault (never a SIGKILL)
         blame = worker.messages < EARLY_STEPS and worker.fault is None and supervision.config_fault(
@@ -476,102 +452,19 @@ class RemoteHandle(HandleInfo):
         log.warning("%s: %s worker restarted (pid %d)", self.name, cls.name, self.worker.pid)
 
     # -- requests ----------------------------------------------------------------------------------------
-    async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[RemoteTicket], asyncio.Queue | None]:
+    async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[WireTicket], asyncio.Queue | None]:
         """Send the request to the worker, which prepares (templates, tokenizes, validates) and queues it; a
         refusal (400, 503 queue full) comes back on every ticket's result and admission."""
         loop = asyncio.get_running_loop()
         rid = next(_ids)
-        tickets = [RemoteTicket(loop, rid, i) for i in range(serving.sequence_count(kind, req))]
-        events = asyncio.Queue() if req.stream else None
-        self._requests[rid] = _Request(tickets, events, bool(req.stream))
+        tickets = [WireTicket(loop, rid, i) for i in range(serving.sequence_count(kind, req))]
+        events = self.open_request(rid, tickets, bool(req.stream))
         self.worker.send(("gen", rid, kind, req))
         return tickets, events
 
-    async def wait_admitted(self, tickets: list[RemoteTicket]) -> None:
-        loop = asyncio.get_running_loop()
-        for t in tickets:
-            if t.state == "pending":
-                t.admitted = t.admitted or loop.create_future()
-                await t.admitted
-            if t.error is not None and t.state == "failed":
-                raise t.error
-
-    def abandon(self, tickets: list[RemoteTicket]) -> None:
-        if tickets and any(t.state in ("pending", "active") for t in tickets):
-            rid = tickets[0].rid
-            if self._requests.pop(rid, None) is not None:
-                self.worker.send(("cancel", rid))
-            for t in tickets:
-                if t.state in ("pending", "active"):
-                    t.state = "cancelled"
-
-    def _on_events(self, events: list) -> None:
-        requests = self._requests
-        for rid, index, kind, value in events:
-            req = requests.get(rid)
-            if req is None:
-                continue  # abandoned by its client
-            if kind == "t":
-                req.events.put_nowait((index, "text", value))
-            elif kind in ("tool", "lp", "cached"):
-                req.events.put_nowait((index, kind, value))
-            elif kind == "a":
-                t = req.tickets[index]
-                t.n_prompt = value
-                if t.state == "pending":
-                    t.state = "active"
-                if t.admitted is not None and not t.admitted.done():
-                    t.admitted.set_result(None)
-            elif index < 0:
-                self._fail_request(rid, value)
-            else:
-                self._finish(req, req.tickets[index], kind, value)
-                if req.remaining == 0:
-                    del requests[rid]
-
-    def _finish(self, req: _Request, t: RemoteTicket, kind: str, value: Any) -> None:
-        if t.state in ("done", "failed"):
-            return
-        req.remaining -= 1
-        if kind == "r":
-            t.state = "done"
-            t.n_prompt = value.prompt_tokens
-            if not t.result.done():
-                t.result.set_result(value)
-        else:
-            t.state, t.error = "failed", value
-            if not t.result.done():
-                t.result.set_exception(value)
-                t.result.add_done_callback(_consume)
-        if t.admitted is not None and not t.admitted.done():
-            if kind == "r":
-                t.admitted.set_result(None)
-            else:
-                t.admitted.set_exception(value)
-                t.admitted.add_done_callback(_consume)
-        if req.stream:
-            req.events.put_nowait((t.index, "done", value))
-
-    def _fail_request(self, rid: int, err: OctoError) -> None:
-        req = self._requests.pop(rid, None)
-        if req is not None:
-            for t in req.tickets:
-                self._finish(req, t, "e", err)
-
-    async def call(self, op: str, payload: Any) -> Any:
-        return await self._request("call", op, payload)
-
-    async def prompt_texts(self, req: Any) -> list[str]:
-        return await self._request("prompt_texts", req)
-
-    async def count_tokens(self, kind: str, req: Any) -> int:
-        return await self._request("count_tokens", kind, req)
-
-    async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
-        return await self._request("tokenize", text, add_special, parse_special, with_pieces)
-
-    async def detokenize(self, tokens: list[int]) -> str:
-        return await self._request("detokenize", tokens)
+    def _cancel(self, rid: int, tracked: bool) -> None:
+        if tracked:
+            self.worker.send(("cancel", rid))
 
     async def stats(self) -> dict[str, Any]:
         if self.state != "ready":  # no worker to ask: nothing is queued or running for this model
@@ -585,7 +478,7 @@ class RemoteHandle(HandleInfo):
         except TimeoutError:  # a busy or silent worker: /v1/queue/stats, /metrics, the dashboard answer anyway
             return self._stale_stats()
         except EngineCrashed:
-            return await self._request("stats")  # the same error, worded for the model
+            return await self._op("stats")  # the same error, worded for the model
         self._stats = (time.monotonic(), got)
         return got
 
@@ -612,18 +505,14 @@ class RemoteHandle(HandleInfo):
                 late.append(rid)
         for rid in late:
             self.worker.send(("cancel", rid))
-            self._fail_request(rid, QueueTimeout(
+            self.fail_request(rid, QueueTimeout(
                 f"The request waited {self.config.queue_timeout:g} s (--queue-timeout) for '{self.name}' without "
                 "being admitted; the gateway ended it.", headers={"Retry-After": "5"}))
 
-    async def _request(self, op: str, *args: Any) -> Any:
+    async def _op(self, op: str, *args: Any) -> Any:
         try:
             return await self.worker.request(op, *args)
         except EngineCrashed:
             raise EngineCrashed(f"The {self.engine_name} engine serving '{self.name}' crashed "
                                 f"({self.worker.exit_reason}); the next request restarts it.", param="model") from None
 
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()

@@ -18,7 +18,8 @@ from typing import Any
 
 from octo.engine import Engine, SamplingParams
 from octo.engine_loop import EngineLoop, Pacer, _fail_job, new_engine_thread, safe_free
-from octo.errors import ContextLengthExceeded, InvalidRequest, Overloaded, QueueTimeout
+from octo.errors import ContextLengthExceeded, InvalidRequest, OctoError, Overloaded, QueueTimeout
+from octo.events import Failed
 from octo.jobs import GenerationRequest, Ticket, _Call, _Job
 from octo.prefix_cache import PrefixCache
 from octo.watchdog import Watchdog
@@ -79,6 +80,41 @@ class Scheduler(EngineLoop):
         self._sweep_every = min(0.05, self.queue_timeout / 4)
         self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
         self._thread = engine_thread or new_engine_thread()
+        self._done = self._thread.submit(self._run)
+        self._done.add_done_callback(self.watchdog.thread_exited)
+
+    # -- the watchdog's owner interface (octo.watchdog uses only these) ---------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on the scheduler's event loop, from any thread (nothing once that loop is closed)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn, *args)
+
+    def fail_everything(self, err: OctoError) -> None:
+        """(event loop) Fail every job the model holds with ``err``: the queued ones leave the queue; the running
+        ones (with what a stuck iteration ended or was running: calls, results not posted yet) are cancelled, so
+        that should the engine thread come back they leave at its next step, and their streams end with ``err``."""
+        with self._lock:
+            jobs = list(self._pending)
+            self._pending.clear()
+            for job in jobs:
+                job.state, job.error = "failed", err
+        running = [*self._active, *self._preempted, *self._settling]
+        for t in running:
+            if isinstance(t, Ticket):
+                t.cancel()
+                if t.events is not None:
+                    t.events.put_nowait(Failed(t.index, err))
+        for job in [*jobs, *running]:
+            _fail_job(job, err)
+
+    def restart_loop(self) -> None:
+        """(event loop) Run the step loop again on the model's engine thread after it died (the sequences it held
+        were failed and cancelled by ``fail_everything``: the new loop retires them at its first step)."""
         self._done = self._thread.submit(self._run)
         self._done.add_done_callback(self.watchdog.thread_exited)
 

@@ -9,6 +9,9 @@ ended with an error is *dead*. Either way, every request waiting on the model ge
 without queueing, and ``on_fault`` tells the owner: an engine worker process exits so the gateway reloads the model
 in a fresh one; in the gateway (``--isolation thread``) a dead loop is restarted and a wedged one is reported until
 its step returns.
+
+The watchdog talks to its scheduler only through the scheduler's owner interface: ``stopping``, ``on_loop``,
+``fail_everything`` and ``restart_loop``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from octo.engine_loop import _fail_job
 from octo.errors import ModelFailed
-from octo.jobs import Ticket
 
 if TYPE_CHECKING:
     from octo.scheduler import Scheduler
@@ -78,13 +79,10 @@ class Watchdog:
     def thread_exited(self, done: Any) -> None:
         """Done-callback of the engine loop's future (runs on the engine thread)."""
         exc = done.exception() if not done.cancelled() else None
-        sched = self.scheduler
-        if exc is None and sched._stopping:
+        if exc is None and self.scheduler.stopping:
             return
         log.error("the engine thread died: %s", _describe(exc), exc_info=exc)
-        loop = sched._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._dead, _describe(exc))
+        self.scheduler.on_loop(self._dead, _describe(exc))
 
     # -- event loop --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -105,35 +103,18 @@ class Watchdog:
 
     def _dead(self, why: str) -> None:
         self._fault("dead", f"the engine thread died ({why})")
-        sched = self.scheduler
-        if self.on_fault is None and self.restarts < MAX_RESTARTS and not sched._stopping:
+        if self.on_fault is None and self.restarts < MAX_RESTARTS and not self.scheduler.stopping:
             self.restarts += 1  # in the gateway: start the loop again on the model's engine thread
             log.warning("restarting the engine loop (%d of %d)", self.restarts, MAX_RESTARTS)
-            # the sequences it held were failed and marked cancelled: the new loop retires them at its first step
-            sched._done = sched._thread.submit(sched._run)
-            sched._done.add_done_callback(self.thread_exited)
+            self.scheduler.restart_loop()
             self.state, self.reason = "ok", None
 
     def _fault(self, state: str, reason: str) -> None:
         """Fail everything the model holds with a 503 and tell the owner."""
         self.state, self.reason = state, reason
         log.error("%s", reason)
-        sched = self.scheduler
-        err = ModelFailed(f"The model stopped serving: {reason}.", headers={"Retry-After": "5"})
-        with sched._lock:
-            jobs = list(sched._pending)
-            sched._pending.clear()
-            for job in jobs:
-                job.state, job.error = "failed", err
-        # (with what the stuck iteration ended or was running: the calls, results it had not posted yet)
-        running = [*sched._active, *sched._preempted, *sched._settling]
-        for t in running:
-            if isinstance(t, Ticket):
-                t._cancel = True  # should the thread come back, they leave at its next step
-                if t.events is not None:
-                    t.events.put_nowait((t.index, "done", err))
-        for job in [*jobs, *running]:
-            _fail_job(job, err)
+        self.scheduler.fail_everything(ModelFailed(f"The model stopped serving: {reason}.",
+                                                   headers={"Retry-After": "5"}))
         if self.on_fault is not None:
             self.on_fault(state, reason)
 

@@ -12,10 +12,10 @@ The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies w
 
 Messages down (gateway -> worker): ``("gen", rid, kind, req)``, ``("cancel", rid)``, and requests
 ``(op, cid, *args)`` answered by ``("r", cid, ok, value)``: load, bench, serve, call, prompt_texts, stats, stop.
-Up: ``("hb",)`` (the heartbeat), ``("ev", [(rid, index, kind, value), ...])`` with kind "a" (admitted: prompt
-tokens; for every request, so that the gateway can hold its own queue deadline), "t" (text),
-"tool" (a tool-call delta), "lp" (a token's logprobs), "cached" (prompt tokens restored from the prefix cache,
-streams only), "r" (Result), "e" (error; index -1: every sequence of the request).
+Up: ``("hb",)`` (the heartbeat), ``("ev", [(rid, code, index, value), ...])``: the requests' events
+(``octo.events``: text, reasoning, tool-call deltas, logprobs, cached tokens, admission, result, error; index -1:
+every sequence of the request), each encoded by ``octo.events.encode``. Admission is sent for every request, so that
+the gateway can hold its own queue deadline.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from octo.config import ServerConfig
 from octo.engine import Engine, Task
 from octo.engine_loop import _as_octo_error, new_engine_thread
 from octo.errors import OctoError
+from octo.events import DONE, STREAM_CODES, Admitted, Done, Event, Failed, encode
 from octo.jobs import Ticket
 from octo.model import ModelHandle, load_engine, local_stats, prepare, run_call
 from octo.scheduler import Scheduler
@@ -58,10 +59,10 @@ class Outbox:
         self._scheduled = False
         self.requests: dict[int, list] = {}  # rid -> [tickets, results still to send]; guarded by _lock
 
-    def add(self, rid: int, index: int, kind: str, value: Any) -> None:
+    def add(self, rid: int, ev: Event) -> None:
         with self._lock:
-            self._items.append((rid, index, kind, value))
-            if kind in ("r", "e") and index >= 0:
+            self._items.append(encode(rid, ev))
+            if ev.code >= DONE and ev.index >= 0:
                 entry = self.requests.get(rid)
                 if entry is not None:
                     entry[1] -= 1
@@ -100,12 +101,13 @@ class Outbox:
 
 
 class WireFuture:
-    """Stands in for a ticket's asyncio future: setting it sends an event to the gateway."""
+    """Stands in for a ticket's asyncio future: setting it sends an event to the gateway (the result future
+    ``Done`` or ``Failed``, the admission future ``Admitted``)."""
 
-    __slots__ = ("_outbox", "_rid", "_index", "_kind", "_ticket", "_done")
+    __slots__ = ("_outbox", "_rid", "_index", "_admission", "_ticket", "_done")
 
-    def __init__(self, outbox: Outbox, rid: int, index: int, kind: str, ticket: Ticket) -> None:
-        self._outbox, self._rid, self._index, self._kind, self._ticket = outbox, rid, index, kind, ticket
+    def __init__(self, outbox: Outbox, rid: int, index: int, admission: bool, ticket: Ticket) -> None:
+        self._outbox, self._rid, self._index, self._admission, self._ticket = outbox, rid, index, admission, ticket
         self._done = False
 
     def done(self) -> bool:
@@ -116,31 +118,30 @@ class WireFuture:
 
     def set_result(self, value: Any) -> None:
         self._done = True
-        self._outbox.add(self._rid, self._index, self._kind, self._ticket.n_prompt if self._kind == "a" else value)
+        ev = Admitted(self._index, self._ticket.n_prompt) if self._admission else Done(self._index, value)
+        self._outbox.add(self._rid, ev)
 
     def set_exception(self, exc: BaseException) -> None:
         self._done = True
-        if self._kind == "r":  # an admission that fails always fails the result too: one event says it
-            self._outbox.add(self._rid, self._index, "e", exc)
+        if not self._admission:  # an admission that fails always fails the result too: one event says it
+            self._outbox.add(self._rid, Failed(self._index, exc))
 
     def add_done_callback(self, fn: Any) -> None:
         pass
 
 
 class WireQueue:
-    """Stands in for a request's event queue: text pieces go up; "done" items are carried by the result."""
+    """Stands in for a request's event queue: every stream event goes up as it is; a sequence's end (``Done``,
+    ``Failed``) goes up once, from its result future."""
 
     __slots__ = ("_outbox", "rid")
 
     def __init__(self, outbox: Outbox, rid: int) -> None:
         self._outbox, self.rid = outbox, rid
 
-    def put_nowait(self, item: tuple[int, str, Any]) -> None:
-        index, kind, value = item
-        if kind == "text":
-            self._outbox.add(self.rid, index, "t", value)
-        elif kind in ("tool", "lp", "cached"):
-            self._outbox.add(self.rid, index, kind, value)
+    def put_nowait(self, ev: Event) -> None:
+        if ev.code < STREAM_CODES:
+            self._outbox.add(self.rid, ev)
 
 
 _WIRE = (WireFuture, WireQueue)
@@ -156,8 +157,8 @@ class WorkerScheduler(Scheduler):
 
     def _ticket(self, req, sampling, events, index) -> Ticket:
         t = super()._ticket(req, sampling, events, index)
-        t.result = WireFuture(self.outbox, events.rid, index, "r", t)
-        t.admitted = WireFuture(self.outbox, events.rid, index, "a", t)  # the gateway times out what stays queued
+        t.result = WireFuture(self.outbox, events.rid, index, False, t)
+        t.admitted = WireFuture(self.outbox, events.rid, index, True, t)  # the gateway times out what stays queued
         return t
 
     def _post(self, posts: list) -> None:
@@ -242,7 +243,7 @@ class Worker:
             self.outbox.set_tickets(rid, sched.submit_all(gens, n, WireQueue(self.outbox, rid)))
         except BaseException as exc:  # noqa: BLE001 - a refused request: every sequence gets the error
             self.outbox.forget(rid)
-            self.outbox.add(rid, -1, "e", _as_octo_error(exc))
+            self.outbox.add(rid, Failed(-1, _as_octo_error(exc)))
 
     def _cancel(self, rid: int) -> None:
         for t in self.outbox.forget(rid):
