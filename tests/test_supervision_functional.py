@@ -230,7 +230,7 @@ def test_a_model_that_crashes_twice_retries_after_a_back_off_or_at_once_on_load(
 def test_loading_a_model_that_stays_failed_is_never_a_200(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
-    with run_octo("e", "--engine", "echo") as server:
+    with run_octo("e", "--engine", "echo", "--models-dir", str(tmp_path)) as server:
         for _ in range(2):  # the second is tried again at once, not answered from the back-off
             status, body = server.post_json(f"/v1/models/{bad}/load", {})
             assert status == 503 and body["error"]["code"] == "model_failed" and "broken.gguf" in str(body)
