@@ -24,6 +24,7 @@ from octo.prefix_cache import PrefixCache
 from octo.watchdog import Watchdog
 
 log = logging.getLogger("octo.scheduler")
+IDLE_WORK_DELAY_S = 0.5  # idleness before the engine's idle work (probes) starts: not between a burst's requests
 
 
 class Scheduler(EngineLoop):
@@ -55,6 +56,8 @@ class Scheduler(EngineLoop):
         self._between: list[tuple[Callable[[], Any], Future]] = []  # run on the engine thread between two steps
         self._sleeping = False
         self._kick_scheduled = False
+        # Engine.idle_work: seconds of idleness before its first call (None: the engine has none; it asks again)
+        self._idle_delay: float | None = IDLE_WORK_DELAY_S if type(engine).idle_work is not Engine.idle_work else None
         self._outbox: list = []
         self._out_lock = threading.Lock()
         self._drain_scheduled = False
