@@ -24,7 +24,8 @@ from octo.prefix_cache import PrefixCache
 from octo.watchdog import Watchdog
 
 log = logging.getLogger("octo.scheduler")
-IDLE_WORK_DELAY_S = 0.5  # idleness before the engine's idle work (probes) starts: not between a burst's requests
+IDLE_WORK_DELAY_S = 5.0  # idleness before the engine's idle work (probes): not between a burst's requests, nor
+# in the moment after a load, when the request that asked for the model is on its way
 
 
 class Scheduler(EngineLoop):

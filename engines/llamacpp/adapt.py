@@ -214,7 +214,8 @@ def _prefix(engine: Any, tokens: list[int], prefix: int) -> Any:
     engine.add_sequence(lead)
     try:
         while lead.n_cached < prefix:
-            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + engine.prefill_chunk)]
+            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + min(engine.prefill_chunk,
+                                                                              layout.PREFIX_STEP))]
             _check(engine.step([Feed(lead, part, False)]))
         snap = engine._snapshot(lead)
     finally:

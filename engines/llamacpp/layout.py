@@ -44,6 +44,7 @@ log = logging.getLogger("octo.engines.llamacpp")
 SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
 SOLO = 16  # decode steps of one sequence alone (the short-stream case)
 REPS = 2
+PREFIX_STEP = 64  # tokens of the untimed shared prefix a step (each step ends with an interruption check)
 BUDGET_S = 8.0  # the probe's work on a model whose prefill is fast enough; scaled down for slower ones
 DECODE_COST = 4.0
 MARGIN = 0.95  # streams must take at most 95% of unified's time, on both probes
@@ -219,12 +220,13 @@ def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int,
     shared = [(13 * i + 7) % vocab for i in range(prefix)]
     lead = Sequence(800_000, shared + [1], SamplingParams(temperature=0.0))
     chunk = max(1, engine.prefill_chunk)
+    untimed = min(chunk, PREFIX_STEP)  # the shared prefix in small steps: a request interrupts the probe soon
     times: list[float] = []
     solo: list[float] = []
     engine.add_sequence(lead)
     try:
         while lead.n_cached < prefix:
-            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + chunk)]
+            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + untimed)]
             _check(engine.step([Feed(lead, part, False)]))
         cached = engine.kv_save(lead)  # a prefix-cache entry: cells of a cache sequence (unified) or a RAM snapshot
     finally:
