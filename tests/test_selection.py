@@ -51,10 +51,13 @@ class _Fake(Engine):
 
     def step(self, feeds: list[Feed]):
         # cost grows with tokens processed, and is cheaper per token in a batch (like a real engine)
-        time.sleep(self.step_seconds * (1 + 0.25 * (sum(len(f.tokens) for f in feeds) - 1) / 8))
+        self.spend(self.step_seconds * (1 + 0.25 * (sum(len(f.tokens) for f in feeds) - 1) / 8))
         for f in feeds:
             f.seq.n_cached += len(f.tokens)
         return [7 if f.sample else None for f in feeds]
+
+    def spend(self, seconds: float) -> None:
+        time.sleep(seconds)
 
     def thread_counts(self):
         return [2, 1]
@@ -436,13 +439,10 @@ class _Busy(_Fake):
     """Computes (spins) through its steps, so other processes on the cores slow it down and show as run-queue
     wait, as they would a real engine."""
 
-    def step(self, feeds: list[Feed]):
-        end = time.perf_counter() + self.step_seconds * (1 + 0.25 * (sum(len(f.tokens) for f in feeds) - 1) / 8)
+    def spend(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             pass
-        for f in feeds:
-            f.seq.n_cached += len(f.tokens)
-        return [7 if f.sample else None for f in feeds]
 
 
 class BusyFast(_Busy):
