@@ -505,6 +505,10 @@ def engines(model, engine, bench_seconds, rebench, isolation, as_json):
                          "decode_tok_s", "reason"])
     if model:
         click.echo(f"selection: {out['selection']['reason']}")
+    else:
+        click.echo("These are the engines installed here. Which one a running server uses for each model: "
+                   "`octo ps` (or GET /v1/engines on the server); what `octo serve MODEL` would choose: "
+                   "`octo engines MODEL`.")
 
 
 @cli.command()
