@@ -2,11 +2,15 @@
 
 Both servers run as separate processes on loopback and on the same event loop implementation (octo's
 default, uvloop when installed; `--loop asyncio` for both on asyncio's own loop); the load generator (this
-process) alternates A and B rounds at each concurrency so that machine noise hits both alike. Writes JSON
+process) alternates the servers' rounds at each concurrency so that machine noise hits them alike. Writes JSON
 with requests/s, p50 and p99 per server and concurrency, and the ratio octo / bare.
 
-    python bench/overhead.py [--requests 2000] [--rounds 3] [--loop auto] [--isolation thread|process]
-                             [--out bench/results/overhead.json]
+``--base REV...`` (default ``369e4c5``, the earlier core, 0.92x on a 2-core host) serves octo at those git revisions
+too (bench/revtree.py), in the same rounds: a change that costs the gateway speed shows as a ratio below its
+base's the day it lands. ``--base`` with no revision leaves them out.
+
+    flock /tmp/octo-bench.lock .venv/bin/python bench/overhead.py [--requests 2000] [--rounds 3] [--loop auto]
+        [--isolation thread|process] [--concurrency 1,8,64] [--base 369e4c5 ...] [--out bench/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+from revtree import short_sha, worktree  # noqa: E402
 from serverproc import free_port  # noqa: E402
 
 BODY = {"model": "bench", "messages": [{"role": "user", "content": "hello there general kenobi"}]}
@@ -54,8 +60,8 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 '''
 
 
-def start(cmd: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+def start(cmd: list[str], port: int, cwd: Path = REPO) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -94,6 +100,23 @@ async def load(url: str, concurrency: int, total: int) -> dict:
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its live child processes (an engine worker) so far."""
+    total = 0.0
+    pids = [pid]
+    try:
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def loop_name(choice: str) -> str:
     """The loop octo's `--loop` picks for ``choice`` (auto: uvloop when installed)."""
     if choice != "auto":
@@ -105,16 +128,25 @@ def loop_name(choice: str) -> str:
     return "uvloop"
 
 
+def octo_cmd(port: int, loop: str, isolation: str) -> list[str]:
+    cmd = [sys.executable, "-m", "octo.cli", "serve", "bench", "--engine", "echo", "--max-batch", "64",
+           "--max-queue", "4096", "--port", str(port), "--log-level", "warning", "--loop", loop]
+    return cmd + (["--isolation", isolation] if isolation != "thread" else [])  # older revisions lack the flag
+
+
 async def main(args) -> dict:
-    octo_port, bare_port = free_port(), free_port()
     loop = loop_name(args.loop)
-    octo = start([sys.executable, "-m", "octo.cli", "serve", "bench", "--engine", "echo", "--max-batch", "64",
-                  "--max-queue", "4096", "--port", str(octo_port), "--log-level", "warning", "--loop", loop,
-                  "--isolation", args.isolation],
-                 octo_port)
-    bare = start([sys.executable, "-c", BARE_SERVER, str(bare_port), loop], bare_port)
-    targets = {"octo": f"http://127.0.0.1:{octo_port}/v1/chat/completions",
-               "bare": f"http://127.0.0.1:{bare_port}/v1/chat/completions"}
+    servers: dict[str, tuple[list[str], int, Path]] = {}
+    port = free_port()
+    servers["octo"] = (octo_cmd(port, loop, args.isolation), port, REPO)
+    for rev in args.base:
+        port = free_port()
+        servers[f"octo@{short_sha(rev)}"] = (octo_cmd(port, loop, args.isolation), port, worktree(rev))
+    port = free_port()
+    servers["bare"] = ([sys.executable, "-c", BARE_SERVER, str(port), loop], port, REPO)
+    procs = [start(cmd, port, cwd) for cmd, port, cwd in servers.values()]
+    targets = {name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, (_, port, _) in servers.items()}
+    pids = dict(zip(targets, (p.pid for p in procs), strict=True))
     results: dict = {"host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                               "python": platform.python_version()}, "loop": loop, "isolation": args.isolation,
                      "requests_per_round": args.requests, "rounds": args.rounds, "concurrency": {}}
@@ -122,24 +154,36 @@ async def main(args) -> dict:
         for url in targets.values():  # warm-up
             await load(url, 8, 200)
         for c in args.concurrency:
-            runs: dict[str, list[dict]] = {"octo": [], "bare": []}
+            runs: dict[str, list[dict]] = {name: [] for name in targets}
             for _ in range(args.rounds):  # alternate A and B
                 for name, url in targets.items():
+                    cpu0 = cpu_seconds(pids[name])
                     runs[name].append(await load(url, c, args.requests))
+                    runs[name][-1]["cpu_us"] = 1e6 * (cpu_seconds(pids[name]) - cpu0) / args.requests
             row = {}
             for name, rs in runs.items():
                 row[name] = {"rps": statistics.median(r["rps"] for r in rs),
                              "p50_ms": statistics.median(r["p50_ms"] for r in rs),
                              "p99_ms": statistics.median(r["p99_ms"] for r in rs),
+                             "cpu_us_per_request": round(statistics.median(r["cpu_us"] for r in rs), 1),
                              "errors": sum(r["errors"] for r in rs)}
-            row["ratio_rps"] = row["octo"]["rps"] / row["bare"]["rps"]
+            for name, rs in runs.items():  # per-round ratios: their spread is the noise
+                if name != "bare":
+                    ratios = sorted(r["rps"] / b["rps"] for r, b in zip(rs, runs["bare"], strict=True))
+                    row[name]["ratio_rps"] = statistics.median(ratios)
+                    row[name]["ratio_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+            row["ratio_rps"] = row["octo"]["ratio_rps"]
             results["concurrency"][str(c)] = row
-            print(f"c={c:3d}  octo {row['octo']['rps']:8.0f} req/s p50 {row['octo']['p50_ms']:6.2f} ms "
-                  f"p99 {row['octo']['p99_ms']:6.2f} ms | bare {row['bare']['rps']:8.0f} req/s "
-                  f"p50 {row['bare']['p50_ms']:6.2f} ms p99 {row['bare']['p99_ms']:6.2f} ms | "
-                  f"ratio {row['ratio_rps']:.2f}x", flush=True)
+            print(f"c={c:3d}  bare {row['bare']['rps']:8.0f} req/s p50 {row['bare']['p50_ms']:6.2f} ms, "
+                  f"{row['bare']['cpu_us_per_request']:.0f} us CPU a request", flush=True)
+            for name in targets:
+                if name != "bare":
+                    r = row[name]
+                    print(f"       {name:14s} {r['rps']:8.0f} req/s p50 {r['p50_ms']:6.2f} ms p99 {r['p99_ms']:6.2f} "
+                          f"ms, {r['cpu_us_per_request']:.0f} us CPU a request | {r['ratio_rps']:.2f}x of bare "
+                          f"(rounds {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})", flush=True)
     finally:
-        for p in (octo, bare):
+        for p in procs:
             p.terminate()
             p.wait(10)
     return results
@@ -153,6 +197,8 @@ if __name__ == "__main__":
                     help="event loop of both servers (auto: octo's default)")
     ap.add_argument("--isolation", choices=["thread", "process"], default="thread",
                     help="octo's echo model in the gateway (its default) or in an engine worker process")
+    ap.add_argument("--base", nargs="*", default=["369e4c5"],
+                    help="git revisions served beside this checkout in the same rounds (none: leave them out)")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
     a = ap.parse_args()

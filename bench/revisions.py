@@ -25,18 +25,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import llamacpp as lb  # noqa: E402  (bench/llamacpp.py: its load, servers and command lines)
-
-
-def worktree(rev: str) -> Path:
-    sha = subprocess.check_output(["git", "rev-parse", "--short", rev], cwd=REPO, text=True).strip()
-    path = REPO / ".cache" / "revisions" / sha
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.check_call(["git", "worktree", "add", "--detach", str(path), sha], cwd=REPO)
-    link = path / "octo" / "engines"
-    if not link.exists():
-        link.symlink_to(path / "engines", target_is_directory=True)
-    return path
+from revtree import worktree  # noqa: E402
 
 
 def main() -> None:

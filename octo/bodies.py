@@ -64,10 +64,18 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     coding = content_encoding(request)
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
+    stream = request.content
+    if coding == "identity" and stream.is_eof():  # the whole body came in with the headers (most requests)
+        try:
+            body = stream.read_nowait()
+        except HttpProcessingError as exc:
+            raise InvalidRequest(f"The request body is malformed or incomplete: {exc.message}") from None
+        if len(body) > limit:
+            raise _too_large(limit)
+        return body
     inflater = zlib.decompressobj(_DECODERS[coding]) if coding != "identity" else None
     out = bytearray()
     raw = 0
-    stream = request.content
     try:
         while True:
             try:

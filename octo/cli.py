@@ -406,6 +406,9 @@ async def _serve(config: ServerConfig, specs: list) -> None:
     # GC's sight, so full collections stay short (bench/overhead.py: p99 at concurrency 64 went from 45 to 14 ms).
     gc.collect()
     gc.freeze()
+    # A request allocates a few hundred objects: with the default threshold (700) a young-generation collection ran
+    # about every other request; fewer, larger ones cost less CPU a request (bench/overhead.py, CPU per request)
+    gc.set_threshold(20_000, 50, 100)
     loop = asyncio.get_running_loop()
     served = ", ".join(f"'{s.name}' with {s.handle.engine_name} ("
                        + (f"worker pid {s.handle.worker.pid})" if s.handle.isolation == "process" else
@@ -551,6 +554,10 @@ def engines(model, engine, bench_seconds, rebench, isolation, as_json):
                          "decode_tok_s", "reason"])
     if model:
         click.echo(f"selection: {out['selection']['reason']}")
+    else:
+        click.echo("These are the engines installed here. Which one a running server uses for each model: "
+                   "`octo ps` (or GET /v1/engines on the server); what `octo serve MODEL` would choose: "
+                   "`octo engines MODEL`.")
 
 
 @cli.command()

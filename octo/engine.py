@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -350,6 +351,14 @@ class Engine:
     def kv_stats(self) -> dict[str, Any] | None:
         """Live numbers about the engine's KV (its layout, ...) for ``/v1/queue/stats``, or None. Called from another
         thread than the engine's: read plain attributes only."""
+        return None
+
+    def idle_work(self, interrupted: Callable[[], bool]) -> float | None:
+        """Work the engine does while no request runs, on its own thread: measurements that choose between good
+        configurations (llama.cpp's KV layout probes), never needed to serve. The engine loop calls it when idle; it
+        calls ``interrupted()`` between its engine calls and, once that says True (a request arrived), returns soon,
+        leaving the engine as it serves. Returns None when nothing is left to do, else the seconds of idleness to
+        wait before the next call (work interrupted or postponed)."""
         return None
 
     # -- KV pressure (engines whose sequences share one bounded KV pool) ---------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import operator
+import queue
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,7 +77,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                     self.watchdog.idle()
                     if self.gate is not None:
                         self.gate.idle()
-                    self._wake.get()  # a kick (or stop) wakes us; spurious wake-ups just look again
+                    self._idle()
                     continue
                 if self._preempted:
                     self._resume(posts)
@@ -113,6 +114,29 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 posts = []
             self._settling.clear()
         self._shutdown()
+
+    def _idle(self) -> None:
+        """Nothing to run: sleep until a kick (or stop; spurious wake-ups just look again), or give the engine's
+        idle work (``Engine.idle_work``) its turn once the engine has been idle for the delay it asked for."""
+        if self._idle_delay is None:
+            self._wake.get()
+            return
+        try:
+            self._wake.get(timeout=self._idle_delay)  # a request within the delay: the work waits for the next lull
+            return
+        except queue.Empty:
+            pass
+        self.watchdog.busy(None)
+        try:
+            self._idle_delay = self.engine.idle_work(self._interrupted)
+        except Exception:  # noqa: BLE001 - optional work: it never costs serving
+            log.exception("the engine's idle work failed; not retried")
+            self._idle_delay = None
+        finally:
+            self.watchdog.idle()
+
+    def _interrupted(self) -> bool:
+        return bool(self._pending or self._between or self._stopping)
 
     def _post(self, posts: list) -> None:
         """Hand results to the event loop; one wake-up covers everything posted until the loop drains."""

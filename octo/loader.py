@@ -17,6 +17,7 @@ from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
 from octo.selection import Candidate
 
 log = logging.getLogger("octo.loader")
+ENGINE_EXTRAS = ("llamacpp", "mlx", "onnx", "whisper")  # built-in engines with a pip extra of the same name
 
 
 def engine_rows(registry: dict[str, type[Engine]], active: str | None = None,
@@ -159,8 +160,9 @@ def _candidates(resolved: Any, engine_name: str | None, registry: dict[str, type
     candidates = real or usable
     if not candidates:
         have = ", ".join(sorted(resolved.artifacts)) or "none"
+        extras = " or ".join(f"pip install 'octo[{e}]'" for e in sorted(resolved.artifacts) if e in ENGINE_EXTRAS)
         raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
-                          "Install one with pip install 'octo[llamacpp]' (or mlx, onnx, whisper).")
+                          + (f"Install one with {extras}." if extras else "Install an engine plugin that reads it."))
     return candidates
 
 

@@ -256,6 +256,9 @@ def parse(model: type[_Model], body: bytes) -> Any:
     return req
 
 
+_LEAVES = frozenset({str, int, bool, type(None)})
+
+
 def _check_unknown(value: Any, path: str) -> None:
     """A 400 naming the first key no model declares, at any depth (``stream_options.foo``, ``messages[0].x``), or the
     first NaN or Infinity literal inside free-form JSON (typed number fields refuse them themselves)."""
@@ -268,10 +271,14 @@ def _check_unknown(value: Any, path: str) -> None:
                                      code="unknown_parameter")
             raise InvalidRequest(f"Unrecognized argument in {path}: {key}", param=f"{path}.{key}",
                                  code="unknown_parameter")
+        fields = type(value).model_fields
         for name in value.model_fields_set:
-            field = type(value).model_fields.get(name)
+            item = getattr(value, name)
+            if item.__class__ in _LEAVES:  # nothing inside (the common case: no path built, no call)
+                continue
+            field = fields.get(name)
             if field is not None:
-                _check_unknown(getattr(value, name), f"{path}.{field.alias or name}" if path else field.alias or name)
+                _check_unknown(item, f"{path}.{field.alias or name}" if path else field.alias or name)
     elif isinstance(value, list):
         for i, item in enumerate(value):
             if isinstance(item, (_Model, list, dict, float)):

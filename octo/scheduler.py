@@ -25,6 +25,8 @@ from octo.prefix_cache import PrefixCache
 from octo.watchdog import Watchdog
 
 log = logging.getLogger("octo.scheduler")
+IDLE_WORK_DELAY_S = 5.0  # idleness before the engine's idle work (probes): not between a burst's requests, nor
+# in the moment after a load, when the request that asked for the model is on its way
 
 
 class Scheduler(EngineLoop):
@@ -56,6 +58,8 @@ class Scheduler(EngineLoop):
         self._between: list[tuple[Callable[[], Any], Future]] = []  # run on the engine thread between two steps
         self._sleeping = False
         self._kick_scheduled = False
+        # Engine.idle_work: seconds of idleness before its first call (None: the engine has none; it asks again)
+        self._idle_delay: float | None = IDLE_WORK_DELAY_S if type(engine).idle_work is not Engine.idle_work else None
         self._outbox: list = []
         self._out_lock = threading.Lock()
         self._drain_scheduled = False

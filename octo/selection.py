@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from octo import engine_choice as choice
 from octo.atomic import sweep, write_json
 from octo.benchload import LoadMonitor, loadavg_1min, wait_quiet
 from octo.engine import Engine, Feed, SamplingParams, Sequence
@@ -437,6 +438,7 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
     keys = {name: cache_key(c.cls, c.artifact) for name, c in ordered.items()}
     sweep(bench_dir())  # temporaries of writers that were killed
     cached_results = {name: None if rebench else cached_result(key) for name, key in keys.items()}
+    kept = choice.incumbent(keys)  # (--rebench measures again; the choice still needs a clear win to move)
     for name, cached in list(cached_results.items()):
         if cached is not None and (why := distrust(cached, seconds)):
             say(f"octo: bench {name:9s} not using its cached result: {why}")
@@ -477,7 +479,7 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
             if loaded:
                 await cand.discard()
             continue
-        if best is None or res["score"] > best[3]:
+        if best is None or choice.beats(name, res, best[0], results[best[0]], kept):
             if best is not None and best[2]:
                 await best[1].discard()
             best = (name, cand, loaded, res["score"])
@@ -494,8 +496,10 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
             await cand.set_threads(thr)
     ranked = sorted(results, key=lambda n: -results[n]["score"])
     _table(results, ranked, name, say)
-    reason = (f"highest benchmark score among {len(results)} candidates ({', '.join(ranked)}); "
-              f"selection took {time.perf_counter() - t0:.2f} s")
+    why = choice.reason(name, kept, results)
+    say(f"octo: serving with {why}")  # the one line that says which engine serves and why
+    reason = why + f"; selection took {time.perf_counter() - t0:.2f} s"
+    choice.keep(keys, name, results[name])
     return name, cand, results, reason
 
 
@@ -511,8 +515,8 @@ def _notes(cond: dict[str, Any], seconds: float) -> str:
     if len(tries) > 1:
         notes += f"; disturbed by other load, measured {len(tries)} times"
     if cond.get("disturbed"):
-        notes += (f"; DISTURBED (other processes used {cond.get('foreign_load')} of the cores, this one waited "
-                  f"{cond.get('run_wait')} of the time for a core): not cached")
+        notes += (f"; other processes were busy (they used {cond.get('foreign_load')} of the cores, this one "
+                  f"waited {cond.get('run_wait')} of the time for a core), so this measurement is not kept")
     return notes
 
 

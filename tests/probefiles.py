@@ -8,8 +8,9 @@ from pathlib import Path
 
 def cached_verdict(home: Path, kind: str, disturbed: bool) -> dict | None:
     """The one ``kind`` verdict cached under ``home`` (``layout``, ``adapt``); None when the measurement was disturbed
-    by other processes, which is then used for that load only (nothing cached)."""
-    files = list((home / "probe").glob(f"llamacpp-{kind}-*.json"))
+    by other processes, which is then not followed (only its attempt is recorded, for the next try's time)."""
+    files = [f for f in (home / "probe").glob(f"llamacpp-{kind}-*.json")
+             if not json.loads(f.read_text()).get("disturbed")]
     if disturbed:
         assert not files
         return None

@@ -1,6 +1,7 @@
-"""llama.cpp's KV layout chosen at load by measurement (engines/llamacpp/layout.py): the probe times both layouts
-through the engine's own serving paths, the faster wins (streams by a margin), the verdict is cached per host and
-load settings, and the serving context really has the chosen layout.
+"""llama.cpp's KV layout chosen by measurement while the model is idle (engines/llamacpp/layout.py, background.py):
+the load serves at once from the unified pool; the probe times both layouts through the engine's own serving paths,
+the faster wins (streams by a margin), an undisturbed verdict is cached per host and load settings and the next load
+serves with it; a request interrupts the probe, which leaves the engine as it serves.
 
 The suite pins ``OCTO_LLAMACPP_KV_UNIFIED=true`` (conftest) so other tests do not depend on a timing; these tests
 unset it."""
@@ -12,7 +13,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'octo[llamacpp]')")
 pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'octo[llamacpp]')")
 
-from octo.engines.llamacpp import LlamaCppEngine, layout  # noqa: E402
+from octo.engines.llamacpp import LlamaCppEngine, background, layout  # noqa: E402
 from probefiles import cached_verdict  # noqa: E402
 
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
@@ -28,16 +29,33 @@ def gguf_path() -> str:
 
 @pytest.fixture
 def auto(monkeypatch, tmp_path):
-    """No pinned layout, and a probe cache of this test's own."""
+    """No pinned layout, a probe cache of this test's own, and measurements that count as undisturbed (the host of
+    the suite is busy; a disturbed one has its own test)."""
+    from octo.benchload import LoadMonitor
+
     monkeypatch.delenv(layout.ENV, raising=False)
     monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    real = LoadMonitor.stop
+    monkeypatch.setattr(LoadMonitor, "stop", lambda self: {**real(self), "disturbed": False})
     return tmp_path
 
 
-def _load(path: str, max_batch: int = 4, **opts: str) -> LlamaCppEngine:
+def _load(path: str, max_batch: int = 4, settle: bool = False, **opts: str) -> LlamaCppEngine:
     e = LlamaCppEngine(EngineConfig(max_batch=max_batch, options={"n_ctx": "512", **opts}))
     e.load(path, "tiny")
+    if settle:  # what the engine loop does when the model is idle
+        background.settle(e)
     return e
+
+
+def _measured(path: str, **kw) -> dict:
+    """The layout verdict of a load whose probe ran to its end (then unloaded)."""
+    e = _load(path, settle=True, **kw)
+    try:
+        assert not e.active and e.book.used() == 0 and e.kv_unified, "the probe left the pool as it served"
+        return dict(e.info.extra["kv_layout"])
+    finally:
+        e.unload()
 
 
 def _greedy(e: LlamaCppEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -54,11 +72,15 @@ def _greedy(e: LlamaCppEngine, prompts: list[list[int]], n: int) -> list[list[in
     return [s.tokens[len(p):] for s, p in zip(seqs, prompts, strict=True)]
 
 
-def test_measured_at_load_then_cached(gguf_path, auto):
+def test_serves_at_once_then_measured_when_idle_then_cached(gguf_path, auto):
     e = _load(gguf_path)
     try:
         lay = e.info.extra["kv_layout"]
-        assert lay["source"] == "measured" and not lay.get("cached")
+        assert lay["pending"] and lay["chosen"] == "unified" and e.kv_unified, "the safe default, no probe at load"
+        assert _greedy(e, [e.tokenize("hello there")], 3)[0]
+        background.settle(e)
+        lay = e.info.extra["kv_layout"]
+        assert lay["source"] == "measured" and not lay.get("cached") and not lay.get("pending")
         assert lay["unified_s"] > 0 and lay["streams_s"] > 0
         assert lay["probe"] == {"seqs": 4, "prefix": lay["probe"]["prefix"], "own": lay["probe"]["own"],
                                 "decode": lay["probe"]["decode"]} and lay["probe"]["prefix"] > lay["probe"]["own"]
@@ -66,28 +88,64 @@ def test_measured_at_load_then_cached(gguf_path, auto):
         assert lay["solo_unified_s"] > 0 and lay["solo_streams_s"] > 0
         streams = (lay["streams_s"] <= layout.MARGIN * lay["unified_s"]
                    and lay["solo_streams_s"] <= layout.MARGIN * lay["solo_unified_s"])
-        assert lay["chosen"] == ("streams" if streams else "unified") and e.kv_unified is (not streams), lay
+        assert e.kv_unified and lay.get("next_load") == ("streams" if streams else None), lay
         assert e.info.extra["kv_unified"] is e.kv_unified and e.kv_shares_cells is e.kv_unified
         assert not e.active and e.book.used() == 0, "the probe's sequences are gone"
         tokens = _greedy(e, [e.tokenize("hello there"), e.tokenize("a longer prompt about engines")], 6)
         assert all(len(t) == 6 for t in tokens)
     finally:
         e.unload()
-    cached = cached_verdict(auto, "layout", lay["disturbed"])
-    if cached is None:
-        return
-    assert cached["unified"] is e.kv_unified
+    cached = cached_verdict(auto, "layout", False)
+    assert cached["unified"] is (not streams)
     again = _load(gguf_path)
     try:
-        assert again.info.extra["kv_layout"]["cached"] is True
-        assert again.kv_unified is e.kv_unified
+        assert again.info.extra["kv_layout"]["cached"] is True and not again.info.extra["kv_layout"].get("pending")
+        assert again.kv_unified is (not streams)
+        assert again.idle_work(lambda: False) is None or again.kv_layout.get("adapt"), "nothing left to measure"
     finally:
         again.unload()
     other = _load(gguf_path, max_batch=3)  # another setting the timing depends on: measured again
     try:
-        assert not other.info.extra["kv_layout"].get("cached")
+        assert other.info.extra["kv_layout"].get("pending")
     finally:
         other.unload()
+
+
+def test_a_request_interrupts_the_probe_which_leaves_the_engine_as_it_serves(gguf_path, auto):
+    e = _load(gguf_path)
+    try:
+        calls = []
+
+        def interrupted() -> bool:
+            calls.append(1)
+            return len(calls) > 6  # a request arrives a few probe steps in
+
+        assert e.idle_work(interrupted) == background.INTERRUPTED_RETRY_S
+        assert e.kv_layout["pending"] and e.kv_unified and not e.active and e.book.used() == 0
+        assert not list((auto / "probe").glob("llamacpp-layout-*.json")), "nothing concluded, nothing cached"
+        assert _greedy(e, [e.tokenize("served meanwhile")], 3)[0]
+        background.settle(e)  # the next idle moment: it starts again and concludes
+        assert e.kv_layout["source"] == "measured" and cached_verdict(auto, "layout", False)
+    finally:
+        e.unload()
+
+
+def test_a_disturbed_measurement_is_not_followed_and_waits_for_its_retry(gguf_path, auto, monkeypatch, forbid):
+    from octo.benchload import LoadMonitor
+
+    monkeypatch.setattr(LoadMonitor, "stop", lambda self: {"disturbed": True})
+    lay = _measured(gguf_path)
+    assert lay["pending"] and lay["attempts"] == 1 and lay["last"]["disturbed"] and lay["chosen"] == "unified"
+    assert cached_verdict(auto, "layout", True) is None
+    forbid(layout, "_workload")  # the next start does not measure again before the retry time
+    e = _load(gguf_path)
+    try:
+        assert e.kv_layout["pending"] and e.kv_layout["attempts"] == 1
+        assert e.kv_layout["retry_at"] >= background.retry_at(1) - 60
+        wait = e.idle_work(lambda: False)
+        assert wait is not None and wait > background.DISTURBED_RETRY_S[0] / 2
+    finally:
+        e.unload()
 
 
 @pytest.mark.parametrize("faster", ["streams", "unified"])
@@ -101,7 +159,8 @@ def test_the_faster_layout_serves(gguf_path, auto, monkeypatch, faster):
         return ([1.0, 1.5], [0.5]) if engine.kv_unified == (faster == "unified") else ([2.0, 2.5], [1.0])
 
     monkeypatch.setattr(layout, "_workload", timed)
-    e = _load(gguf_path)
+    _measured(gguf_path)
+    e = _load(gguf_path)  # the next load serves with the verdict
     try:
         assert e.info.extra["kv_layout"]["chosen"] == faster
         assert e.kv_unified is (faster == "unified") and e.kv_shares_cells is e.kv_unified
@@ -119,13 +178,9 @@ def test_the_faster_layout_serves(gguf_path, auto, monkeypatch, faster):
 def test_streams_win_only_by_the_margin_on_both_probes(gguf_path, auto, monkeypatch, agent, solo, chosen):
     monkeypatch.setattr(layout, "_workload",
                         lambda engine, *shape, reps: ([1.0], [1.0]) if engine.kv_unified else ([agent], [solo]))
-    e = _load(gguf_path)
-    try:
-        lay = e.info.extra["kv_layout"]
-        assert lay["chosen"] == chosen and (lay["streams_over_unified"], lay["solo_streams_over_unified"]) == (agent,
-                                                                                                          solo)
-    finally:
-        e.unload()
+    lay = _measured(gguf_path)
+    assert lay.get("next_load", "unified") == chosen
+    assert (lay["streams_over_unified"], lay["solo_streams_over_unified"]) == (agent, solo)
 
 
 def test_no_probe_when_the_choice_is_given_or_moot(gguf_path, auto, monkeypatch, forbid):
@@ -177,9 +232,10 @@ def test_a_failing_probe_costs_the_choice_not_the_load(gguf_path, auto, monkeypa
         return real(engine, *shape, reps=reps)
 
     monkeypatch.setattr(layout, "_workload", fails)
-    e = _load(gguf_path)
+    e = _load(gguf_path, settle=True)
     try:
         assert e.kv_unified and "probe broke" in e.info.extra["kv_layout"]["source"]
+        assert not e.kv_layout.get("pending") and e.idle_work(lambda: False) in (None, background.INTERRUPTED_RETRY_S)
         assert not e.active and e.book.used() == 0, "a fresh context: nothing of the probe is left"
         assert _greedy(e, [e.tokenize("still serves")], 3)[0]
     finally:

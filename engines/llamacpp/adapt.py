@@ -18,15 +18,15 @@ sequence into a new unified context at once (``llama_state_seq`` snapshots, copi
 the KV, hence the text, is unchanged) and the period goes on there. A switch costs a context build (about 0.2 s for
 that model) plus the copies; idle prefix-cache entries leave the pool for RAM snapshots first (:meth:`_demote_idle`).
 
-Whether streams pay for short traffic on this host is measured at load (:func:`probe`, cached like the layout's
-verdict): ``max_batch`` sequences of ``PREFIX`` cells each decode ``DECODE`` steps in each layout; streams must take
-at most ``MARGIN`` of the pool's time a step. ``-o kv_adapt=true`` skips the probe, ``false`` turns this off; it applies
-only where the pool was chosen (``kv_unified`` auto, or true).
+Whether streams pay for short traffic on this host is measured while the model is idle (:func:`probe` from
+:mod:`.background`; cached like the layout's verdict, off until then): ``max_batch`` sequences of ``PREFIX`` cells
+each decode ``DECODE`` steps in each layout; streams must take at most ``MARGIN`` of the pool's time a step. ``-o
+kv_adapt=true`` skips the probe, ``false`` turns this off; it applies only where the pool was chosen (``kv_unified``
+auto, or true).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -34,6 +34,8 @@ from typing import Any
 from octo.engine import Feed, SamplingParams, Sequence
 
 from . import layout
+from .background import check as _check
+from .background import retry_at as _retry
 
 log = logging.getLogger("octo.engines.llamacpp")
 
@@ -113,34 +115,50 @@ def setup(engine: Any, pool: int) -> tuple[Adaptive | None, dict[str, Any] | Non
         return Adaptive(cells, verdict), verdict
     if layout.given(engine) is not None:  # the user (or the environment) fixed the layout
         return None, None
-    path = layout.cache_file(engine, engine.n_ctx_opt, engine.cell_bytes, f"adapt-{cells}-v{VERSION}")
-    try:
-        verdict = {**json.loads(path.read_text()), "cached": True}
+    record = layout.read_record(_cache_path(engine, cells))
+    if record is not None and not record.get("disturbed") and "pays" in record:
+        verdict = {**record, "cached": True}
         return (Adaptive(cells, verdict) if verdict["pays"] else None), verdict
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    attempts = record.get("attempts", 0) if record else 0
+    return None, {"source": "off until the short-traffic probe concludes in the background", "pending": True,
+                  "cells": cells, "attempts": attempts, "retry_at": record.get("retry_at", 0.0) if record else 0.0}
+
+
+def _cache_path(engine: Any, cells: int) -> Any:
+    return layout.cache_file(engine, engine.n_ctx_opt, engine.cell_bytes, f"adapt-{cells}-v{VERSION}")
+
+
+def measure(engine: Any, cells: int, attempts: int = 0) -> tuple[Adaptive | None, dict[str, Any]]:
+    """Run :func:`probe` on the idle engine (from the pool, back to it after) and record the verdict: cached when
+    undisturbed, else noted with the time of the next try. ProbeInterrupted (:mod:`.background`) passes through."""
     from octo.benchload import LoadMonitor
 
+    from .background import ProbeInterrupted, drop_leftovers, retry_at
+
+    before = set(engine.active)
     mon = LoadMonitor().start()
     try:
         verdict = probe(engine, cells)
-    except Exception as exc:  # noqa: BLE001 - a probe that fails costs the adaptation, never the load
-        mon.stop()
+    except ProbeInterrupted:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a probe that fails costs the adaptation, never the serving
         log.warning("llamacpp: the short-stream layout probe failed (%s: %s); the pool stays", type(exc).__name__, exc)
         return None, {"source": f"probe failed ({type(exc).__name__}: {exc})", "pays": False}
     finally:
+        drop_leftovers(engine, before)
         engine._relayout(True)
     conditions = mon.stop()
     verdict["disturbed"] = conditions["disturbed"]
-    log.info("llamacpp: short traffic in streams: %s (a step: pool %.4f s, streams %.4f s)",
-             "yes" if verdict["pays"] else "no", verdict["unified_step_s"], verdict["streams_step_s"])
-    if not conditions["disturbed"]:
-        from octo.atomic import write_json
-
-        try:
-            write_json(path, verdict)
-        except OSError:
-            log.debug("could not cache the short-stream verdict at %s", path, exc_info=True)
+    log.debug("llamacpp: short traffic in streams: %s (a step: pool %.4f s, streams %.4f s%s)",
+              "yes" if verdict["pays"] else "no", verdict["unified_step_s"], verdict["streams_step_s"],
+              "; disturbed by other processes, not followed" if conditions["disturbed"] else "")
+    path = _cache_path(engine, cells)
+    if conditions["disturbed"]:
+        layout.write_record(path, {"disturbed": True, "attempts": attempts + 1, "retry_at": retry_at(attempts + 1),
+                                   "verdict": verdict})
+        return None, {"source": "off: the short-traffic probe was disturbed by other processes", "pending": True,
+                      "cells": cells, "attempts": attempts + 1, "retry_at": retry_at(attempts + 1), "last": verdict}
+    layout.write_record(path, verdict)
     return (Adaptive(cells, verdict) if verdict["pays"] else None), verdict
 
 
@@ -196,7 +214,8 @@ def _prefix(engine: Any, tokens: list[int], prefix: int) -> Any:
     engine.add_sequence(lead)
     try:
         while lead.n_cached < prefix:
-            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + engine.prefill_chunk)]
+            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + min(engine.prefill_chunk,
+                                                                              layout.PREFIX_STEP))]
             _check(engine.step([Feed(lead, part, False)]))
         snap = engine._snapshot(lead)
     finally:
@@ -206,29 +225,54 @@ def _prefix(engine: Any, tokens: list[int], prefix: int) -> Any:
     return snap
 
 
-def _check(outs: list[Any]) -> list[Any]:
-    for out in outs:
-        if isinstance(out, BaseException):
-            raise out
-    return outs
-
-
 class AdaptiveLayout:
     """A mixin of :class:`.engine.LlamaCppEngine`: the layout switch itself and the engine's hooks into the policy."""
 
     adapt: Adaptive | None = None
 
     def _choose_layout(self, pooling: int) -> None:
-        """The KV layout: the one given, or the faster of the two on this host (:mod:`.layout`)."""
-        n_ctx = self.n_ctx_opt  # the probe runs on the serving contexts: a step's cost may depend on their size
-        unified, self.kv_layout = layout.choose(self, n_ctx, self.cell_bytes,
-                                                lambda u: self._build_context(pooling, n_ctx, u))
-        probed = str(self.kv_layout.get("source")).startswith(("measured", "probe failed"))
-        if probed or unified != self.kv_unified or not self.ctx:
-            self._build_context(pooling, n_ctx, unified)  # afresh: nothing of the probe is left
+        """The KV layout: the one given or cached, else the unified pool while the probes run when the model is idle
+        (:mod:`.background`)."""
+        n_ctx = self.n_ctx_opt
+        unified, self.kv_layout = layout.decide(self, n_ctx, self.cell_bytes)
+        if unified != self.kv_unified or not self.ctx:
+            self._build_context(pooling, n_ctx, unified)
         self.adapt, verdict = setup(self, self.kv_cells)  # short traffic in streams of the same memory
         if verdict is not None:
             self.kv_layout["adapt"] = verdict
+
+    def idle_work(self, interrupted: Any) -> float | None:
+        from .background import run
+
+        return run(self, interrupted)
+
+    def conclude_probe(self, kind: str) -> None:
+        """Run the pending ``kind`` probe ("layout", "adapt") to its end and follow a verdict that concludes."""
+        lay = self.kv_layout
+        if kind == "layout":
+            adapt, self.adapt = self.adapt, None  # the probe's switches are not the policy's
+            try:
+                unified, verdict = layout.measure(self, self.n_ctx_opt, self.cell_bytes, lay.get("attempts", 0))
+            finally:
+                self.adapt = adapt
+            adapt_verdict = lay.get("adapt")
+            if verdict.get("disturbed"):
+                lay.update(attempts=lay.get("attempts", 0) + 1, retry_at=_retry(lay.get("attempts", 0) + 1),
+                           last=verdict)
+                return
+            lay.clear()
+            lay.update(verdict)
+            if unified and adapt_verdict is not None:
+                lay["adapt"] = adapt_verdict
+            elif not unified:
+                lay["next_load"] = "streams"  # a stream holds less context than the pool: from the next load on
+            log.info("llamacpp: KV layout measured: %s", "the unified pool" if unified else
+                     "streams, from the next load of this model")
+        else:
+            cells = lay["adapt"]["cells"]
+            self.adapt, lay["adapt"] = measure(self, cells, lay["adapt"].get("attempts", 0))
+        if self.info is not None:
+            self.info.extra["kv_layout"] = {"chosen": "unified" if self.kv_unified else "streams", **lay}
 
     def _relayout(self, unified: bool, cells: int | None = None, forced: bool = False) -> None:
         """Serve from a new context with the other layout (streams: of ``cells`` each, default the policy's), keeping

@@ -1,8 +1,8 @@
 """The llama.cpp engine: continuous batching over llama-cpp-python's low-level API.
 
 One ``llama_context`` holds every active sequence (``n_seq_max = max_batch``, one llama.cpp sequence id per
-request; the KV layout, one unified pool or a stream per sequence, is timed at load unless set: :mod:`.layout`; a
-pool runs bursts of short sequences in streams of the same memory: :mod:`.adapt`).
+request; the KV layout, one unified pool or a stream per sequence, is timed while the model is idle unless set:
+:mod:`.layout`; a pool runs bursts of short sequences in streams of the same memory: :mod:`.adapt`).
 Each :meth:`LlamaCppEngine.step` packs all feeds (prefill chunks and decode tokens) into one ``llama_batch`` and
 runs a single ``llama_decode``; each sequence then samples from its own logits row with its own native sampler
 chain. Output constraints (``Feed.mask``) and logprobs work on that row

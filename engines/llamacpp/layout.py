@@ -1,4 +1,4 @@
-"""Which KV layout serves this model faster on this host: chosen at load by measurement, cached per host and load.
+"""Which KV layout serves this model faster on this host: measured while the model is idle, cached per host and load.
 
 llama.cpp offers two layouts, fixed for a context's life:
 
@@ -19,8 +19,10 @@ repetition counts, and streams must beat unified by ``MARGIN`` on both (unified 
 KV-pressure preemption; a choice made on noise would cost more than it saves). Streams are not tried when their pool
 would take more than ``MEMORY_SHARE`` of the available memory, nor for one sequence (the layouts are then the same).
 The verdict is cached under ``OCTO_HOME/probe`` keyed by the
-host, the llama.cpp build, the GGUF and every setting the timing depends on; a measurement disturbed by other
-processes (``octo.benchload``) is used for this load only.
+host, the llama.cpp build, the GGUF and every setting the timing depends on. The load itself never measures
+(:func:`decide`): without a cached verdict the model serves from the unified pool and :func:`measure` runs when it is
+idle (:mod:`.background`); a measurement disturbed by other processes (``octo.benchload``) is not followed, only
+recorded with the time of its next try.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from typing import Any
 from octo.engine import Feed, SamplingParams, Sequence
 from octo.paths import octo_home
 
+from .background import check as _check
+
 log = logging.getLogger("octo.engines.llamacpp")
 SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
 SOLO = 16  # decode steps of one sequence alone (the short-stream case)
 REPS = 2
+PREFIX_STEP = 64  # tokens of the untimed shared prefix a step (each step ends with an interruption check)
 BUDGET_S = 8.0  # the probe's work on a model whose prefill is fast enough; scaled down for slower ones
 DECODE_COST = 4.0
 MARGIN = 0.95  # streams must take at most 95% of unified's time, on both probes
@@ -92,38 +97,70 @@ def given(engine: Any) -> tuple[bool, dict[str, Any]] | None:
     return None
 
 
-def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple[bool, dict[str, Any]]:
-    """(unified?, how it was chosen). ``make_context(unified)`` builds the serving context with a layout (and frees
-    the previous one); after a measurement (``source`` "measured") the caller builds the chosen one afresh."""
+def decide(engine: Any, n_ctx: int, cell_bytes: int) -> tuple[bool, dict[str, Any]]:
+    """(unified?, how it was chosen) at load, without measuring: given, bounded by memory, or cached; else the unified
+    pool with ``pending`` set, and :func:`measure` runs when the model is idle (:mod:`.background`)."""
     if (decided := given(engine)) is not None:
         return decided
     streams_bytes = n_ctx * engine.config.max_batch * cell_bytes
     avail = _available_memory()
     if avail is not None and streams_bytes > MEMORY_SHARE * avail:
         return True, {"source": "memory", "streams_kv_bytes": streams_bytes, "available_bytes": avail}
-    path = cache_file(engine, n_ctx, cell_bytes)
+    record = read_record(cache_file(engine, n_ctx, cell_bytes))
+    if record is not None and not record.get("disturbed"):
+        return bool(record["unified"]), {**record["verdict"], "cached": True}
+    attempts = record.get("attempts", 0) if record else 0
+    return True, {"source": "default (unified pool) until the layout probe concludes in the background",
+                  "pending": True, "attempts": attempts, "retry_at": record.get("retry_at", 0.0) if record else 0.0}
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
     try:
-        cached = json.loads(path.read_text())
-        return bool(cached["unified"]), {**cached["verdict"], "cached": True}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+        record = json.loads(path.read_text())
+        return record if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    from octo.atomic import write_json
+
+    try:
+        write_json(path, record)
+    except OSError:
+        log.debug("could not cache the probe record at %s", path, exc_info=True)
+
+
+def measure(engine: Any, n_ctx: int, cell_bytes: int, attempts: int = 0) -> tuple[bool, dict[str, Any]]:
+    """Time both layouts on the idle engine (switching its context with ``_relayout``, back to the one it serves
+    from after) and record the verdict: cached when undisturbed, else noted with the time of the next try.
+    ProbeInterrupted (:mod:`.background`) passes through."""
     from octo.benchload import LoadMonitor
+
+    from .background import ProbeInterrupted, drop_leftovers, retry_at
 
     mon = LoadMonitor().start()
     t0 = time.perf_counter()
+    serving = engine.kv_unified
+    before = set(engine.active)
     times: dict[bool, tuple[list[float], list[float]]] = {}
     try:
-        if not (engine.ctx and engine.kv_unified):  # the engine's first context is a fresh unified one
-            make_context(True)
-        rate = _prefill_rate(engine)
-        shape = _shape(engine.config.max_batch, n_ctx, engine.kv_cells, rate)
+        shape = None
         for unified in (True, False):
-            if not unified:
-                make_context(unified)
+            engine._relayout(unified, n_ctx)
+            if engine.kv_unified is not unified:
+                raise RuntimeError(f"could not build the {'unified' if unified else 'streams'} context")
+            if shape is None:
+                shape = _shape(engine.config.max_batch, n_ctx, engine.kv_cells, rate := _prefill_rate(engine))
             times[unified] = _workload(engine, *shape, reps=REPS)
-    except Exception as exc:  # noqa: BLE001 - a probe that fails costs the choice, never the load
-        log.warning("llamacpp: the KV layout probe failed (%s: %s); using the unified pool", type(exc).__name__, exc)
+    except ProbeInterrupted:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a probe that fails costs the choice, never the serving
+        log.warning("llamacpp: the KV layout probe failed (%s: %s); the unified pool stays", type(exc).__name__, exc)
         return True, {"source": f"probe failed ({type(exc).__name__}: {exc})"}
+    finally:
+        drop_leftovers(engine, before)
+        engine._relayout(serving, n_ctx)
     conditions = mon.stop()
     unified_s, streams_s = min(times[True][0]), min(times[False][0])
     unified_solo, streams_solo = min(times[True][1]), min(times[False][1])
@@ -135,15 +172,15 @@ def choose(engine: Any, n_ctx: int, cell_bytes: int, make_context: Any) -> tuple
                "probe": dict(zip(("seqs", "prefix", "own", "decode"), shape, strict=True)),
                "prefill_tok_s": round(rate, 1), "probe_seconds": round(time.perf_counter() - t0, 2),
                "disturbed": conditions["disturbed"]}
-    log.info("llamacpp: KV layout %s (agent probe: unified %.3f s, streams %.3f s)",
-             "unified" if unified else "streams", unified_s, streams_s)
-    if not conditions["disturbed"]:
-        from octo.atomic import write_json
-
-        try:
-            write_json(path, {"unified": unified, "verdict": verdict})
-        except OSError:
-            log.debug("could not cache the layout verdict at %s", path, exc_info=True)
+    log.debug("llamacpp: KV layout probe: %s (agent probe: unified %.3f s, streams %.3f s%s)",
+              "unified" if unified else "streams", unified_s, streams_s,
+              "; disturbed by other processes, not followed" if conditions["disturbed"] else "")
+    path = cache_file(engine, n_ctx, cell_bytes)
+    if conditions["disturbed"]:
+        write_record(path, {"disturbed": True, "attempts": attempts + 1, "retry_at": retry_at(attempts + 1),
+                            "verdict": verdict})
+    else:
+        write_record(path, {"unified": unified, "verdict": verdict})
     return unified, verdict
 
 
@@ -182,12 +219,13 @@ def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int,
     shared = [(13 * i + 7) % vocab for i in range(prefix)]
     lead = Sequence(800_000, shared + [1], SamplingParams(temperature=0.0))
     chunk = max(1, engine.prefill_chunk)
+    untimed = min(chunk, PREFIX_STEP)  # the shared prefix in small steps: a request interrupts the probe soon
     times: list[float] = []
     solo: list[float] = []
     engine.add_sequence(lead)
     try:
         while lead.n_cached < prefix:
-            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + chunk)]
+            part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + untimed)]
             _check(engine.step([Feed(lead, part, False)]))
         cached = engine.kv_save(lead)  # a prefix-cache entry: cells of a cache sequence (unified) or a RAM snapshot
     finally:
@@ -240,10 +278,3 @@ def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int,
         return times, solo
     finally:
         engine.kv_free(cached)
-
-
-def _check(outs: list[Any]) -> list[Any]:
-    for out in outs:
-        if isinstance(out, BaseException):
-            raise out
-    return outs

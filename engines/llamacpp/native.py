@@ -88,11 +88,12 @@ OPTIONS = {
     "draft_max_batch": (positive_int, "with draft: speculate only while at most this many sequences decode "
                         "(default 4)"),
     "kv_unified": (auto_bool, "KV layout: true (one pool shared by all sequences), false (a stream of n_ctx cells per "
-                   "sequence) or auto (default: the faster on an agent-shaped probe at load, cached per host; "
+                   "sequence) or auto (default: the faster on an agent-shaped probe run while the model is idle, "
+                   "cached per host; "
                    "OCTO_LLAMACPP_KV_UNIFIED sets the default)"),
     "kv_adapt": (auto_bool, "with the unified pool: run bursts of short concurrent sequences in per-sequence streams "
                  "of the same memory (pool / max_batch cells each), back in the pool when a sequence outgrows one: "
-                 "auto (default: when a probe at load finds streams faster for short traffic, cached per host), "
+                 "auto (default: when a probe run while idle finds streams faster for short traffic, cached per host), "
                  "true, false"),
     "kv_compact": (boolean, "unified pool: rewrite a sequence's cells as one run once decoding beside others has "
                    "scattered them (default true; ggml's CPU attention is slower over scattered cells)"),

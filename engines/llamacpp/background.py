@@ -1,0 +1,100 @@
+"""The KV layout probes run while the model is idle, never between a user and a token.
+
+A model serves as soon as it is loaded: with the cached verdicts of :mod:`.layout` (unified pool or streams) and
+:mod:`.adapt` (short traffic in streams) when this host, build, GGUF and settings have them, else with the safe
+default (the unified pool, no switching). The probes that would choose better run from the engine loop's idle
+moments (``Engine.idle_work``): :func:`check`, called after every engine step of a probe, raises
+:class:`ProbeInterrupted` as soon as a request waits; the probe's ``finally`` blocks free its sequences and put the
+serving context back as it was, and the probe runs again at a later idle moment. Only a probe that concludes
+changes anything:
+
+* a measurement that other processes did not disturb (``octo.benchload``) is cached and followed: the adaptation
+  switches on at once; a layout verdict for streams serves from the next load (a stream per sequence holds less
+  context than the pool, and the context a model announced stays what it serves);
+* a disturbed one is not followed: it is recorded (attempts, next try) so that the next try comes later, in this
+  process or a later one (``DISTURBED_RETRY_S``), never on every start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("octo.engines.llamacpp")
+
+INTERRUPTED_RETRY_S = 2.0  # idleness before a probe that a request interrupted starts again
+DISTURBED_RETRY_S = (600.0, 3600.0, 6 * 3600.0, 86400.0)  # after the 1st, 2nd, 3rd, 4th+ disturbed measurement
+
+_state = threading.local()  # the engine thread's interruption test while one of its probes runs
+
+
+class ProbeInterrupted(Exception):
+    """A request arrived while a probe ran: the probe stops and leaves the engine as it serves."""
+
+
+def check(outs: list[Any]) -> list[Any]:
+    """A probe's engine step results, with any per-sequence error raised; ProbeInterrupted once a request waits."""
+    for out in outs:
+        if isinstance(out, BaseException):
+            raise out
+    interrupted = getattr(_state, "interrupted", None)
+    if interrupted is not None and interrupted():
+        raise ProbeInterrupted
+    return outs
+
+
+def drop_leftovers(engine: Any, before: set[int]) -> None:
+    """Remove the sequences a failed probe left in the engine (any not there in ``before``, the ids it started with)."""
+    for seq in [s for sid, s in engine.active.items() if sid not in before]:
+        try:
+            engine.remove_sequence(seq)
+        except Exception:  # noqa: BLE001 - the context is rebuilt after anyway
+            log.debug("could not remove a probe's sequence", exc_info=True)
+
+
+def retry_at(attempts: int, now: float | None = None) -> float:
+    """When (epoch seconds) to measure again after ``attempts`` disturbed measurements."""
+    return (time.time() if now is None else now) + DISTURBED_RETRY_S[min(attempts, len(DISTURBED_RETRY_S)) - 1]
+
+
+def pending(verdict: dict[str, Any] | None) -> bool:
+    return bool(verdict and verdict.get("pending"))
+
+
+def run(engine: Any, interrupted: Any) -> float | None:
+    """``Engine.idle_work`` of the llama.cpp engine: the due probes, in order (the layout, then short traffic).
+    Returns None when none is left, else the idleness to wait before the next call."""
+    lay = engine.kv_layout
+    waits = []
+    for kind in ("layout", "adapt"):
+        verdict = lay if kind == "layout" else lay.get("adapt")
+        if not pending(verdict):
+            continue
+        wait = verdict.get("retry_at", 0.0) - time.time()
+        if wait > 0:
+            waits.append(wait)
+            continue
+        _state.interrupted = interrupted
+        try:
+            engine.conclude_probe(kind)
+        except ProbeInterrupted:
+            log.debug("llamacpp: the %s probe stopped for a request; it goes on at the next idle moment", kind)
+            return INTERRUPTED_RETRY_S
+        finally:
+            _state.interrupted = None
+        if pending(lay if kind == "layout" else lay.get("adapt")):
+            waits.append(lay["retry_at"] - time.time() if kind == "layout" else lay["adapt"]["retry_at"] - time.time())
+    return max(1.0, min(waits)) if waits else None
+
+
+def settle(engine: Any) -> None:
+    """Run every pending probe to its end now, whatever its retry time (tests, benchmarks)."""
+    for verdict in (engine.kv_layout, engine.kv_layout.get("adapt")):
+        if pending(verdict):
+            verdict["retry_at"] = 0.0
+    while run(engine, lambda: False) is not None:
+        for verdict in (engine.kv_layout, engine.kv_layout.get("adapt")):
+            if pending(verdict):
+                return  # disturbed: recorded for later
