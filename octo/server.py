@@ -352,8 +352,10 @@ async def engines(request: web.Request) -> web.Response:
         slots = [slot]
     per_model = [_engines_of(s) for s in slots]
     body: dict[str, Any] = {"object": "list", "models": per_model}
-    if len(per_model) == 1:
+    if len(per_model) == 1:  # its fields at the top; its engine rows only there (each engine once)
         body.update(per_model[0])
+        per_model[0] = {k: v for k, v in per_model[0].items() if k != "data"}
+        body["models"] = per_model
     else:
         from octo.loader import engine_rows
         from octo.plugins import engine_registry

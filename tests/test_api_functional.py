@@ -165,7 +165,9 @@ def test_info_endpoints(echo_server):
     engines = json.loads(get("/v1/engines")[2])
     names = {e["name"] for e in engines["data"]}
     assert {"echo", "llamacpp", "mlx", "onnx", "whisper"} <= names
-    assert engines["active"] == "echo"
+    assert len(names) == len(engines["data"])  # each engine once
+    assert [e["name"] for m in engines["models"] for e in m.get("data", [])] == []  # not again under models
+    assert engines["active"] == "echo" and engines["models"][0]["active"] == "echo"
     for e in engines["data"]:
         assert {"name", "available", "reason", "tasks", "formats", "benchmark"} <= set(e)
     q = json.loads(get("/v1/queue/stats")[2])

@@ -25,7 +25,8 @@ octo.enginesView = (() => {
       el("td", { class: "reason", text: e.reason || "" }))));
     const models = body.models || [];
     const box = document.getElementById("selection");
-    box.replaceChildren(...(models.length ? models.map(selection)
+    // one model: its engine rows are the top-level ones (each engine is listed once)
+    box.replaceChildren(...(models.length ? models.map((m) => selection({ data: body.data, ...m }))
       : [el("p", { class: "hint", text: "No model is loaded." })]));
   }
 
