@@ -13,10 +13,11 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 pytest.importorskip("faster_whisper")
 pytest.importorskip("pywhispercpp")
 
-from octo.catalog import load_catalog  # noqa: E402
-from octo.engine import EngineConfig, TranscriptionRequest  # noqa: E402
 from octo.engines.faster_whisper import FasterWhisperEngine  # noqa: E402
 from octo.engines.whispercpp import WhisperCppEngine  # noqa: E402
+
+from octo.catalog import load_catalog  # noqa: E402
+from octo.engine import EngineConfig, TranscriptionRequest  # noqa: E402
 from octo.errors import ConfigError, InvalidRequest  # noqa: E402
 from octo.formats import detect_repo, inspect_path  # noqa: E402
 from octo.plugins import engine_registry  # noqa: E402
