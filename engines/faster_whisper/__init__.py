@@ -76,11 +76,8 @@ class FasterWhisperEngine(Engine):
         for module, package in (("ctranslate2", "ctranslate2"), ("faster_whisper", "faster-whisper")):
             if importlib.util.find_spec(module) is None:
                 return Detection(False, f"{package} is not installed (pip install 'octo[speech]')")
-        import ctranslate2
-
-        cuda = ctranslate2.get_cuda_device_count()
-        return Detection(True, f"cpu ({', '.join(sorted(ctranslate2.get_supported_compute_types('cpu')))})"
-                         + (f"; {cuda} cuda device(s)" if cuda else ""))
+        # not imported here: detect() runs in the gateway, and CTranslate2 brings its own OpenMP runtime
+        return Detection(True, "cpu (cuda when built with it; -o compute_type=int8|float32|...)")
 
     @classmethod
     def version(cls) -> str:
