@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from octo.errors import ConfigError, ModelNotFound
-from octo.formats import EXPECTED, FILE_FORMATS, MLX_PATTERNS, ONNX_PATTERNS, detect_repo, inspect_path
+from octo.formats import CT2_PATTERNS, EXPECTED, FILE_FORMATS, MLX_PATTERNS, ONNX_PATTERNS, detect_repo, inspect_path
 
 CATALOG_PATH = Path(__file__).with_name("models.yaml")
 # What each built-in engine loads: the fallback when the engine registry is not at hand.
@@ -38,9 +38,11 @@ DEFAULT_ENGINE_FORMATS: dict[str, frozenset[str]] = {
     "mlx": frozenset({"mlx"}),
     "onnx": frozenset({"onnx"}),
     "whisper": frozenset({"whisper"}),
+    "faster-whisper": frozenset({"ct2"}),
+    "whispercpp": frozenset({"ggml"}),
     "echo": frozenset(),
 }
-_FOLDER_FORMAT = {"mlx": "mlx", "onnx": "onnx"}  # engines whose artifact is a folder
+_FOLDER_FORMAT = {"mlx": "mlx", "onnx": "onnx", "faster-whisper": "ct2"}  # engines whose artifact is a folder
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")  # no ':' (it separates the variant), no spaces
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ENGINE = re.compile(r"^[a-z][a-z0-9_-]*$")
@@ -106,7 +108,7 @@ class ArtifactSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     uri: str = Field(min_length=1)
-    format: Literal["gguf", "mlx", "onnx", "whisper", "synth", "none"] | None = None
+    format: Literal["gguf", "mlx", "onnx", "whisper", "ct2", "ggml", "synth", "none"] | None = None
     allow_patterns: tuple[str, ...] = ()
     subfolder: str | None = None
 
@@ -190,8 +192,8 @@ def _complete_spec(spec: ArtifactSpec, engine: str, where: str) -> None:
         raise ValueError(f"{where}: engine '{engine}' loads {'/'.join(sorted(known)) or 'no files'}, not {fmt}")
     is_file = _is_file_uri(spec.uri)
     if kind == "url" and not is_file:
-        raise ValueError(f"{where}: a URL artifact must be a .gguf or .pt file, got '{spec.uri}'")
-    if fmt in ("gguf", "whisper") and not is_file:
+        raise ValueError(f"{where}: a URL artifact must be a .gguf, .pt or .bin file, got '{spec.uri}'")
+    if fmt in ("gguf", "whisper", "ggml") and not is_file:
         raise ValueError(f"{where}: a {fmt} artifact must be a single file, got '{spec.uri}'")
     if (spec.allow_patterns or spec.subfolder) and (is_file or kind not in ("hf", "path")):
         raise ValueError(f"{where}: allow_patterns/subfolder only apply to a folder artifact")
@@ -200,7 +202,7 @@ def _complete_spec(spec: ArtifactSpec, engine: str, where: str) -> None:
     spec.format = fmt
     if kind == "hf" and not is_file and not spec.allow_patterns:
         prefix = f"{spec.subfolder.strip('/')}/" if spec.subfolder else ""
-        base = MLX_PATTERNS if fmt == "mlx" else ONNX_PATTERNS if fmt == "onnx" else ("*",)
+        base = {"mlx": MLX_PATTERNS, "onnx": ONNX_PATTERNS, "ct2": CT2_PATTERNS}.get(fmt, ("*",))
         spec.allow_patterns = tuple(prefix + p for p in base)
 
 
@@ -453,7 +455,7 @@ def _resolve_hf(
     low = repo.lower()
     task = (
         "transcription"
-        if "whisper" in found
+        if found.keys() & {"whisper", "ct2", "ggml"}
         else "embeddings"
         if any(k in low for k in ("embed", "bge-", "/e5-", "minilm", "gte-"))
         else "chat"

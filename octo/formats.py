@@ -2,7 +2,8 @@
 
 Formats: ``gguf`` (llama.cpp), ``mlx`` (a Hugging Face format folder, config.json + *.safetensors, which
 mlx-lm loads), ``onnx`` (an onnxruntime-genai folder with genai_config.json), ``whisper`` (an
-openai-whisper .pt checkpoint).
+openai-whisper .pt checkpoint), ``ct2`` (a CTranslate2 Whisper folder: model.bin + config.json, for faster-whisper),
+``ggml`` (a whisper.cpp model file).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ ONNX_PATTERNS = (
     "*.tiktoken",
     "*.jinja",
 )
-FILE_FORMATS = {".gguf": "gguf", ".pt": "whisper"}
+FILE_FORMATS = {".gguf": "gguf", ".pt": "whisper", ".bin": "ggml"}
+GGML_MAGIC = b"lmgg"  # whisper.cpp's 0x67676d6c, little-endian
+CT2_PATTERNS = ("*.json", "model.bin", "vocabulary*")
 # Our variant names -> GGUF quantisation tags, in order of preference.
 _GGUF_TAGS = {
     "4bit": ("q4_k_m", "q4_0", "q4_k_s", "iq4_xs", "q4_1"),
@@ -59,7 +62,8 @@ _EMBED_ARCHS = {
     "neo-bert",
 }
 EXPECTED = (
-    "expected a .gguf file, a whisper .pt checkpoint, an MLX / Hugging Face folder (config.json + "
+    "expected a .gguf file, a whisper .pt checkpoint or whisper.cpp ggml .bin, a CTranslate2 Whisper folder, "
+    "an MLX / Hugging Face folder (config.json + "
     "*.safetensors) or an onnxruntime-genai folder (genai_config.json)"
 )
 
@@ -79,10 +83,14 @@ def inspect_path(path: Path) -> tuple[str, str, int | None]:
             return "gguf", "embeddings" if embed else "chat", meta.get(f"{arch}.context_length")
         if path.suffix.lower() == ".pt" and (head == b"PK\x03\x04" or head[:1] == b"\x80"):
             return "whisper", "transcription", None
+        if head == GGML_MAGIC:
+            return "ggml", "transcription", None
         raise ModelNotFound(f"'{path}' is not a supported model file: {EXPECTED}.", param="model")
     if (path / "genai_config.json").is_file():
         cfg = _read_json(path / "genai_config.json")
         return "onnx", "chat", _int((cfg.get("model") or {}).get("context_length"))
+    if (path / "model.bin").is_file() and "suppress_ids_begin" in _read_json(path / "config.json"):
+        return "ct2", "transcription", None  # a CTranslate2 Whisper folder (faster-whisper)
     if (path / "config.json").is_file() and _read_json(path / "config.json").get("model_type") == "whisper":
         return "whisper", "transcription", None  # a transformers Whisper folder
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
@@ -245,6 +253,8 @@ def detect_repo(repo: str, files: list[str], variant: str | None) -> dict[str, d
             found["whisper"] = {"uri": f"hf://{repo}/{picked[0]}"}
         elif len(picked) > 1:
             known += pts
+    speech = _speech_repo(repo, files, want)
+    found.update(speech)
     if not found:
         if not (ggufs or onnx_dirs or pts or "config.json" in files):
             raise ModelNotFound(
@@ -255,4 +265,17 @@ def detect_repo(repo: str, files: list[str], variant: str | None) -> dict[str, d
             + (f"; known variants: {', '.join(known)}." if known else "."),
             param="model",
         )
+    return found
+
+
+def _speech_repo(repo: str, files: list[str], want: str | None) -> dict[str, dict]:
+    """A CTranslate2 Whisper repository (Systran/faster-whisper-*) and whisper.cpp ggml files."""
+    found: dict[str, dict] = {}
+    if "model.bin" in files and "config.json" in files and "whisper" in repo.lower():
+        found["ct2"] = {"uri": f"hf://{repo}", "allow_patterns": CT2_PATTERNS}
+    ggml = [f for f in files if "/" not in f and re.fullmatch(r"(?i)ggml-.+\.bin", f) and "encoder" not in f]
+    if ggml:
+        picked = [f for f in ggml if want and f.lower().removesuffix(".bin").endswith(want)] if want else ggml
+        if len(picked) == 1:
+            found["ggml"] = {"uri": f"hf://{repo}/{picked[0]}"}
     return found

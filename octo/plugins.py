@@ -26,8 +26,10 @@ DEFAULT_PLUGINS = (
     "octo.engines.mlx",
     "octo.engines.onnx",
     "octo.engines.whisper",
+    "octo.engines.faster_whisper",
+    "octo.engines.whispercpp",
 )
-KNOWN_ENGINES = ("echo", "llamacpp", "mlx", "onnx", "whisper")
+KNOWN_ENGINES = ("echo", "llamacpp", "mlx", "onnx", "whisper", "faster-whisper", "whispercpp")
 
 _pm: pluggy.PluginManager | None = None
 load_errors: dict[str, str] = {}

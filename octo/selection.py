@@ -44,7 +44,7 @@ from typing import Any
 from octo import engine_choice as choice
 from octo.atomic import sweep, write_json
 from octo.benchload import LoadMonitor, loadavg_1min, wait_quiet
-from octo.engine import Engine, Feed, SamplingParams, Sequence
+from octo.engine import Engine, Feed, SamplingParams, Sequence, Task
 from octo.paths import bench_dir
 
 log = logging.getLogger("octo.selection")
@@ -262,6 +262,8 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
     it). ``conditions`` also records the budget, the load figures, the attempts, the work done and whether the
     budget was too small for the floor.
     """
+    if Task.TRANSCRIPTION in engine.tasks:
+        return speech_benchmark(engine, seconds)  # a speech engine: measured on speech work
     t0 = time.perf_counter()
     limit = t0 + 2 * seconds + FLOOR_GRACE + 2
     load1 = loadavg_1min()
@@ -574,3 +576,56 @@ def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callab
             return f"{v:9.1f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
         say(f"{n:10s} {f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))} "
             f"{str(r.get('threads') or '-'):>7s} {r['score']:9.2f}  {note}")
+
+
+# -- speech engines ----------------------------------------------------------------------------------
+SPEECH_CLIP_S = 6.0
+
+
+def speech_clip(seconds: float = SPEECH_CLIP_S) -> Any:
+    """A fixed synthetic clip (voiced tones with a syllable rhythm and a little noise), 16 kHz float32."""
+    import numpy as np
+
+    t = np.arange(int(seconds * 16000)) / 16000.0
+    voice = sum(np.sin(2 * np.pi * f * t) / k for k, f in enumerate((140.0, 280.0, 420.0, 700.0, 1100.0), 1))
+    rhythm = 0.5 * (1 + np.sin(2 * np.pi * 3.0 * t))
+    noise = np.random.default_rng(0).standard_normal(t.size)
+    return (0.1 * voice * rhythm + 0.01 * noise).astype(np.float32)
+
+
+def speech_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
+    """Measure a speech engine: transcriptions of :func:`speech_clip` through its own ``transcribe`` (OpenAI's
+    decoding rules, as requests get), after an untimed one, until ``seconds`` are spent (at least one timed
+    run). Score: seconds of audio transcribed per second (x real time). Never raises; a run still going at
+    twice the budget is cancelled at its next window and counts as done then (its score is an upper bound)."""
+    from octo.engine import TranscriptionRequest
+
+    t_start = time.perf_counter()
+    hard = t_start + 2 * seconds + FLOOR_GRACE
+    clip = speech_clip()
+    result: dict[str, Any] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None,
+                              "threads": None, "score": 0.0, "cached": False, "seconds": None, "error": None,
+                              "stopped": None, "speech_x_realtime": None,
+                              "conditions": {"work": {"clips": 0, "clip_s": SPEECH_CLIP_S}, "budget_s": seconds,
+                                             "disturbed": False}}
+    try:
+        def late() -> bool:
+            return time.perf_counter() > hard
+
+        engine.transcribe(TranscriptionRequest(audio=clip[:16000], language="en", cancelled=late))
+        runs, spent = 0, 0.0
+        while runs == 0 or (time.perf_counter() < t_start + seconds and not late()):
+            t0 = time.perf_counter()
+            engine.transcribe(TranscriptionRequest(audio=clip, language="en", cancelled=late))
+            spent += time.perf_counter() - t0
+            runs += 1
+        if late():
+            result["stopped"] = f"cancelled at {2 * seconds + FLOOR_GRACE:g} s (an upper bound)"
+        result["speech_x_realtime"] = round(runs * SPEECH_CLIP_S / spent, 3)
+        result["score"] = result["speech_x_realtime"]
+        result["conditions"]["work"]["clips"] = runs
+    except Exception as exc:  # noqa: BLE001 - a failing candidate is recorded, never raised
+        log.warning("speech benchmark of %s failed: %s", engine.name, exc)
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["seconds"] = round(time.perf_counter() - t_start, 3)
+    return result

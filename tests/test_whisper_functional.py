@@ -70,7 +70,8 @@ def test_json_text_srt_vtt(server, clips):
     assert vtt.startswith("WEBVTT\n\n00:00:")
     cue_texts = [b.split("\n")[1] for b in vtt[8:].strip().split("\n\n")]
     assert cue_texts == [b.split("\n")[2] for b in srt.strip().split("\n\n")]
-    assert " ".join(cue_texts) == j.text
+    # the text is the segments' texts joined; a cue is stripped (a segment may start without a space)
+    assert "".join(cue_texts).replace(" ", "") == j.text.replace(" ", "")
 
 
 def test_verbose_json_with_words(server, clips):

@@ -16,6 +16,11 @@ def build_for(name: str, engine: str, quant: str | None = "default", seed: int =
         from octo.synth.whisper import build_whisper
 
         return build_whisper(name.removeprefix("whisper-"), seed)
+    if engine in ("faster-whisper", "whispercpp"):  # the same weights as "whisper", in the engine's format
+        from octo.synth.speech import build_whisper_ct2, build_whisper_ggml
+
+        shape = name.removeprefix("whisper-")
+        return build_whisper_ct2(shape, seed) if engine == "faster-whisper" else build_whisper_ggml(shape, seed)
     spec = get_spec(name)
     if quant == "default":
         quant = DEFAULT_QUANT.get(engine)

@@ -1,0 +1,198 @@
+"""The faster-whisper engine: Whisper transcription and translation on CTranslate2.
+
+Loads CTranslate2 Whisper folders (``model.bin`` + ``config.json`` + ``tokenizer.json``: ``Systran/faster-whisper-*``
+on the hub, ``ct2-transformers-converter`` output, the synthetic builder's ``ct2-*`` folders) and transcribes
+with faster-whisper's ``WhisperModel.transcribe``, whose long-form loop is ``whisper.transcribe``'s: 30-second
+windows, OpenAI's temperature fallback with its thresholds, previous text as prompt. The engine sets the
+options where faster-whisper's defaults differ from OpenAI's (faster-whisper: beam 5, best_of 5, 448 new
+tokens on the first window; OpenAI: greedy, one sample, 224), and keeps VAD and the batched pipeline off
+(``BatchedInferencePipeline`` cuts audio at VAD pauses and decodes chunks without the previous text or the
+fallback: other semantics).
+
+Options (``-o KEY=VALUE``): ``compute_type`` (default: the folder's own type; int8, int8_float32, float32,
+float16 ...), ``device`` (cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: all cores),
+``workers`` (CTranslate2 workers: queued requests transcribed in parallel; default 1), and the common
+decoding options ``beam_size``, ``best_of``, ``max_new_tokens``, ``condition_on_previous_text``,
+``temperature_increment``, ``compression_ratio_threshold``, ``logprob_threshold``, ``no_speech_threshold``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from octo.engines.faster_whisper.common import (
+    SpeechSegment,
+    check_request,
+    finish,
+    parse_options,
+    positive_int,
+    run_batch,
+    temperatures,
+)
+
+from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
+from octo.errors import ConfigError, EngineError, OctoError
+from octo.hookspecs import hookimpl
+
+_EXTRA = {"compute_type": str, "device": str, "workers": positive_int}
+
+
+def is_ct2_whisper(path: Path) -> bool:
+    """A CTranslate2 Whisper folder: model.bin and a config.json with Whisper's fields."""
+    if not (path / "model.bin").is_file() or not (path / "config.json").is_file():
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "suppress_ids_begin" in config and "lang_ids" in config
+
+
+class FasterWhisperEngine(Engine):
+    name = "faster-whisper"
+    aliases = ("faster_whisper", "ctranslate2")
+    tasks = frozenset({Task.TRANSCRIPTION})
+    formats = frozenset({"ct2"})
+    batching = "window"  # queued requests come together (transcribe_batch); `workers` run them in parallel
+    sampling_params = frozenset({"temperature"})
+    supports_word_timestamps = True  # cross-attention alignment, as openai-whisper
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        self.opts = parse_options(self.name, self.config.options, _EXTRA)
+        if self.opts.get("device", "cpu") not in ("cpu", "cuda", "auto"):
+            raise ConfigError(f"Option 'device' must be cpu, cuda or auto, got '{self.opts['device']}'.",
+                              param="device")
+        self.model = None
+        self.languages: frozenset[str] = frozenset()
+
+    @classmethod
+    def detect(cls) -> Detection:
+        for module, package in (("ctranslate2", "ctranslate2"), ("faster_whisper", "faster-whisper")):
+            if importlib.util.find_spec(module) is None:
+                return Detection(False, f"{package} is not installed (pip install 'octo[speech]')")
+        # not imported here: detect() runs in the gateway, and CTranslate2 brings its own OpenMP runtime
+        return Detection(True, "cpu (cuda when built with it; -o compute_type=int8|float32|...)")
+
+    @classmethod
+    def version(cls) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"{version('faster-whisper')}+ct2-{version('ctranslate2')}"
+        except PackageNotFoundError:
+            return "0"
+
+    @classmethod
+    def artifact_format(cls, path: str) -> str | None:
+        p = Path(path)
+        return "ct2" if p.is_dir() and is_ct2_whisper(p) else None
+
+    def load(self, artifact: str, name: str) -> ModelInfo:
+        path = Path(artifact)
+        if not is_ct2_whisper(path):
+            raise ConfigError(f"{artifact} is not a CTranslate2 Whisper folder (model.bin + config.json).")
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"{artifact} has no tokenizer.json (faster-whisper would download one).")
+        threads = self.opts.get("threads") or os.cpu_count() or 1
+        compute = self.opts.get("compute_type", "default")
+        try:
+            self.model = _model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
+                                        cpu_threads=threads, num_workers=self.opts.get("workers", 1),
+                                        local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loading failure is a configuration problem
+            raise ConfigError(f"Cannot load CTranslate2 Whisper model from {artifact}: {type(exc).__name__}: {exc}"
+                              ) from exc
+        ct2 = self.model.model
+        self.languages = frozenset(self.model.supported_languages)
+        self.info = ModelInfo(
+            name=name,
+            n_ctx=self.model.max_length,
+            n_vocab=self.model.hf_tokenizer.get_vocab_size(),
+            extra={
+                "device": ct2.device,
+                "compute_type": ct2.compute_type,
+                "threads": threads,
+                "workers": self.opts.get("workers", 1),
+                "multilingual": ct2.is_multilingual,
+                "n_mels": ct2.n_mels,
+                "max_new_tokens": self.opts.get("max_new_tokens") or self.model.max_length // 2,
+                "beam_size": self.opts["beam_size"],
+                "batching": "queued requests run on `workers` CTranslate2 workers",
+            },
+        )
+        return self.info
+
+    def unload(self) -> None:
+        self.model = None
+        super().unload()
+
+    def transcribe(self, request: TranscriptionRequest) -> Transcription:
+        if self.model is None:
+            raise EngineError("The faster-whisper model is not loaded.")
+        o = self.opts
+        language = check_request(request, self.languages, self.model.model.is_multilingual)
+        if language is None and not self.model.model.is_multilingual:
+            language = "en"
+        try:
+            segments, info = self.model.transcribe(
+                request.audio, language=language, task=request.task, beam_size=o["beam_size"],
+                best_of=o["best_of"], temperature=list(temperatures(request.temperature, o["temperature_increment"])),
+                compression_ratio_threshold=o["compression_ratio_threshold"],
+                log_prob_threshold=o["logprob_threshold"], no_speech_threshold=o["no_speech_threshold"],
+                condition_on_previous_text=o["condition_on_previous_text"], initial_prompt=request.prompt or None,
+                word_timestamps=request.word_timestamps, vad_filter=False, without_timestamps=False,
+                max_new_tokens=o.get("max_new_tokens") or self.model.max_length // 2,
+            )
+            out: list[SpeechSegment] = []
+            for s in segments:  # lazily decoded: one 30-second window per step
+                out.append(_segment(s))
+                if request.cancelled is not None and request.cancelled():
+                    break
+        except OctoError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise EngineError(f"faster-whisper failed: {type(exc).__name__}: {exc}") from exc
+        return finish([s.text for s in out], info.language, len(request.audio), out)
+
+    def transcribe_batch(self, requests: list[TranscriptionRequest],
+                         on_done: Callable[[int, Any], None] | None = None) -> list[Transcription | OctoError]:
+        return run_batch(self.transcribe, requests, on_done, self.opts.get("workers", 1))
+
+
+def _segment(s: Any) -> SpeechSegment:
+    words = None
+    if s.words is not None:
+        words = [{"word": w.word, "start": float(w.start), "end": float(w.end), "probability": float(w.probability)}
+                 for w in s.words]
+    return SpeechSegment(start=float(s.start), end=float(s.end), text=s.text, words=words, id=s.id - 1, seek=s.seek,
+                         tokens=list(s.tokens), temperature=float(s.temperature or 0.0),
+                         avg_logprob=float(s.avg_logprob), compression_ratio=float(s.compression_ratio),
+                         no_speech_prob=float(s.no_speech_prob))
+
+
+def _model_class():
+    """faster-whisper's WhisperModel with OpenAI's token budget per window: at most ``max_new_tokens`` new
+    tokens and never past the text context (OpenAI stops there; faster-whisper would refuse the window)."""
+    from dataclasses import replace
+
+    from faster_whisper import WhisperModel
+
+    class Model(WhisperModel):
+        def generate_with_fallback(self, encoder_output, prompt, tokenizer, options):
+            room = self.max_length - len(prompt)
+            if options.max_new_tokens is not None and options.max_new_tokens > room:
+                options = replace(options, max_new_tokens=room)
+            return super().generate_with_fallback(encoder_output, prompt, tokenizer, options)
+
+    return Model
+
+
+@hookimpl
+def register_engines(register):
+    register(FasterWhisperEngine)

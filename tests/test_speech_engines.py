@@ -1,0 +1,134 @@
+"""The speech engines' formats, synthetic conversions (same weights in every format) and request checks."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+whisper = pytest.importorskip("whisper")
+ctranslate2 = pytest.importorskip("ctranslate2")
+pytest.importorskip("faster_whisper")
+pytest.importorskip("pywhispercpp")
+
+from octo.engines.faster_whisper import FasterWhisperEngine  # noqa: E402
+from octo.engines.whispercpp import WhisperCppEngine  # noqa: E402
+
+from octo.catalog import load_catalog  # noqa: E402
+from octo.engine import EngineConfig, TranscriptionRequest  # noqa: E402
+from octo.errors import ConfigError, InvalidRequest  # noqa: E402
+from octo.formats import detect_repo, inspect_path  # noqa: E402
+from octo.plugins import engine_registry  # noqa: E402
+from octo.synth.speech import build_whisper_ct2, build_whisper_ggml  # noqa: E402
+from octo.synth.whisper import build_whisper  # noqa: E402
+
+SHAPE = "test3"
+
+
+def _mel(seconds: float = 4.0):
+    audio = (np.random.default_rng(1).standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32)
+    return whisper.log_mel_spectrogram(whisper.pad_or_trim(audio), 80)[None]
+
+
+def test_ct2_conversion_keeps_the_weights():
+    """The CTranslate2 float32 folder's encoder matches openai-whisper's on the same mel (within 1e-4)."""
+    model = whisper.load_model(str(build_whisper(SHAPE)), device="cpu")
+    mel = _mel()
+    with torch.no_grad():
+        ref = model.encoder(mel).numpy()
+    ct2 = ctranslate2.models.Whisper(str(build_whisper_ct2(SHAPE)), device="cpu", compute_type="float32")
+    out = np.array(ct2.encode(ctranslate2.StorageView.from_array(mel.numpy()), to_cpu=True))
+    assert out.shape == ref.shape
+    assert np.abs(out - ref).max() < 1e-4
+    # the decoder too: the same first greedy tokens after the same prompt
+    prompt = [50258, 50259, 50359, 50363]  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+    got = ct2.generate(ctranslate2.StorageView.from_array(ref), [prompt], max_length=8, beam_size=1,
+                       suppress_blank=False, suppress_tokens=[], return_scores=False)[0].sequences_ids[0]
+    tokens = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(len(got)):
+            logits = model.decoder(tokens, torch.from_numpy(ref))[0, -1]
+            tokens = torch.cat([tokens, logits.argmax().view(1, 1)], 1)
+    assert got == tokens[0, len(prompt):].tolist()
+
+
+def test_ggml_file_follows_whisper_cpp_layout():
+    """Header, mel filters, vocabulary and tensors as whisper.cpp reads them; the f32 file holds the same values."""
+    ckpt = torch.load(build_whisper(SHAPE), map_location="cpu", weights_only=True)
+    path = build_whisper_ggml(SHAPE, ftype="f32")
+    data = path.read_bytes()
+    magic, *hp = struct.unpack("<12i", data[:48])
+    assert magic == 0x67676D6C and hp[:10] == [ckpt["dims"][k] for k in (
+        "n_vocab", "n_audio_ctx", "n_audio_state", "n_audio_head", "n_audio_layer", "n_text_ctx", "n_text_state",
+        "n_text_head", "n_text_layer", "n_mels")] and hp[10] == 0
+    off = 48
+    rows, cols = struct.unpack("<ii", data[off:off + 8])
+    off += 8 + 4 * rows * cols
+    (n_tokens,) = struct.unpack("<i", data[off:off + 4])
+    off += 4
+    for _ in range(n_tokens):
+        off += 4 + struct.unpack("<i", data[off:off + 4])[0]
+    seen = 0
+    while off < len(data):
+        n_dims, n_name, ftype = struct.unpack("<iii", data[off:off + 12])
+        off += 12
+        shape = struct.unpack(f"<{n_dims}i", data[off:off + 4 * n_dims])[::-1]
+        off += 4 * n_dims
+        name = data[off:off + n_name].decode()
+        off += n_name
+        size = int(np.prod(shape)) * 4
+        value = np.frombuffer(data[off:off + size], "<f4").reshape(shape)
+        off += size
+        ref = ckpt["model_state_dict"][name].float().numpy()
+        assert ftype == 0 and np.array_equal(value.reshape(ref.shape), ref), name
+        seen += 1
+    assert seen == len(ckpt["model_state_dict"])
+    assert inspect_path(path)[:2] == ("ggml", "transcription")
+    assert inspect_path(build_whisper_ct2(SHAPE))[:2] == ("ct2", "transcription")
+
+
+def test_engines_registered_with_their_formats():
+    reg = engine_registry()
+    assert reg["faster-whisper"] is FasterWhisperEngine and reg["whispercpp"] is WhisperCppEngine
+    assert FasterWhisperEngine.detect().available and WhisperCppEngine.detect().available
+    assert FasterWhisperEngine.artifact_format(str(build_whisper_ct2(SHAPE))) == "ct2"
+    assert WhisperCppEngine.artifact_format(str(build_whisper_ggml(SHAPE))) == "ggml"
+    assert FasterWhisperEngine.artifact_format(str(build_whisper(SHAPE))) is None
+
+
+def test_catalog_variants_for_every_speech_engine():
+    formats = {c.name: c.formats for c in engine_registry().values()}
+    r = load_catalog().resolve("whisper-base", formats)
+    assert r.task == "transcription" and r.name == "whisper-base"
+    assert r.artifacts["faster-whisper"].uri == "hf://Systran/faster-whisper-base"
+    assert r.artifacts["faster-whisper"].format == "ct2"
+    assert r.artifacts["whispercpp"].uri == "hf://ggerganov/whisper.cpp/ggml-base.bin"
+    assert r.artifacts["whisper"].format == "whisper"
+
+
+def test_hub_repositories_by_files():
+    files = ["README.md", "config.json", "model.bin", "tokenizer.json", "vocabulary.txt"]
+    assert detect_repo("Systran/faster-whisper-small", files, None)["ct2"]["uri"] == "hf://Systran/faster-whisper-small"
+    ggml = ["ggml-base.bin", "ggml-base-q5_1.bin", "ggml-base-encoder.mlmodelc.zip"]
+    assert detect_repo("x/whisper-ggml", ggml, "q5_1")["ggml"]["uri"] == "hf://x/whisper-ggml/ggml-base-q5_1.bin"
+
+
+@pytest.mark.parametrize("cls", [FasterWhisperEngine, WhisperCppEngine])
+def test_options_and_requests_are_checked(cls):
+    with pytest.raises(ConfigError, match="Unknown option 'nope'"):
+        cls(EngineConfig(options={"nope": "1"}))
+    with pytest.raises(ConfigError, match="beam_size"):
+        cls(EngineConfig(options={"beam_size": "0"}))
+    engine = cls(EngineConfig(options={"max_new_tokens": "4", "temperature_increment": "0"}))
+    path = build_whisper_ct2(SHAPE) if cls is FasterWhisperEngine else build_whisper_ggml(SHAPE)
+    engine.load(str(path), "t")
+    audio = np.zeros(16000, np.float32)
+    with pytest.raises(InvalidRequest, match="Language 'klingon'"):
+        engine.transcribe(TranscriptionRequest(audio=audio, language="klingon"))
+    r = engine.transcribe(TranscriptionRequest(audio=audio, language="english", task="translate"))
+    assert r.language == "en" and r.duration == 1.0
+    results = engine.transcribe_batch([TranscriptionRequest(audio=audio, task="bogus"),
+                                       TranscriptionRequest(audio=audio, language="en")])
+    assert isinstance(results[0], InvalidRequest) and results[1].duration == 1.0
