@@ -1,4 +1,5 @@
-"""Cost of the disk prefix cache's payload checksum (octo.disk_cache) next to reading the payload: xxh3-64 (what octo
+"""Cost of the disk prefix cache's payload checksum (octo.scheduler.disk_cache) next to reading the payload: xxh3-64
+(what octo
 uses), CRC-32 (its fallback) and BLAKE2b, on payloads the size of a 2,000-token prefix of a 0.5B model (12 KB of KV
 a token) and of an 8B GQA model (128 KB a token). Best of 3 each; run under ``flock /tmp/octo-bench.lock``.
 
@@ -15,7 +16,7 @@ import tempfile
 import time
 import zlib
 
-from octo.disk_cache import checksum
+from octo.scheduler.disk_cache import checksum
 
 SIZES = {"2000 tokens, 0.5B model (12 KB/token)": 24, "2000 tokens, 8B GQA model (128 KB/token)": 256}
 

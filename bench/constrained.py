@@ -1,4 +1,4 @@
-"""The cost of constrained decoding (octo.constrain, llguidance) per text engine: 8 concurrent streams with a JSON
+"""The cost of constrained decoding (octo.text.constrain, llguidance) per text engine: 8 concurrent streams with a JSON
 schema vs the same 8 streams unconstrained, through octo's shared scheduler in this process, on the synthetic
 Qwen2.5-0.5B-shaped model (151,936-token vocabulary, random weights), greedy.
 
@@ -56,7 +56,7 @@ def artifact(engine: str, shape: str) -> str:
 
 async def run_load(sched, engine, grammar, max_tokens: int) -> tuple[float, list[list[int]]]:
     from octo.engine import SamplingParams
-    from octo.jobs import GenerationRequest
+    from octo.scheduler.jobs import GenerationRequest
 
     eos = {t: -100.0 for t in engine.info.eos_token_ids}
     tickets = []
@@ -101,10 +101,10 @@ def mask_times(grammar, engine, outputs: list[list[int]]) -> dict:
 
 
 async def bench_engine(name: str, shape: str, reps: int, short: int, long: int) -> dict:
-    from octo.constrain import Constraint, compile_constraint, vocab_for
     from octo.engine import EngineConfig
     from octo.plugins import engine_registry, load_plugins
-    from octo.scheduler import Scheduler
+    from octo.scheduler.admission import Scheduler
+    from octo.text.constrain import Constraint, compile_constraint, vocab_for
 
     cls = engine_registry(load_plugins())[name]
     path = artifact(name, shape)

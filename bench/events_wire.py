@@ -2,7 +2,7 @@
 
 - worker: the engine thread's events into the worker's wire queue, one flushed message (pickled frame) per 8 events;
 - gateway: frame by frame, the gateway reads it (``ipc.FrameReader``), its handle routes the events to the request's
-  queue, and the chat route's task turns them into ``data:`` chunks (``octo.api._write_events``).
+  queue, and the chat route's task turns them into ``data:`` chunks (``octo.server.routes.openai._write_events``).
 
 10,000 events: 70% text, 15% logprobs, 15% tool-call deltas (the kinds both vocabularies carry over the wire).
 
@@ -44,7 +44,7 @@ class _Sender:
         self.frames: list[bytes] = []
 
     def send_locked(self, msg: tuple) -> None:
-        from octo import ipc
+        from octo.runtime import ipc
 
         self.frames.append(ipc.frame(msg))
 
@@ -62,12 +62,14 @@ class _Resp:
 
 
 def run_once() -> dict[str, float]:
-    from octo import api, ipc, remote, serving, worker
-    from octo.jobs import Result
+    from octo.runtime import ipc, remote, worker
+    from octo.scheduler.jobs import Result
+    from octo.server.routes import openai as api
+    from octo.serving import openai as serving
 
     ev = None
-    if hasattr(worker, "encode"):  # this tree: octo.events (an older one: string-tagged tuples)
-        from octo import events as ev
+    if hasattr(worker, "encode"):  # this tree: octo.scheduler.events (an older one: string-tagged tuples)
+        from octo.scheduler import events as ev
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
@@ -93,7 +95,7 @@ def run_once() -> dict[str, float]:
     t_encode = time.thread_time_ns() - t0
 
     if ev is not None:
-        from octo.handle import WireTicket
+        from octo.runtime.handle import WireTicket
 
         h = remote.RemoteHandle.__new__(remote.RemoteHandle)
         h._requests = {}

@@ -273,7 +273,7 @@ def octo_cmd(path: str, port: int, args, max_batch: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "octo.cli",
+        "octo.cli.main",
         "serve",
         path,
         "--engine",

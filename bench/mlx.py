@@ -3,7 +3,7 @@
 For each weight format (float32; 4-bit affine with float32 scales) and BLAS choice (MLX's bundled reference BLAS;
 OpenBLAS preloaded), a child process (MLX's BLAS is fixed when MLX is first loaded) measures:
 
-- single stream: decode tok/s of one greedy request through ``octo.scheduler.Scheduler`` + the mlx engine
+- single stream: decode tok/s of one greedy request through ``octo.scheduler.admission.Scheduler`` + the mlx engine
   (streaming events included) vs a raw ``mlx_lm.generate.generate_step`` loop (from the first token to the last);
 - 8 streams: aggregate tok/s of 8 concurrent requests through the scheduler vs a raw 8-sequence
   ``BatchGenerator`` loop, over the steps in which all 8 decode (and end to end, prefill included).
@@ -70,7 +70,7 @@ def window_rate(marks: list[tuple[float, int]], width: int) -> float:
 
 async def octo_run(engine, clock: StepClock, prompts: list[list[int]], n_tokens: int) -> dict:
     from octo.engine import SamplingParams
-    from octo.scheduler import GenerationRequest, Scheduler
+    from octo.scheduler.admission import GenerationRequest, Scheduler
 
     sched = Scheduler(engine, max_batch=len(prompts), cache=None)
     sched.start(asyncio.get_running_loop())
@@ -195,7 +195,7 @@ def child(args) -> dict:
 
 # -- parent ------------------------------------------------------------------------------------------
 def host() -> dict:
-    from octo.selection import host_fingerprint
+    from octo.runtime.selection import host_fingerprint
 
     return {"platform": platform.platform(), **host_fingerprint(), "python": platform.python_version()}
 

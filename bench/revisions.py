@@ -3,7 +3,7 @@
     flock /tmp/octo-bench.lock .venv/bin/python bench/revisions.py --base 966ee5d [--streams 1 8] [--reps 3]
 
 The base revision is checked out into a git worktree under ``.cache/revisions/`` (git-ignored), with
-``octo/engines`` linked to its ``engines/`` folder, and served from that folder (``python -m octo.cli`` puts its
+``octo/engines`` linked to its ``engines/`` folder, and served from that folder (``python -m octo.cli.main`` puts its
 working directory first on ``sys.path``, ahead of the editable install of this checkout). Both servers use this
 venv, the same synthetic Qwen2.5-0.5B Q4_K_M GGUF and 2 threads; the load and the differential decode rate are
 bench/llamacpp.py's (N greedy streams, ``(LONG - SHORT)`` tokens each, end-of-sequence banned). For each stream count

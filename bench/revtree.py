@@ -1,4 +1,4 @@
-"""A git revision of this repository checked out beside it, servable with ``python -m octo.cli`` from its folder.
+"""A git revision of this repository checked out beside it, servable with ``python -m octo.cli.main`` from its folder.
 
 The revision goes into a git worktree under ``.cache/revisions/<sha>`` (git-ignored) with ``octo/engines`` linked to
 its ``engines/`` folder; a server started with that folder as its working directory imports that revision's octo

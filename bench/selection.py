@@ -1,7 +1,7 @@
 """Does the start-up micro-benchmark pick the engine that `octo bench` finds fastest, and how long does it take?
 
 On a synthetic model of a real shape (default Qwen2.5-0.5B, 4-bit weights for every engine), one run:
-1. the start-up selection (`octo.selection.select`) over all available engines, from an empty cache;
+1. the start-up selection (`octo.runtime.selection.select`) over all available engines, from an empty cache;
 2. the same selection again, from the cache (nothing benchmarked, only the winner loaded);
 3. the selection again with --rebench, files in the page cache and libraries imported (right after a download);
 4. the long benchmark (`octo bench` workers, one engine at a time), whose winner is the best decode tok/s.
@@ -41,11 +41,11 @@ def main() -> None:
     import asyncio
     import os
 
-    from octo.benchcmd import QUANTS
+    from octo.cli.bench import QUANTS
     from octo.config import ServerConfig
-    from octo.loader import candidate
     from octo.plugins import engine_registry
-    from octo.selection import host_fingerprint, select
+    from octo.runtime.loader import candidate
+    from octo.runtime.selection import host_fingerprint, select
     from octo.synth import build_for
 
     reg = engine_registry()
@@ -80,7 +80,7 @@ def main() -> None:
     for e in engines:
         spec = json.dumps({"engine": e, "artifact": artifacts[e], "batches": [1, 4], "seconds": args.bench_seconds,
                            "options": {}, "prompt": 32})
-        out = subprocess.run([sys.executable, "-m", "octo.benchcmd", spec], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-m", "octo.cli.bench", spec], capture_output=True, text=True)
         ok = out.returncode == 0
         long[e] = json.loads(out.stdout.strip().splitlines()[-1]) if ok else {"error": out.stderr[-500:]}
     best = {e: max(r["decode_tok_s"] for r in v["rows"]) for e, v in long.items() if "rows" in v}

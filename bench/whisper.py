@@ -50,7 +50,7 @@ def start_server(ckpt: Path, port: int, max_new: int, log: Path) -> subprocess.P
     cmd = [
         sys.executable,
         "-m",
-        "octo.cli",
+        "octo.cli.main",
         "serve",
         str(ckpt),
         "--engine",
@@ -92,7 +92,7 @@ def main() -> None:
     from serverproc import free_port
 
     from octo.engine import EngineConfig, TranscriptionRequest
-    from octo.scheduler import Scheduler
+    from octo.scheduler.admission import Scheduler
     from octo.synth.whisper import build_whisper, speech
 
     scheduler_batches = hasattr(Scheduler, "call_batch")  # else queued requests run one at a time

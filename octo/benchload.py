@@ -2,7 +2,7 @@
 
 ``LoadMonitor`` samples, around a measurement, the CPUs' busy and steal time (/proc/stat, only the CPUs this
 process may run on), this process's own CPU time and its threads' run-queue wait (/proc/self/task/*/schedstat:
-time runnable but not running). ``octo.selection`` repeats a disturbed measurement once, after ``wait_quiet``,
+time runnable but not running). ``octo.runtime.selection`` repeats a disturbed measurement once, after ``wait_quiet``,
 and never caches one that stayed disturbed.
 """
 

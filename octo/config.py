@@ -26,9 +26,9 @@ class ServerConfig:
     plugins_dir: str | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); (): no CORS headers
     keep_alive: float | None = 300.0  # idle seconds before a model loaded on demand unloads (None: never)
-    max_loaded: int | None = None  # models loaded at once (0: no limit; None: the default, octo.memguard)
+    max_loaded: int | None = None  # models loaded at once (0: no limit; None: the default, octo.runtime.memguard)
     memory_budget_gb: float | None = None  # estimated memory of the loaded models (0: no limit; None: what fits in
-    #                                        MemAvailable, octo.memguard)
+    #                                        MemAvailable, octo.runtime.memguard)
     max_keep_alive: float | None = None  # longest keep_alive a request may ask for (None: unlimited)
     allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: Host names served on a loopback bind besides local ones
     models_dirs: tuple[str, ...] = ()  # --models-dir: folders whose models requests may load
@@ -37,17 +37,18 @@ class ServerConfig:
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)
     preempt: str = "swap"  # KV pressure: a preempted sequence's KV waits in host memory ("swap") or is recomputed
     step_stretch: float = 2.0  # prompt chunks may stretch a step to this many decode-only steps (0: no limit)
-    prefix_dedup: bool = True  # a prefix several running requests share is computed once (octo.sharing)
+    prefix_dedup: bool = True  # a prefix several running requests share is computed once (octo.scheduler.sharing)
     tool_format: str | None = None  # tool-call family for every model (None: detected from each chat template)
     reasoning_format: str = "parsed"  # chat: <think> text as reasoning_content ("parsed") or left in content ("none")
-    prefix_cache_dir: str | None = None  # the prefix cache's disk tier (octo.disk_cache); None: memory only
+    prefix_cache_dir: str | None = None  # the prefix cache's disk tier (octo.scheduler.disk_cache); None: memory only
     prefix_cache_disk_mb: float = 4096.0  # its budget
     shutdown_timeout: float = 30.0  # SIGTERM: seconds running and queued requests get to finish
     responses_ttl: float = 30 * 86400.0  # stored responses expire this long after they were made (0: never)
     responses_max_mb: float = 1024.0  # the responses store's cap, oldest pruned first (0: no cap)
-    cluster: str | None = None  # "ray" or "ray://HOST:10001": each model is a Ray Serve deployment (octo.cluster)
+    # "ray" or "ray://HOST:10001": each model is a Ray Serve deployment (octo.cluster.deploy)
+    cluster: str | None = None
     replicas: int = 1  # with cluster: replicas per model (the models file may set its own)
     autoscaling: dict | None = None  # with cluster: Ray Serve autoscaling_config (min/max replicas, target)
     replica_resources: dict = field(default_factory=dict)  # with cluster: num_cpus, num_gpus, memory_gb per replica
-    worker_timeout: float = 10.0  # a serving worker silent this long is killed and restarted (octo.supervision)
+    worker_timeout: float = 10.0  # a serving worker silent this long is killed and restarted (octo.runtime.supervision)
     load_timeout: float = 300.0  # a load (and a request's wait for it) may take this long (Ollama's default too)

@@ -1,7 +1,7 @@
 """The engine contract: what an engine plugin implements, and the data types it sees.
 
 Engines import this module (plus ``octo.errors`` and ``octo.hookspecs.hookimpl``) and nothing else
-from octo. The shared scheduler (``octo.scheduler``) owns queueing, batching, stopping, streaming and
+from octo. The shared scheduler (``octo.scheduler.admission``) owns queueing, batching, stopping, streaming and
 the prefix-cache index; an engine only supplies the model-specific steps below. Every method except
 ``detect``/``version`` is called from the model's single engine thread, never from the event loop,
 so an engine needs no locking of its own.
@@ -333,7 +333,7 @@ class Engine:
         sequence of the step, except :class:`octo.errors.KVCacheFull` ("the shared pool had no room; nothing was
         consumed"), after which the scheduler preempts a sequence and runs the step again, and except in engines that
         declare ``supports_rollback``: the scheduler undoes the step (``kv_rollback``) and runs its sequences again in
-        smaller groups until the one that raises is alone (``octo.step_isolation``); only that one fails.
+        smaller groups until the one that raises is alone (``octo.scheduler.step_isolation``); only that one fails.
         """
         raise NotImplementedError
 

@@ -1,6 +1,6 @@
 """A steady engine choice: the engine an earlier start chose for a model on this host keeps serving it unless a
 challenger, measured without disturbance from other processes, scores more than ``MARGIN`` times its score
-(``octo.selection.select`` asks :func:`beats`). Two starts on a busy host then pick the same engine instead of
+(``octo.runtime.selection.select`` asks :func:`beats`). Two starts on a busy host then pick the same engine instead of
 whichever the noise favoured, and a disturbed measurement never crowns an engine. The choice is kept under
 ``OCTO_HOME/bench/choice``, keyed by the candidates' cache keys (host, engines and versions, artifacts)."""
 

@@ -19,7 +19,7 @@ def cell(text: str) -> str:
 
 
 def flag_table() -> str:
-    from octo.cli import cli
+    from octo.cli.main import cli
 
     serve = cli.commands["serve"]
     ctx = click.Context(serve)

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from octo.anthropic import Options, StreamBlocks, ThinkSplitter, split_thinking, tool_use_id
-from octo.jobs import Result
+from octo.scheduler.jobs import Result
+from octo.serving.anthropic import Options, StreamBlocks, ThinkSplitter, split_thinking, tool_use_id
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -311,9 +311,9 @@ def test_stream_blocks_number_in_order():
 
 def test_late_system_turns_fold_when_the_template_refuses_them():
     """A template that takes a system turn only first (many do) gets the later ones folded into it, in order."""
-    from octo import chatprep
     from octo.errors import InvalidRequest
-    from octo.toolcalls import FORMATS
+    from octo.serving import chatprep
+    from octo.text.toolcalls import FORMATS
 
     class FirstSystemOnly:
         name = "strict"

@@ -7,8 +7,8 @@ import socket
 import threading
 import time
 
-from octo import arbiter
-from octo.arbiter import Arbiter, ComputeGate
+from octo.runtime import arbiter
+from octo.runtime.arbiter import Arbiter, ComputeGate
 
 
 async def _gates(n: int) -> tuple[Arbiter, list[ComputeGate], list]:

@@ -1,4 +1,5 @@
-"""Forced tool calls stream their arguments as they are generated (octo.toolcalls ``live``, octo.toolscan.ArgsPrefix):
+"""Forced tool calls stream their arguments as they are generated (octo.text.toolcalls ``live``,
+octo.text.toolscan.ArgsPrefix):
 a call goes out once its name is written, its arguments piece by piece, an unfinished number or escape held back,
 and the pieces add up to exactly the arguments a whole parse finds. Text no strict JSON parser reads back (1e999, a
 lone surrogate) is never sent: the sequence fails instead."""
@@ -10,8 +11,8 @@ import random
 import pytest
 
 from octo.errors import EngineError
-from octo.toolcalls import FORMATS, ToolCallArguments, ToolCallStart, assemble, parse_tool_calls
-from octo.toolcalls import ToolCallParser as Parser
+from octo.text.toolcalls import FORMATS, ToolCallArguments, ToolCallStart, assemble, parse_tool_calls
+from octo.text.toolcalls import ToolCallParser as Parser
 
 ARGS = '{"city": "Par\\u00e9s \\ud83d\\ude00 \\"q\\"", "n": -12.5e3, "ok": true, "list": [1, 22, {"z": null}]}'
 NAMES = ("get_weather", "other")

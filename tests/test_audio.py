@@ -19,12 +19,12 @@ whisper = pytest.importorskip("whisper")
 from octo.engines.echo import EchoEngine  # noqa: E402
 from octo.engines.whisper import WhisperEngine  # noqa: E402
 
-from octo import audio  # noqa: E402
 from octo.config import ServerConfig  # noqa: E402
 from octo.engine import EngineConfig, Segment, Transcription  # noqa: E402
 from octo.errors import InvalidRequest  # noqa: E402
-from octo.model import ModelHandle  # noqa: E402
-from octo.server import create_app  # noqa: E402
+from octo.runtime.model import ModelHandle  # noqa: E402
+from octo.server.app import create_app  # noqa: E402
+from octo.server.routes import audio  # noqa: E402
 from octo.synth.whisper import AUDIO_CODECS, build_whisper, encode, speech  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -381,7 +381,7 @@ async def test_whisper_model_refuses_chat(client):
 
 
 @pytest.mark.xfail(
-    not hasattr(__import__("octo.scheduler").scheduler.Scheduler, "call_batch"),
+    not hasattr(__import__("octo.scheduler.admission").scheduler.Scheduler, "call_batch"),
     reason="needs Scheduler.call_batch (queued transcriptions run as one transcribe_batch)",
     strict=True,
 )
@@ -397,7 +397,7 @@ async def test_queued_requests_are_batched_and_answered_early(aiohttp_client, fi
         finished[name] = time.perf_counter()
         assert resp.status == 200, await resp.text()
 
-    from octo.state import STATE
+    from octo.server.state import STATE
 
     # keep the engine thread busy while the two requests queue up behind it, the long one first
     blocker = asyncio.ensure_future(app[STATE].handle.scheduler.call(lambda engine: time.sleep(1.5)))

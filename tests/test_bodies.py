@@ -24,8 +24,8 @@ def _request(headers: dict[str, str], chunks: list[bytes], eof: bool = True):
 
 
 async def test_bodies_inflate_in_bounded_steps():
-    from octo import bodies
     from octo.errors import InvalidRequest, PayloadTooLarge
+    from octo.server import bodies
 
     data = json.dumps({"x": "y" * 5000}).encode()
     packed = gzip.compress(data)
@@ -47,7 +47,7 @@ async def test_bodies_inflate_in_bounded_steps():
 
 
 async def test_a_stalled_body_is_408(monkeypatch):
-    from octo import bodies
+    from octo.server import bodies
 
     monkeypatch.setattr(bodies, "BODY_IDLE_TIMEOUT", 0.2)
     t0 = time.monotonic()

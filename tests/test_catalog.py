@@ -10,8 +10,8 @@ import pytest
 import yaml
 from hub_standin import HubStandin, gguf_bytes
 
-from octo.catalog import DEFAULT_ENGINE_FORMATS, Catalog, load_catalog, parse_hf, uri_kind
 from octo.errors import ConfigError, ModelNotFound
+from octo.models.catalog import DEFAULT_ENGINE_FORMATS, Catalog, load_catalog, parse_hf, uri_kind
 
 F = DEFAULT_ENGINE_FORMATS
 REQUIRED = {
@@ -254,7 +254,7 @@ def test_hf_file_uri_and_missing_repo(catalog, hub):
 
 
 def test_hf_id_offline_uses_the_local_cache(catalog, hub, monkeypatch):
-    from octo.download import fetch
+    from octo.models.download import fetch
 
     hub.add_repo("someone/Cached-GGUF", {"c-Q4_K_M.gguf": gguf_bytes(), "c-Q8_0.gguf": gguf_bytes()})
     fetch(catalog.resolve("someone/Cached-GGUF:Q8_0", F).artifacts["llamacpp"], progress=False)
@@ -345,8 +345,8 @@ def test_load_catalog_is_cached_and_follows_edits(tmp_path):
 def test_octo_models_lists_catalog_and_engines(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from octo import cli_models
-    from octo.cli_models import EngineState, models
+    from octo.cli import models as cli_models
+    from octo.cli.models import EngineState, models
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setattr(

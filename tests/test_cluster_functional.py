@@ -86,7 +86,7 @@ def test_serve_without_cluster_never_imports_ray():
     code = ("import sys, json\n"
             "from octo import cli, server, registry, cluster\n"
             "from octo.config import ServerConfig\n"
-            "from octo.registry import Registry\n"
+            "from octo.runtime.registry import Registry\n"
             "app = server.create_app(ServerConfig(), Registry(ServerConfig(), {}))\n"
             "assert 'ray' not in sys.modules, 'ray imported'\n"
             "print('ok')\n")
@@ -102,7 +102,7 @@ def test_serve_without_cluster_never_imports_ray():
 
 def test_models_file_cluster_keys_are_checked(tmp_path):
     from octo.errors import ConfigError
-    from octo.registry import load_models_file
+    from octo.runtime.registry import load_models_file
 
     mf = _models_file(tmp_path, [{"model": "a", "engine": "echo", "replicas": 2,
                                   "resources": {"num_cpus": 0.5, "memory_gb": 1}},

@@ -1,4 +1,4 @@
-"""The constraint layer (octo.constrain) on llguidance, proven with random walks.
+"""The constraint layer (octo.text.constrain) on llguidance, proven with random walks.
 
 A random "model" samples uniformly among the tokens each mask allows (fixed seeds, many runs); every finished output
 must parse and validate (jsonschema) against its schema, and every tool-call output must parse into calls of the
@@ -24,7 +24,8 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not install
 
 os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "octo-test"))
 
-from octo.constrain import (  # noqa: E402
+from octo.errors import InvalidRequest  # noqa: E402
+from octo.text.constrain import (  # noqa: E402
     Constraint,
     Vocab,
     apply_bitmask,
@@ -33,9 +34,8 @@ from octo.constrain import (  # noqa: E402
     fill_masks,
     vocab_for,
 )
-from octo.errors import InvalidRequest  # noqa: E402
-from octo.grammars import _closed  # noqa: E402
-from octo.toolcalls import FORMATS, parse_tool_calls  # noqa: E402
+from octo.text.grammars import _closed  # noqa: E402
+from octo.text.toolcalls import FORMATS, parse_tool_calls  # noqa: E402
 
 EOS, EOS2 = 4095, 4093  # <|im_end|>, <|endoftext|> of the synthetic tokenizer
 BIG = 151_936
@@ -479,7 +479,7 @@ def test_unsupported_keywords_are_relaxed_and_broken_schemas_refused(small, capl
         ({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, "propertyNames"),
     ):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="octo.grammars"):
+        with caplog.at_level("WARNING", logger="octo.text.grammars"):
             grammar = compile_constraint(Constraint.json_schema(schema), small)
         assert grammar is not None and words in caplog.text and p in caplog.text, caplog.text
     for schema, words in (
@@ -508,7 +508,7 @@ def test_only_the_forced_tools_schemas_are_compiled(small, caplog):
     assert compile_constraint(Constraint.tool_calls([good, broken, zod], named), small) is not None
     err = _error(Constraint.tool_calls([good, broken], "required"), small)
     assert err.param == "tools[1].function.parameters" and "strin" in err.message
-    with caplog.at_level("WARNING", logger="octo.grammars"):
+    with caplog.at_level("WARNING", logger="octo.text.grammars"):
         compile_constraint(Constraint.tool_calls([good, zod], {"type": "function", "function": {"name": "env"}}),
                            small)
     assert "tools[1].function.parameters" in caplog.text and "propertyNames" in caplog.text

@@ -116,7 +116,7 @@ def test_any_origin_from_the_environment():
 
 
 def test_bad_cors_origins_flag():
-    from octo.cli import cli
+    from octo.cli.main import cli
 
     result = CliRunner().invoke(cli, ["serve", "--cors-origins", "localhost:3000", "m"])
     assert result.exit_code == 2 and "--cors-origins" in result.output
@@ -242,8 +242,8 @@ class _BosEngine:
 def test_tokenize_model_side_add_special_and_pieces():
     from types import SimpleNamespace
 
-    from octo import api_tokens
     from octo.errors import InvalidRequest
+    from octo.server.routes import tokens as api_tokens
 
     h = SimpleNamespace(engine=_BosEngine(), info=SimpleNamespace(n_vocab=5, n_ctx=64), name="m", engine_name="x")
     assert api_tokens.tokenize(h, "ab", False, True, False)["tokens"] == [2, 3]

@@ -138,7 +138,7 @@ def slow_hub(tmp_path):
                     "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
 
 
-FETCH = ("import sys; from octo.catalog import Artifact; from octo.download import fetch; "
+FETCH = ("import sys; from octo.models.catalog import Artifact; from octo.models.download import fetch; "
          "print(fetch(Artifact(sys.argv[1], sys.argv[2], sys.argv[3]), progress=False))")
 
 

@@ -1,4 +1,5 @@
-"""The prefix cache's disk tier (octo.disk_cache, ``--prefix-cache-dir``): entries written atomically and read back
+"""The prefix cache's disk tier (octo.scheduler.disk_cache, ``--prefix-cache-dir``): entries written atomically and
+read back
 after a restart, keyed by model + engine + options, a foreign, truncated or corrupt file ignored with a log line,
 the disk budget kept, an entry that a longer one extends replaced by it; and end to end through a real `octo serve`
 on the echo engine (whose KV is its token list, so a restored prefix is checked exactly): a long prompt's prefix is
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from serverproc import run_octo
 
-from octo.disk_cache import MAGIC, DiskPrefixCache, cache_key, checksum
+from octo.scheduler.disk_cache import MAGIC, DiskPrefixCache, cache_key, checksum
 
 KEY = cache_key("echo", "1", "digest", {"n_ctx": "4096"})
 
@@ -61,7 +62,7 @@ def test_foreign_truncated_and_corrupt_files_are_set_aside(tmp_path, caplog):
     bad.write_bytes(data[:-10])  # truncated (a crash mid-copy, a full disk)
     (d.dir / "junk.kv").write_bytes(b"not a kv file at all")
     (d.dir / "foreign.kv").write_bytes(_file(key="x"))
-    with caplog.at_level(logging.WARNING, logger="octo.disk_cache"):
+    with caplog.at_level(logging.WARNING, logger="octo.scheduler.disk_cache"):
         d = make(tmp_path)
     assert d.stats()["entries"] == 1 and d.stats()["ignored"] == 3
     for why in ("truncated", "another model", "not an octo KV file"):
@@ -110,7 +111,7 @@ def test_hostile_files_are_each_set_aside_with_a_line_naming_them(tmp_path, capl
     d.close()
     expect = hostile_files(d.dir)
     (d.dir / "old.kv").write_bytes(_file(magic=b"OCTOKV01"))
-    with caplog.at_level(logging.INFO, logger="octo.disk_cache"):
+    with caplog.at_level(logging.INFO, logger="octo.scheduler.disk_cache"):
         d = make(tmp_path)
     assert d.stats()["entries"] == 1 and d.stats()["ignored"] == len(expect) + 1
     lines = caplog.text.splitlines()
@@ -133,7 +134,7 @@ def test_a_payload_that_does_not_match_its_checksum_is_a_miss(tmp_path, caplog):
     path.write_bytes(bytes(raw))
     entry, n = d.lookup(list(tokens), 60)
     assert n == 60
-    with caplog.at_level(logging.WARNING, logger="octo.disk_cache"):
+    with caplog.at_level(logging.WARNING, logger="octo.scheduler.disk_cache"):
         assert d.load(entry) is None
     assert "checksum" in caplog.text and str(path) in caplog.text
     assert d.stats()["checksum_errors"] == 1 and d.stats()["entries"] == 0 and not path.exists()
@@ -146,7 +147,7 @@ def test_an_entry_removed_meanwhile_is_a_quiet_miss(tmp_path, caplog):
     d.flush()
     entry, _ = d.lookup(list(range(60)), 60)
     entry.path.unlink()  # another server sharing the folder evicted it
-    with caplog.at_level(logging.WARNING, logger="octo.disk_cache"):
+    with caplog.at_level(logging.WARNING, logger="octo.scheduler.disk_cache"):
         assert d.load(entry) is None
     assert d.stats()["entries"] == 0 and not caplog.text
 

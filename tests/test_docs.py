@@ -23,7 +23,7 @@ def test_configuration_page_matches_serve_flags():
 
 def test_every_serve_flag_is_in_the_table():
     docs = load_script()
-    from octo.cli import cli
+    from octo.cli.main import cli
 
     table = docs.flag_table()
     for param in cli.commands["serve"].params:

@@ -11,9 +11,9 @@ import yaml
 from click.testing import CliRunner
 from hub_standin import HubStandin, gguf_bytes
 
-from octo.catalog import DEFAULT_ENGINE_FORMATS, Artifact, Catalog, load_catalog
-from octo.download import ArtifactNotDownloaded, fetch, is_downloaded, repo_files
 from octo.errors import ConfigError, ModelNotFound
+from octo.models.catalog import DEFAULT_ENGINE_FORMATS, Artifact, Catalog, load_catalog
+from octo.models.download import ArtifactNotDownloaded, fetch, is_downloaded, repo_files
 
 MLX_FILES = {
     "config.json": b'{"model_type": "qwen2"}',
@@ -199,8 +199,8 @@ def test_synthetic_artifacts_are_built_by_octo_synth(monkeypatch, tmp_path):
 
 # -- octo pull ---------------------------------------------------------------------------------------
 def test_octo_pull(hub, monkeypatch, tmp_path):
-    from octo import cli_models
-    from octo.cli_models import EngineState, pull
+    from octo.cli import models as cli_models
+    from octo.cli.models import EngineState, pull
 
     hub.add_repo("org/M-GGUF", {"M-Q4_K_M.gguf": gguf_bytes(), "M-Q8_0.gguf": gguf_bytes("qwen2")})
     hub.add_repo("org/M-4bit", MLX_FILES)

@@ -10,11 +10,11 @@ import pickle
 
 import pytest
 
-from octo import events as ev
-from octo import ipc
 from octo.errors import EngineError, InvalidRequest
-from octo.handle import Forwarder, Handle, WireTicket
-from octo.jobs import Result
+from octo.runtime import ipc
+from octo.runtime.handle import Forwarder, Handle, WireTicket
+from octo.scheduler import events as ev
+from octo.scheduler.jobs import Result
 
 RESULT = Result("then I answer", "stop", 7, 3, 2, [5, 6, 7])
 ENTRY = (b"tok", -0.5, [(b"tok", -0.5), (b"tik", -1.25)])
@@ -63,7 +63,7 @@ class _Gateway(Forwarder):
 
 def _through_the_wire(posted: list, end: ev.Done | ev.Failed, admitted: bool = True):
     """Post ``posted`` (and the end) as a worker's engine loop does; what the gateway's handle gives its route."""
-    from octo import worker
+    from octo.runtime import worker
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -135,9 +135,9 @@ def _surface() -> dict[str, bool]:
 
 
 def test_the_three_handles_implement_the_protocol():
-    from octo.cluster import ClusterHandle
-    from octo.model import ModelHandle
-    from octo.remote import RemoteHandle
+    from octo.cluster.deploy import ClusterHandle
+    from octo.runtime.model import ModelHandle
+    from octo.runtime.remote import RemoteHandle
 
     surface = _surface()
     assert {"submit", "wait_admitted", "abandon", "call", "count_tokens", "tokenize", "stats", "ensure_ready"} <= set(

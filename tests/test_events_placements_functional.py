@@ -6,7 +6,7 @@ in the gateway (``--isolation thread``), in an engine worker (``--isolation proc
 OpenAI Chat Completions, Responses and Anthropic Messages, that makes the engine loop post one kind of event (text,
 reasoning, tool-call deltas, logprobs, cached prompt tokens, an error after some text; every one ends with its done
 or error event). What the client saw is checked for what that kind must show, and must be the same in every
-placement (ids and times aside): the events are one vocabulary (``octo.events``), whichever way they travel.
+placement (ids and times aside): the events are one vocabulary (``octo.scheduler.events``), whichever way they travel.
 """
 
 from __future__ import annotations

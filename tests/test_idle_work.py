@@ -7,9 +7,9 @@ import time
 
 from octo.engines.echo import EchoEngine
 
-from octo import scheduler as sched
 from octo.engine import EngineConfig
-from octo.scheduler import GenerationRequest, Scheduler
+from octo.scheduler import admission as sched
+from octo.scheduler.admission import GenerationRequest, Scheduler
 
 
 class Prober(EchoEngine):

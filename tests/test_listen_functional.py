@@ -144,7 +144,7 @@ def test_an_ipv6_address_is_served_and_printed_in_brackets():
 
 
 def test_every_address_of_a_host_on_one_port_and_a_clear_error_for_none():
-    from octo import listen
+    from octo.server import listen
 
     socks = listen.open_sockets(None, 0)  # every interface: 0.0.0.0, and :: where the host has IPv6
     try:

@@ -350,7 +350,7 @@ def test_declared_sampling_params():
         "repetition_penalty",
         "logit_bias",
     }
-    # constraints come as masks from the shared layer (octo.constrain), not as sampling parameters
+    # constraints come as masks from the shared layer (octo.text.constrain), not as sampling parameters
     assert LlamaCppEngine.supports_masks and LlamaCppEngine.supports_logprobs
     assert LlamaCppEngine.supports_prompt_logprobs
 

@@ -1,6 +1,6 @@
 """The llama.cpp engine's output constraints and logprobs (``Feed.mask``, ``Feed.logprobs``, ``Feed.prompt_logprobs``).
 
-- Masks come from the shared constraint layer (``octo.constrain`` on llguidance): 8 concurrent sequences, greedy
+- Masks come from the shared constraint layer (``octo.text.constrain`` on llguidance): 8 concurrent sequences, greedy
   and seeded temperature 1, always give JSON that parses and validates, whatever the random weights prefer.
 - Logprobs are checked against bare llama-cpp-python's logits of the same GGUF (``Llama(logits_all=True)``), as
   float64 log-softmax, raw or after ``octo.logits.penalise`` (bias and penalties, the chain's window).
@@ -27,10 +27,10 @@ from octo.engines.llamacpp import LlamaCppEngine  # noqa: E402
 from octo.engines.llamacpp.native import physical_cores  # noqa: E402
 from octo.engines.llamacpp.template import ChatTemplate  # noqa: E402
 
-from octo.constrain import Constraint, compile_constraint, vocab_for  # noqa: E402
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 from octo.errors import EngineError  # noqa: E402
 from octo.logits import allowed, log_softmax, penalise  # noqa: E402
+from octo.text.constrain import Constraint, compile_constraint, vocab_for  # noqa: E402
 
 os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "octo-test"))
 

@@ -1,4 +1,5 @@
-"""llama.cpp's ``kv_rollback`` (octo.step_isolation): a step undone and run again gives the tokens it gave, and the
+"""llama.cpp's ``kv_rollback`` (octo.scheduler.step_isolation): a step undone and run again gives the tokens it gave,
+and the
 generation goes on exactly as if nothing had happened (prompt steps and decode steps; a plain greedy chain, and a
 chain with penalties, which keeps state and is rebuilt; the unified pool and per-sequence streams). And through a
 real `octo serve`: a llama.cpp engine poisoned by one of four concurrent requests (tests/plugins/poisoned.py) fails

@@ -21,8 +21,8 @@ from octo.engines.llamacpp.cells import CellBook  # noqa: E402
 
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 from octo.errors import KVCacheFull  # noqa: E402
-from octo.prefix_cache import PrefixCache  # noqa: E402
-from octo.scheduler import GenerationRequest, Scheduler  # noqa: E402
+from octo.scheduler.admission import GenerationRequest, Scheduler  # noqa: E402
+from octo.scheduler.prefix_cache import PrefixCache  # noqa: E402
 
 os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "octo-test"))
 
@@ -173,7 +173,7 @@ def test_a_follower_is_bit_identical_to_computing_the_same_split_itself(gguf_pat
     """Sharing adds no error of its own: a follower's tokens equal those of the same prompt computed alone with the
     same chunk boundary (llama.cpp's rounding depends on where a prompt is split: computed in one pass, this
     random-weight model's greedy output for USERS[3] differs from the split one at its 10th token)."""
-    from octo.sharing import common_prefix
+    from octo.scheduler.sharing import common_prefix
 
     e = load(gguf_path)
     try:

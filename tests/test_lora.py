@@ -16,7 +16,7 @@ import pytest
 
 from octo.engine import EngineConfig, Feed, KVHandle, SamplingParams, Sequence
 from octo.errors import ConfigError, InvalidRequest, ModelNotFound
-from octo.prefix_cache import PrefixCache
+from octo.scheduler.prefix_cache import PrefixCache
 from octo.synth.lora import LoraSpec, build_gguf_lora, build_merged_gguf, build_mlx_lora, lora_weights
 
 SHAPE = "tiny"
@@ -83,7 +83,7 @@ def test_prefix_cache_keys_by_adapter():
 
 
 def test_sharing_never_follows_another_adapter():
-    from octo.sharing import PrefixSharing
+    from octo.scheduler.sharing import PrefixSharing
 
     class T:
         def __init__(self, tokens, adapter):
@@ -228,7 +228,7 @@ def test_engines_without_lora_refuse_the_option():
 
 # -- models file, --lora and routing ---------------------------------------------------------------------------------
 def test_models_file_lora(tmp_path):
-    from octo.registry import load_models_file
+    from octo.runtime.registry import load_models_file
 
     f = tmp_path / "models.yaml"
     f.write_text("models:\n  - model: demo\n    engine: llamacpp\n    lora: {x: /a/x.gguf, y: /a/y.gguf}\n  - tiny\n")
@@ -244,7 +244,7 @@ def test_models_file_lora(tmp_path):
 
 async def test_registry_routes_base_colon_adapter():
     from octo.config import ServerConfig
-    from octo.registry import ModelSpec, Registry
+    from octo.runtime.registry import ModelSpec, Registry
 
     reg = Registry(ServerConfig(), {})
 
@@ -261,7 +261,7 @@ async def test_registry_routes_base_colon_adapter():
 
 
 def test_serving_picks_the_adapter_from_the_model_name():
-    from octo.serving import lora_adapter
+    from octo.serving.openai import lora_adapter
 
     class E:
         adapters = {"x": object()}

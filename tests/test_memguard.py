@@ -1,11 +1,11 @@
-"""octo.memguard: when a model may load beside others (the functional side is in test_security_functional.py)."""
+"""octo.runtime.memguard: when a model may load beside others (functional side: test_security_functional.py)."""
 
 from __future__ import annotations
 
 import struct
 
 from octo.config import ServerConfig
-from octo.memguard import available, gguf_kv_bytes, meminfo, model_bytes, no_room
+from octo.runtime.memguard import available, gguf_kv_bytes, meminfo, model_bytes, no_room
 
 GB = 2**30
 

@@ -67,7 +67,7 @@ def engine(folder):
 
 
 class Driver:
-    """Mirrors octo.scheduler's step loop: prompt chunks (sample on the last), then one token per step."""
+    """Mirrors octo.scheduler.admission's step loop: prompt chunks (sample on the last), then one token per step."""
 
     def __init__(self, engine: MLXEngine, chunk: int | None = None, stop_on_eos: bool = True) -> None:
         self.engine = engine
@@ -477,8 +477,8 @@ def test_step_releases_the_gil(engine):
 
 # -- the real shared scheduler on top ------------------------------------------------------------------
 async def test_scheduler_batching_cache_and_cancel(folder):
-    from octo.prefix_cache import PrefixCache
-    from octo.scheduler import GenerationRequest, Scheduler
+    from octo.scheduler.admission import GenerationRequest, Scheduler
+    from octo.scheduler.prefix_cache import PrefixCache
 
     e = MLXEngine(EngineConfig(max_batch=4))
     e.load(folder, "tiny")
@@ -515,7 +515,7 @@ async def test_scheduler_batching_cache_and_cancel(folder):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 async def test_kv_cells_bound_preempts_and_every_sequence_finishes(folder, mode):
-    from octo.scheduler import GenerationRequest, Scheduler
+    from octo.scheduler.admission import GenerationRequest, Scheduler
 
     e = MLXEngine(EngineConfig(max_batch=4, options={"kv_cells": "96"}))
     e.load(folder, "tiny")

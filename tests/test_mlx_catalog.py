@@ -16,9 +16,9 @@ pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install 'octo
 from hub_standin import HubStandin  # noqa: E402
 from octo.engines.mlx import MLXEngine  # noqa: E402
 
-from octo.catalog import DEFAULT_ENGINE_FORMATS, Catalog  # noqa: E402
-from octo.download import fetch  # noqa: E402
 from octo.engine import EngineConfig  # noqa: E402
+from octo.models.catalog import DEFAULT_ENGINE_FORMATS, Catalog  # noqa: E402
+from octo.models.download import fetch  # noqa: E402
 
 os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "octo-test"))
 REPO_ID = "mlx-community/Tiny-Synthetic-4bit"

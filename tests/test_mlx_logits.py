@@ -1,5 +1,6 @@
 """The MLX engine's output constraints (``Feed.mask``), logprobs and prompt logprobs, driven directly (no server):
-masks from real ``octo.constrain`` matchers always give valid JSON, whatever the (random) weights, greedy and sampled,
+masks from real ``octo.text.constrain`` matchers always give valid JSON, whatever the (random) weights, greedy and
+sampled,
 alone and in the decode batch; logprobs checked against an independent float64 numpy forward pass of the synthetic
 qwen2 weights (no KV cache, no MLX), with penalties against ``octo.logits.penalise``. Also the chat template with
 ``tools``, ``chat_template()`` and ``special_tokens()``.
@@ -24,9 +25,9 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not install
 
 from octo.engines.mlx import MLXEngine  # noqa: E402
 
-from octo.constrain import Constraint, compile_constraint, vocab_for  # noqa: E402
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 from octo.logits import log_softmax, penalise  # noqa: E402
+from octo.text.constrain import Constraint, compile_constraint, vocab_for  # noqa: E402
 
 os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "octo-test"))
 

@@ -91,7 +91,7 @@ def test_chat_embeddings_and_whisper_behind_one_url(ggufs, tmp_path):
         assert server.get_json(f"/v1/engines?model={ckpt}")["active"] == "whisper"
         metrics = urllib.request.urlopen(server.url("/metrics")).read().decode()
         assert f'octo_processed_total{{model="{ggufs["chat"]}"}}' in metrics
-        # three models in workers with --share-cores turns: they compute in turns (octo.arbiter)
+        # three models in workers with --share-cores turns: they compute in turns (octo.runtime.arbiter)
         workers = {m["id"]: m["worker"] for m in server.get_json("/v1/models")["data"] if "worker" in m}
         assert all(w["shares_cores"] for w in workers.values())
         assert workers[ggufs["chat"]]["compute_turns"] > 0

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from octo.errors import InvalidRequest, UnsupportedParameter
-from octo.jobs import Result
-from octo.ollama import Clock, Options, chat_messages, done_reason, model_name, tool_calls
-from octo.protocol_ollama import ChatRequest, EmbedRequest, GenerateRequest, parse
+from octo.protocol.ollama import ChatRequest, EmbedRequest, GenerateRequest, parse
+from octo.scheduler.jobs import Result
+from octo.serving.ollama import Clock, Options, chat_messages, done_reason, model_name, tool_calls
 
 
 class Engine:

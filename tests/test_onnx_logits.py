@@ -1,5 +1,5 @@
 """The onnx engine's output constraints (``Feed.mask``), logprobs and prompt logprobs, driven directly (no server),
-on every backend that claims them: masks from real ``octo.constrain`` matchers always give valid JSON, whatever the
+on every backend that claims them: masks from real ``octo.text.constrain`` matchers always give valid JSON, whatever the
 (random) weights, greedy and sampled; logprobs checked against an independent onnxruntime run of the model file over
 the whole sequence (no KV rows, no IOBinding), with penalties against ``octo.logits.penalise``. Also the chat
 template with ``tools``, ``chat_template()`` and ``special_tokens()``.
@@ -25,10 +25,10 @@ jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not install
 
 from octo.engines.onnx import OnnxEngine  # noqa: E402
 
-from octo.constrain import Constraint, compile_constraint, vocab_for  # noqa: E402
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
 from octo.errors import EngineError  # noqa: E402
 from octo.logits import log_softmax, penalise  # noqa: E402
+from octo.text.constrain import Constraint, compile_constraint, vocab_for  # noqa: E402
 
 os.environ.setdefault("OCTO_HOME", str(Path(__file__).resolve().parents[1] / ".cache" / "octo-test"))
 

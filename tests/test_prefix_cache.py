@@ -1,5 +1,5 @@
 from octo.engine import KVHandle
-from octo.prefix_cache import PrefixCache
+from octo.scheduler.prefix_cache import PrefixCache
 
 
 def make(budget=10_000, min_match=2):

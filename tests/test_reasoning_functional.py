@@ -11,7 +11,7 @@ import json
 import pytest
 from serverproc import run_octo
 
-from octo.reasoning import ThinkSplitter, prompt_opens_thinking, split_thinking
+from octo.text.reasoning import ThinkSplitter, prompt_opens_thinking, split_thinking
 
 openai = pytest.importorskip("openai")
 

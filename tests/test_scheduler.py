@@ -7,7 +7,7 @@ from octo.engines.echo import EchoEngine
 
 from octo.engine import EngineConfig, Feed
 from octo.errors import EngineError, Overloaded, QueueTimeout
-from octo.scheduler import GenerationRequest, Scheduler
+from octo.scheduler.admission import GenerationRequest, Scheduler
 
 
 def engine(**opts) -> EchoEngine:
@@ -203,7 +203,7 @@ async def test_engine_failure_of_one_sequence_fails_only_it():
 
 async def test_a_long_embeddings_request_runs_in_chunks_between_decode_steps():
     from octo.config import ServerConfig
-    from octo.model import ModelHandle, run_call
+    from octo.runtime.model import ModelHandle, run_call
 
     e = engine(token_delay_ms="1")
     seen: list[int] = []
@@ -224,7 +224,7 @@ async def test_a_long_embeddings_request_runs_in_chunks_between_decode_steps():
 
 
 def test_pacer_budgets_follow_measured_costs():
-    from octo.engine_loop import Pacer
+    from octo.scheduler.engine_loop import Pacer
 
     p = Pacer(stretch=2.0, max_step_s=0.25)
     assert p.budgets(256, decoding=True) == (256, 256)  # nothing measured yet: whole chunks

@@ -1,4 +1,5 @@
-"""In-flight prefix deduplication (octo.sharing) on the scripted echo engine: a shared prefix is fed once, the texts
+"""In-flight prefix deduplication (octo.scheduler.sharing) on the scripted echo engine: a shared prefix is fed once,
+the texts
 are those of the requests run without sharing, and a lead that leaves early (cancelled, preempted) leaves its
 followers what it computed."""
 
@@ -8,9 +9,9 @@ import pytest
 from octo.engines.echo import EchoEngine
 
 from octo.engine import EngineConfig
-from octo.prefix_cache import PrefixCache
-from octo.scheduler import GenerationRequest, Scheduler
-from octo.sharing import MIN_SHARE, common_prefix
+from octo.scheduler.admission import GenerationRequest, Scheduler
+from octo.scheduler.prefix_cache import PrefixCache
+from octo.scheduler.sharing import MIN_SHARE, common_prefix
 
 SYSTEM = " ".join(f"tool{i} takes a path and returns the lines" for i in range(60))  # ~480 tokens
 

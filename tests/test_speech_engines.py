@@ -16,10 +16,10 @@ pytest.importorskip("pywhispercpp")
 from octo.engines.faster_whisper import FasterWhisperEngine  # noqa: E402
 from octo.engines.whispercpp import WhisperCppEngine  # noqa: E402
 
-from octo.catalog import load_catalog  # noqa: E402
 from octo.engine import EngineConfig, TranscriptionRequest  # noqa: E402
 from octo.errors import ConfigError, InvalidRequest  # noqa: E402
-from octo.formats import detect_repo, inspect_path  # noqa: E402
+from octo.models.catalog import load_catalog  # noqa: E402
+from octo.models.formats import detect_repo, inspect_path  # noqa: E402
 from octo.plugins import engine_registry  # noqa: E402
 from octo.synth.speech import build_whisper_ct2, build_whisper_ggml  # noqa: E402
 from octo.synth.whisper import build_whisper  # noqa: E402

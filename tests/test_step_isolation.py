@@ -1,4 +1,5 @@
-"""octo.step_isolation in-process: an echo engine whose step raises after feeding and sampling everything when it
+"""octo.scheduler.step_isolation in-process: an echo engine whose step raises after feeding and sampling everything
+when it
 holds a poisoned sequence. With rollback, the poisoned request fails alone and
 the others give the text they give alone; a sequence that raises only beside others (a transient fault) fails
 nobody; a rollback the engine cannot do fails the step as before; an engine without rollback fails the step's
@@ -11,7 +12,7 @@ from octo.engines.echo import EchoEngine
 
 from octo.engine import EngineConfig, Feed
 from octo.errors import EngineError
-from octo.scheduler import GenerationRequest, Scheduler
+from octo.scheduler.admission import GenerationRequest, Scheduler
 
 TEXTS = ["alpha beta gamma delta epsilon", "one two three four five six", "red green blue", "x y z w v u t s"]
 

@@ -1,4 +1,5 @@
-"""One raising step costs one request where the engine allows it (octo.step_isolation), through a real `octo serve`.
+"""One raising step costs one request where the engine allows it (octo.scheduler.step_isolation), through a real `octo
+serve`.
 
 The fault engine (tests/plugins/faulty.py, echo-like, temperature 0) raises from ``step`` after feeding and sampling
 every sequence of the step when one of them holds POISON: four concurrent streams, one poisoned. The engine declares

@@ -1,4 +1,5 @@
-"""The responses store (octo.store): checked at open (PRAGMA quick_check and a write), a damaged file (garbage pages,
+"""The responses store (octo.serving.response_store): checked at open (PRAGMA quick_check and a write), a damaged file
+(garbage pages,
 truncated, not a database) moved to quarantine/ with its -wal/-shm and recreated, a store that cannot be opened
 unavailable (503 store_unavailable) and tried again, damage found while running handled the same way, retention
 (expiry and a size cap, oldest first), and durations for --responses-ttl."""
@@ -11,8 +12,8 @@ import time
 
 import pytest
 
-from octo import store as store_mod
-from octo.store import ResponseStore, StoreUnavailable, parse_duration
+from octo.serving import response_store as store_mod
+from octo.serving.response_store import ResponseStore, StoreUnavailable, parse_duration
 
 
 def response(i: int, created: int | None = None, size: int = 10) -> dict:
@@ -48,7 +49,7 @@ async def test_a_damaged_store_is_moved_aside_and_recreated(tmp_path, damage, ca
     s.close()
     damage(path)
     s = ResponseStore(path)
-    with caplog.at_level(logging.WARNING, logger="octo.store"):
+    with caplog.at_level(logging.WARNING, logger="octo.serving.response_store"):
         await s.open()
     assert s.status == "ok" and s.set_aside == 1, s.health()
     moved = list((tmp_path / "quarantine").iterdir())
@@ -172,8 +173,8 @@ async def app_client(aiohttp_client, tmp_path, monkeypatch):
 
     from octo.config import ServerConfig
     from octo.engine import EngineConfig
-    from octo.model import ModelHandle
-    from octo.server import create_app
+    from octo.runtime.model import ModelHandle
+    from octo.server.app import create_app
 
     monkeypatch.setenv("OCTO_HOME", str(tmp_path))
     engine = EchoEngine(EngineConfig())

@@ -2,7 +2,7 @@
 `octo serve` on each text engine (llama.cpp, ONNX Runtime GenAI, MLX) with synthetic random-weight models: whatever
 the weights, a json_schema answer parses and validates, a required or named tool choice is a valid call whose
 arguments validate against the function's parameters, and the deltas of a streamed call reassemble to a valid call.
-The constraint lives once in the shared scheduler (octo.constrain); each engine only applies the mask."""
+The constraint lives once in the shared scheduler (octo.text.constrain); each engine only applies the mask."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Crash blame, back-off and stale figures (octo.supervision), without a server."""
+"""Crash blame, back-off and stale figures (octo.runtime.supervision), without a server."""
 
 from __future__ import annotations
 
 import signal
 
-from octo import supervision
+from octo.runtime import supervision
 
 
 def test_only_a_signal_of_the_code_itself_blames_the_configuration():

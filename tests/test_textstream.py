@@ -1,4 +1,4 @@
-from octo.textstream import TextStream
+from octo.text.textstream import TextStream
 
 
 def feed(stream, pieces):

@@ -1,4 +1,4 @@
-"""Tool-call formats (octo.toolcalls): family detection from chat templates, parsing of each family's output (text
+"""Tool-call formats (octo.text.toolcalls): family detection from chat templates, parsing of each family's output (text
 around calls, several calls, malformed calls kept as text), streaming equal to the whole-text parse at every split,
 rendering round trips, and the fallback prompt for templates without tool support."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from octo.errors import InvalidRequest
 from octo.synth.tokenizer import CHAT_TEMPLATE as SYNTH_CHATML
-from octo.toolcalls import (
+from octo.text.toolcalls import (
     FORMATS,
     ContentDelta,
     ParsedMessage,
@@ -27,7 +27,7 @@ from octo.toolcalls import (
     parse_tool_calls,
     to_openai_delta,
 )
-from octo.toolprompt import prepare_chat, tool_system_prompt
+from octo.text.toolprompt import prepare_chat, tool_system_prompt
 
 NAMES = ["get_weather", "get_time"]
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool", "parameters": {

@@ -7,8 +7,8 @@ from octo.engines.echo import EchoEngine
 
 from octo.engine import EngineConfig
 from octo.errors import ModelFailed
-from octo.scheduler import GenerationRequest, Scheduler
-from octo.watchdog import MAX_RESTARTS
+from octo.scheduler.admission import GenerationRequest, Scheduler
+from octo.scheduler.watchdog import MAX_RESTARTS
 
 
 class BreaksOnce(EchoEngine):

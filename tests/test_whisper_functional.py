@@ -255,7 +255,7 @@ def test_catalog_aliases_are_openais_checkpoints(alias):
     """Each catalog alias points at the very URL openai-whisper itself downloads for that model."""
     from octo.engines.whisper import WhisperEngine
 
-    from octo.catalog import load_catalog
+    from octo.models.catalog import load_catalog
 
     resolved = load_catalog().resolve(alias, {"whisper": WhisperEngine.formats})
     assert resolved.task == "transcription"

@@ -257,7 +257,7 @@ class KVCells:
         return self._L.llama_state_seq_set_data(self.ctx, buf, size, seq_id) == size
 
     def kv_rollback(self, seq: Sequence, n_tokens: int) -> None:
-        """Undo a step that raised (octo.step_isolation): its positions from ``n_tokens`` on leave the KV
+        """Undo a step that raised (octo.scheduler.step_isolation): its positions from ``n_tokens`` on leave the KV
         (``llama_memory_seq_rm``, which only drops this sequence from cells it shares). A sampler chain that may have
         drawn in that step and keeps state (penalties' history, a random draw) is rebuilt from the sequence's tokens:
         penalties come back exactly, a random draw restarts from its seed; a plain greedy pick keeps no state."""
@@ -278,7 +278,7 @@ class KVCells:
             self.cache_ids.append(handle.data)
         handle.data = None  # a snapshot's ctypes buffer is released with the last reference
 
-    # -- disk tier (octo.disk_cache) -----------------------------------------------------------------
+    # -- disk tier (octo.scheduler.disk_cache) -----------------------------------------------------------------
     def kv_export(self, handle: KVHandle) -> bytes | None:
         """The llama.cpp sequence state of a cached entry (``llama_state_seq_get_data``): cells or a RAM snapshot."""
         data = handle.data

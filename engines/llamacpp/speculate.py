@@ -8,7 +8,7 @@ drafted position; the sequence's own sampler chain then samples position after p
 sample that differs from the draft (or ends the sequence): every sample is kept, so a step yields 1 to ``n_draft + 1``
 tokens, each sampled exactly as decoding without a draft would (greedy: the same tokens). KV of rejected drafts is
 removed at once. The scheduler takes a list of tokens as consecutive steps, applying its stop, length and cancel rules
-to each (``octo.engine_loop``).
+to each (``octo.scheduler.engine_loop``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,3 @@
+from octo.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Model artifacts: the catalog (``models.yaml``), file formats, and downloads through huggingface_hub."""

@@ -1,0 +1,90 @@
+"""What a request may load: the models the operator made servable, and nothing else.
+
+A request's ``model`` that no loaded or declared model answers to is resolved here before anything reads the disk
+or the network for it. By default it may name a catalog model (``octo models``; loaded only if already downloaded),
+a Hugging Face id already in the local cache (``octo pull``), or a model file or folder under one of the
+``--models-dir`` folders (by its path, absolute or relative to the folder). Anything else (a path outside those
+folders, ``~user``, an ``org/name`` that is not downloaded) gets the same 404 as a name that does not exist, so a
+request learns nothing about the files and users of the machine. ``--allow-any-path`` restores loading any readable
+path (relative to the server's working folder). A path becomes its real path (symlinks and ``.`` resolved) before it
+names a model, so one file is one model however a request spells it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from octo.errors import ModelNotFound
+from octo.models.formats import FILE_FORMATS
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+(:[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def unknown_model(model: str, dirs: tuple[str, ...]) -> ModelNotFound:
+    """The 404 of a name this server cannot serve, the same whether or not a file of that name exists."""
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    where = " or a model under the server's --models-dir folders" if dirs else ""
+    return ModelNotFound(f"Model '{shown}' not found. Run `octo models` for the catalog; a request may name a "
+                         f"downloaded catalog model, a downloaded Hugging Face id (octo pull){where}.",
+                         param="model")
+
+
+def looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~", "\\")) or Path(model).suffix.lower() in FILE_FORMATS
+
+
+def request_model(model: str, catalog_names: set[str], dirs: tuple[str, ...], allow_any_path: bool,
+                  known_paths: frozenset[str] = frozenset()) -> str:
+    """The spelling of ``model`` to resolve for a request: a catalog name or Hugging Face id as given, a path as
+    its real path (``known_paths``: real paths of the models named at start, servable however a request spells
+    them); raises the 404 of :func:`unknown_model` for anything the request may not load."""
+    base = model.rpartition(":")[0] if ":" in model and "/" not in model.rpartition(":")[2] else model
+    if model.lower() in catalog_names or base.lower() in catalog_names:
+        return model
+    if model.startswith("hf://"):
+        return model
+    if allow_any_path:
+        path = os.path.expanduser(model) if model.startswith("~") else model
+        return os.path.realpath(path) if _exists(path) else model
+    found = under_dirs(model, dirs)
+    if found is not None:
+        return found
+    if known_paths and model.startswith("/") and "\x00" not in model:
+        real = os.path.realpath(model)
+        if real in known_paths:
+            return real
+    if _HF_ID.match(model) and not looks_like_path(model):
+        return model
+    raise unknown_model(model, dirs)
+
+
+def under_dirs(model: str, dirs: tuple[str, ...]) -> str | None:
+    """The real path of ``model`` if it names an existing file or folder inside one of ``dirs`` (an absolute path
+    inside one, or a path relative to one); never with ``..`` or ``~``, never outside the folders."""
+    if not dirs or not model or "\x00" in model or model.startswith("~"):
+        return None
+    parts = model.replace("\\", "/").split("/")
+    if ".." in parts:
+        return None
+    for folder in dirs:  # (real paths: the CLI resolves them)
+        lexical = os.path.normpath(os.path.join(folder, model))
+        if not _exists(lexical):
+            continue
+        real = os.path.realpath(lexical)
+        # inside by its spelling (a symlink the operator put in the folder counts) or by its real path
+        if _inside(lexical, folder) or _inside(real, folder):
+            return real
+    return None
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _exists(path: str) -> bool:
+    try:
+        return os.path.exists(path)
+    except (OSError, ValueError):  # a name too long for the OS, a NUL byte
+        return False

@@ -1,0 +1,2 @@
+"""Pydantic request/response models per API (OpenAI, Anthropic, Responses). No aiohttp: they are pickled into
+worker processes."""

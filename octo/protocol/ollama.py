@@ -1,0 +1,189 @@
+"""Request models of Ollama's native API (``/api/chat``, ``/api/generate``, ``/api/embed``, ...), pydantic, fields
+as Ollama's ``api/types.go`` names them. No aiohttp here: the generation requests are pickled into model workers.
+
+Validation follows octo's rules: a value of the wrong JSON type is a 400 naming the field; a key no model declares
+is a 400 naming it (Ollama's Go decoder would ignore it, octo never drops what a client sent). ``options`` is
+free-form here and checked by :mod:`octo.serving.ollama`, which honours each option or refuses it by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from octo.errors import InvalidRequest
+
+THINK_LEVELS = ("high", "medium", "low", "max")
+
+
+class OllamaModel(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class ToolCallFunction(OllamaModel):
+    index: int | None = None
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCall(OllamaModel):
+    id: str | None = None
+    type: str | None = None  # some clients echo OpenAI's "function"
+    function: ToolCallFunction
+
+
+class Message(OllamaModel):
+    role: str
+    content: str | None = ""
+    thinking: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        v = v.lower()  # as Ollama's Message.UnmarshalJSON
+        if v not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"role must be one of system, user, assistant, tool; got {v!r}")
+        return v
+
+
+class ToolFunction(OllamaModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(OllamaModel):
+    type: str = "function"
+    items: Any = None
+    function: ToolFunction
+
+
+class _Request(OllamaModel):
+    model: str = ""
+    stream: bool | None = None  # Ollama's default: true
+    keep_alive: float | str | None = None
+    options: dict[str, Any] | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream is not False
+
+
+class _Generating(_Request):
+    format: str | dict[str, Any] | None = None
+    think: bool | str | None = None
+    truncate: bool | None = None
+    shift: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("think")
+    @classmethod
+    def _think(cls, v):
+        if isinstance(v, str) and v not in THINK_LEVELS:
+            raise ValueError(f"invalid think value {v!r} (must be \"high\", \"medium\", \"low\", \"max\", true, or "
+                             "false)")
+        return v
+
+
+class ChatRequest(_Generating):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[Tool] | None = None
+
+
+class GenerateRequest(_Generating):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = None
+    images: list[str] | None = None
+    width: int | None = None  # image generation (Ollama's experimental image models)
+    height: int | None = None
+    steps: int | None = None
+
+
+class EmbedRequest(_Request):
+    input: str | list[str] = ""
+    truncate: bool | None = None
+    dimensions: int | None = Field(None, ge=0)
+
+
+class EmbeddingsRequest(_Request):
+    """The older ``/api/embeddings``: one ``prompt``, one ``embedding``."""
+
+    prompt: str = ""
+
+
+class ModelRequest(OllamaModel):
+    """``/api/show``, ``/api/delete``, ``/api/pull``, ``/api/push``: ``model`` (or the older ``name``)."""
+
+    model: str = ""
+    name: str = ""
+    verbose: bool | None = None  # show
+    system: str | None = None  # show (deprecated in Ollama)
+    template: str | None = None  # show (deprecated in Ollama)
+    options: dict[str, Any] | None = None  # show
+    stream: bool | None = None  # pull, push
+    insecure: bool | None = None  # pull, push (Ollama ignores it)
+    username: str | None = None  # pull, push (deprecated, ignored by Ollama)
+    password: str | None = None
+
+    @property
+    def target(self) -> str:
+        return self.model or self.name
+
+
+# -- parsing ----------------------------------------------------------------------------------------
+def parse(model: type[OllamaModel], body: bytes) -> Any:
+    """Validate a JSON body; a 400 naming the field for a bad value or a key Ollama's API does not have."""
+    if not body or not body.strip():
+        raise InvalidRequest("missing request body")
+    try:
+        req = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    _unknown(req, "")
+    return req
+
+
+def _invalid(exc: ValidationError) -> InvalidRequest:
+    err = exc.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return InvalidRequest(f"invalid JSON: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
+    where = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
+    if not where:
+        return InvalidRequest("the request body must be a JSON object", code="invalid_type")
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return InvalidRequest(f"{where} is required", param=where, code="missing_required_parameter")
+    return InvalidRequest(f"invalid value for {where}: {msg}", param=where, code="invalid_value")
+
+
+_UNION_TAGS = {"str", "list[str]", "dict[str,any]", "bool", "int", "float", "list[int]", "none"}
+
+
+def _unknown(value: Any, path: str) -> None:
+    """A 400 naming the first key no model declares (at any depth), or a NaN/Infinity inside free-form JSON."""
+    if isinstance(value, OllamaModel):
+        for key in value.model_extra or ():
+            where = f"{path}.{key}" if path else key
+            raise InvalidRequest(f"unknown field '{where}' (octo's Ollama API does not have it)", param=where,
+                                 code="unknown_parameter")
+        for name in value.model_fields_set:
+            _unknown(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _unknown(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _unknown(item, f"{path}.{key}")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"invalid value for {path}: NaN and Infinity are not JSON numbers", param=path)

@@ -1,0 +1,96 @@
+"""In-flight prefix deduplication: a prefix that several running requests share is computed once.
+
+When a sequence starts, the engine loop looks for a running sequence (its *lead*) whose tokens share a longer prefix
+with it than the prefix cache gave: agents fan out several conversations with the same long system prompt and tool
+list, ``n > 1`` asks for several choices of one prompt. The new sequence (a *follower*) feeds nothing while the lead
+computes the shared part (the lead's prompt goes first, its chunks end where a follower's share ends), then takes
+those tokens' KV with ``Engine.kv_share``: llama.cpp's unified pool shares the cells themselves, other engines
+copy a snapshot. If the lead leaves early (cancelled, failed, preempted), each follower takes what the lead had
+computed and goes on by itself, or follows another sequence. Mixed into
+:class:`octo.scheduler.engine_loop.EngineLoop`; runs
+on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from octo.engine import common_prefix
+from octo.scheduler.jobs import Ticket
+
+log = logging.getLogger("octo.scheduler.admission")
+__all__ = ["MIN_SHARE", "PrefixSharing", "common_prefix"]
+
+# Fewer shared tokens than this are computed rather than waited for.
+MIN_SHARE = 32
+
+
+class PrefixSharing:
+    """Scheduler state it uses: ``_active``, ``engine``, ``dedup``, ``total_shared_tokens``."""
+
+    def _find_lead(self, t: Ticket) -> None:
+        """``t`` just started (or lost its lead): follow the running sequence sharing the longest prefix with it, when
+        that is at least ``MIN_SHARE`` tokens more than ``t`` holds."""
+        if not self.dedup:
+            return
+        seq = t.seq
+        limit = len(seq.tokens) - 1  # the last prompt token is always fed, for the logits
+        best, best_n = None, seq.n_cached + MIN_SHARE - 1
+        for a in self._active:
+            if a is t or a.lead is not None or a.seq.sampling.adapter != seq.sampling.adapter:
+                continue  # (KV computed with another LoRA adapter is not shared)
+            n = common_prefix(a.seq.tokens, seq.tokens, limit)
+            if n > best_n:
+                best, best_n = a, n
+        if best is not None:
+            t.lead, t.lead_n = best, best_n
+
+    def _join_leads(self) -> None:
+        """Followers whose lead has computed their shared prefix take it."""
+        for t in self._active:
+            a = t.lead
+            if a is not None and a.seq.n_cached >= t.lead_n:
+                t.lead = None
+                self._share(t, a, t.lead_n)
+
+    def _release_followers(self, a: Ticket) -> None:
+        """``a`` leaves the batch or gives its KV back: its followers take what it has computed, then follow another
+        sequence or compute the rest themselves. Call while ``a`` still holds its KV."""
+        followers = [t for t in self._active if t.lead is a]
+        for t in followers:
+            t.lead = None
+            n = min(t.lead_n, a.seq.n_cached)
+            if n >= t.seq.n_cached + MIN_SHARE:
+                self._share(t, a, n)
+        for t in followers:
+            if t.state == "active":
+                self._find_lead(t)
+
+    def _lead_stop(self, a: Ticket) -> int | None:
+        """Where ``a``'s next chunk should end so that its nearest follower can join after the step."""
+        n = a.seq.n_cached
+        stops = [t.lead_n for t in self._active if t.lead is a and t.lead_n > n]
+        return min(stops) if stops else None
+
+    def _share(self, t: Ticket, a: Ticket, n: int) -> None:
+        seq = t.seq
+        eng = self.engine
+        try:
+            if seq.n_cached:
+                eng.kv_drop(seq)
+                seq.n_cached = 0
+            eng.kv_share(a.seq, seq, n)
+        except Exception:  # noqa: BLE001 - it computes the prefix itself
+            log.exception("sharing %d prefix tokens failed; computing them", n)
+            try:
+                eng.kv_drop(seq)
+            except Exception:  # noqa: BLE001
+                log.exception("kv_drop after a failed share")
+            seq.n_cached = 0
+            self.dedup = False  # an engine that cannot share once will not share later
+            return
+        if seq.n_cached == 0:  # the engine could not share (no snapshots): stop waiting for leads
+            self.dedup = False
+            return
+        t.cached = seq.n_cached
+        self.total_shared_tokens += seq.n_cached

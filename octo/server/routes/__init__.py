@@ -1,0 +1,1 @@
+"""Route handlers, one module per API family (OpenAI, Anthropic, Responses, tokens, audio, dashboard)."""
