@@ -243,7 +243,7 @@ def test_tokenize_model_side_add_special_and_pieces():
     from types import SimpleNamespace
 
     from octo.errors import InvalidRequest
-    from octo.server.routes import tokens as api_tokens
+    from octo.serving import tokens as api_tokens
 
     h = SimpleNamespace(engine=_BosEngine(), info=SimpleNamespace(n_vocab=5, n_ctx=64), name="m", engine_name="x")
     assert api_tokens.tokenize(h, "ab", False, True, False)["tokens"] == [2, 3]

@@ -307,7 +307,7 @@ def _duration(value: str, param: click.Parameter) -> float:
 
 def _cluster_settings(config: ServerConfig, cluster, replicas, autoscaling, cpus, gpus, memory) -> None:
     """--cluster and the replica flags into ``config`` (checked here; ray itself is imported only when serving)."""
-    from octo.cluster.deploy import parse_autoscaling, parse_cluster
+    from octo.runtime.specs import parse_autoscaling, parse_cluster
 
     if not cluster:
         raise click.UsageError("--replicas and --autoscaling need --cluster ray[://ADDRESS]")

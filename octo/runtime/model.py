@@ -223,16 +223,16 @@ class ModelHandle(HandleInfo):
         return await self._engine_work(engine_call, serving.count_tokens, self, kind, req, big=True)
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
-        """POST /tokenize's answer (octo.server.routes.tokens); a long text is tokenized off the event loop."""
-        from octo.server.routes import tokens as api_tokens
+        """POST /tokenize's answer (octo.serving.tokens); a long text is tokenized off the event loop."""
+        from octo.serving import tokens as api_tokens
 
         work = functools.partial(engine_call, api_tokens.tokenize, self, text, add_special, parse_special, with_pieces)
         return await self._engine_work(work, big=len(text) > _OFFLOAD_BYTES)
 
     async def detokenize(self, tokens: list[int]) -> str:
-        """POST /detokenize's text (octo.server.routes.tokens): 400 naming ``tokens`` for an id outside the
+        """POST /detokenize's text (octo.serving.tokens): 400 naming ``tokens`` for an id outside the
         vocabulary."""
-        from octo.server.routes import tokens as api_tokens
+        from octo.serving import tokens as api_tokens
 
         work = functools.partial(engine_call, api_tokens.detokenize, self, tokens)
         return await self._engine_work(work, big=len(tokens) > _OFFLOAD_BYTES // 4)
@@ -339,7 +339,7 @@ async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
             raise EngineError(f"The {handle.engine_name} engine's transcription returned {type(out).__name__}.")
         return out
     if op == "tokenizer_info":
-        from octo.server.routes import tokens as api_tokens
+        from octo.serving import tokens as api_tokens
 
         return api_tokens.tokenizer_info(handle)
     raise ValueError(f"unknown call {op!r}")

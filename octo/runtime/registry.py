@@ -142,7 +142,7 @@ def load_models_file(path: str) -> list[ModelSpec]:
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ConfigError(f"{where}: max_batch must be a positive integer.")
         lora = check_lora(item.get("lora") or {}, where)
-        from octo.cluster.deploy import cluster_keys  # replicas, autoscaling, resources (imports no ray)
+        from octo.runtime.specs import cluster_keys  # replicas, autoscaling, resources (imports no ray)
 
         specs.append(ModelSpec(model, item.get("engine"), {str(k): str(v) for k, v in options.items()}, max_batch,
                                bool(item.get("pinned", False)), keep_alive, lora=lora, **cluster_keys(item, where)))
