@@ -116,7 +116,7 @@ def chart(report: dict, path: Path) -> None:
 @click.option("--out", default="bench/results", show_default=True, type=click.Path(file_okay=False))
 def bench(model, shape, engines_opt, batch_opt, quant, seconds, options, out):
     """Long benchmark of every engine x batch size: prefill/decode tok/s, time to first token, peak memory."""
-    from octo.cli.main import _options, _print_table
+    from octo.cli.main import print_table, serve_options
     from octo.plugins import engine_registry
     from octo.runtime.selection import host_fingerprint
 
@@ -138,7 +138,7 @@ def bench(model, shape, engines_opt, batch_opt, quant, seconds, options, out):
             continue
         click.echo(f"octo bench: {e} ...", err=True)
         args = json.dumps({"engine": e, "artifact": artifacts[e], "batches": batches, "seconds": seconds,
-                           "options": _options(options)})
+                           "options": serve_options(options)})
         proc = subprocess.run([sys.executable, "-m", "octo.cli.bench", args], capture_output=True, text=True)
         if proc.returncode != 0:
             report["engines"].append({"engine": e, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]})
@@ -155,7 +155,7 @@ def bench(model, shape, engines_opt, batch_opt, quant, seconds, options, out):
         def best(r):
             return max(row["decode_tok_s"] for row in r["rows"])
         report["winner"] = max(ok, key=best)["engine"]
-    _print_table(rows, ["engine", "batch", "prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb",
+    print_table(rows, ["engine", "batch", "prompt_tokens", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb",
                         "error"])
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from octo.errors import OctoError
 from octo.server.hostcheck import HostGuard, parse_allowed_hosts
 
 
-def _options(pairs: tuple[str, ...]) -> dict[str, str]:
+def serve_options(pairs: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -259,7 +259,7 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
     if isinstance(model, str):  # OCTO_MODEL may hold several, separated by spaces
         model = tuple(model.split())
     config = ServerConfig(model=model[0] if model else "", engine=engine, host=host, port=port,
-                          options=_options(options), keep_alive=keep_alive, max_loaded=max_loaded,
+                          options=serve_options(options), keep_alive=keep_alive, max_loaded=max_loaded,
                           memory_budget_gb=memory_budget,
                           max_keep_alive=keep_alive if _defaulted("max_keep_alive") else max_keep_alive,
                           allowed_hosts=parse_allowed_hosts(allowed_hosts),
@@ -498,10 +498,10 @@ def ps(host, port, api_key, show_all, as_json):
     if not table:
         click.echo("no model loaded")
         return
-    _print_table(table, ["name", "engine", "state", "where", "memory", "until", "in_flight"])
+    print_table(table, ["name", "engine", "state", "where", "memory", "until", "in_flight"])
 
 
-def _print_table(rows: list[dict], columns: list[str]) -> None:
+def print_table(rows: list[dict], columns: list[str]) -> None:
     widths = {c: max(len(c), *(len(str(r.get(c, "") if r.get(c) is not None else "-")) for r in rows))
               for c in columns}
     click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns))
@@ -552,7 +552,7 @@ def engines(model, engine, bench_seconds, rebench, isolation, as_json):
         table.append({**r, "tasks": ",".join(r["tasks"]) or None, "formats": ",".join(r["formats"]) or None,
                       "score": b.get("score"), "decode_tok_s": b.get("decode_tok_s"),
                       "reason": b.get("error") or r.get("reason")})
-    _print_table(table, ["name", "available", "active", "version", "tasks", "formats", "batching", "score",
+    print_table(table, ["name", "available", "active", "version", "tasks", "formats", "batching", "score",
                          "decode_tok_s", "reason"])
     if model:
         click.echo(f"selection: {out['selection']['reason']}")
@@ -574,7 +574,7 @@ def plugins(as_json):
         return
     for r in rows:
         r["hooks"] = ",".join(r["hooks"]) or None
-    _print_table(rows, ["name", "hooks", "error"])
+    print_table(rows, ["name", "hooks", "error"])
 
 
 def _add_optional_commands() -> None:

@@ -12,26 +12,26 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from octo.protocol import openai as protocol
-from octo.protocol.openai import _INT32, MAX_TOKENS_LIMIT, _check_stops, _Model, _Other
+from octo.protocol.openai import INT32, MAX_TOKENS_LIMIT, Model, Other, check_stops
 
 # the union members' tags are not part of a field's path in a 400 (octo.protocol.openai._path)
-protocol._UNION_TAGS.update({"text-block", "other-block", "tool-use-block", "tool-result-block", "thinking-block",
+protocol.UNION_TAGS.update({"text-block", "other-block", "tool-use-block", "tool-result-block", "thinking-block",
                              "redacted-thinking-block", "custom-tool", "server-tool"})
 
 
-class CacheControl(_Model):
+class CacheControl(Model):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Model):
+class TextBlock(Model):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None  # prompt caching is automatic here (the prefix cache)
     citations: list[Any] | None = None
 
 
-class OtherBlock(_Other):
+class OtherBlock(Other):
     pass
 
 
@@ -45,7 +45,7 @@ TextOrOther = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[Othe
                         Discriminator(_text_kind)]
 
 
-class ToolUseBlock(_Model):
+class ToolUseBlock(Model):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -54,7 +54,7 @@ class ToolUseBlock(_Model):
     caller: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Model):
+class ToolResultBlock(Model):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextOrOther] | None = None
@@ -62,13 +62,13 @@ class ToolResultBlock(_Model):
     cache_control: CacheControl | None = None
 
 
-class ThinkingBlock(_Model):
+class ThinkingBlock(Model):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Model):
+class RedactedThinkingBlock(Model):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -89,13 +89,13 @@ ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[Too
                          | Annotated[OtherBlock, Tag("other-block")], Discriminator(_block_kind)]
 
 
-class AnthropicMessage(_Model):
+class AnthropicMessage(Model):
     # "system": a mid-conversation system turn (Claude Code sends them, beta mid-conversation-system-2026-04-07)
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
-class CustomTool(_Model):
+class CustomTool(Model):
     """A client tool (``type`` absent or "custom"): the model answers with ``tool_use`` blocks for it."""
 
     type: Literal["custom"] | None = None
@@ -107,7 +107,7 @@ class CustomTool(_Model):
     eager_input_streaming: bool | None = None
 
 
-class ServerTool(_Other):
+class ServerTool(Other):
     """A versioned Anthropic tool (``bash_20250124``, ``web_search_20250305``, ...): refused with a 400."""
 
 
@@ -120,44 +120,44 @@ Tool = Annotated[Annotated[CustomTool, Tag("custom-tool")] | Annotated[ServerToo
                  Discriminator(_tool_kind)]
 
 
-class ToolChoice(_Model):
+class ToolChoice(Model):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Model):
+class ThinkingConfig(Model):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     display: Literal["summarized", "omitted"] | None = None
 
 
-class OutputFormat(_Model):
+class OutputFormat(Model):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Model):
+class OutputConfig(Model):
     """Structured output (``format``, a JSON schema the answer follows) and ``effort`` (Claude Code sends "high")."""
 
     effort: Literal["low", "medium", "high", "max"] | None = None
     format: OutputFormat | None = None
 
 
-class ContextEdit(_Other):
+class ContextEdit(Other):
     """One ``context_management`` edit (``clear_thinking_20251015``, ``clear_tool_uses_20250919``, ...): its keys
     depend on its type; the serving layer accepts the ones it honours and refuses the others naming them."""
 
 
-class ContextManagement(_Model):
+class ContextManagement(Model):
     edits: list[ContextEdit] | None = None
 
 
-class Metadata(_Model):
+class Metadata(Model):
     user_id: str | None = None  # Claude Code sends a JSON string of its ids; logged nowhere, used for nothing
 
 
-class AnthropicCountTokensRequest(_Model):
+class AnthropicCountTokensRequest(Model):
     """``/v1/messages/count_tokens``: what makes the prompt of a request."""
 
     model: str | None = None
@@ -181,12 +181,12 @@ class AnthropicRequest(AnthropicCountTokensRequest):
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=_INT32)
+    top_k: int | None = Field(None, ge=0, le=INT32)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
 
     @field_validator("stop_sequences")
     @classmethod
     def _stop(cls, v):
         if v is not None:
-            _check_stops(v, "stop_sequences")
+            check_stops(v, "stop_sequences")
         return v

@@ -25,18 +25,18 @@ MAX_N = 128  # choices per request
 MAX_EMBEDDING_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 MAX_EMBEDDING_TOKENS = 300_000  # token ids per embeddings request (OpenAI's limit on tokens)
 MAX_EMBEDDING_CHARS = 1_200_000  # characters of text per embeddings request (about 300,000 tokens of English)
-_INT32 = 2**31 - 1
+INT32 = 2**31 - 1
 _INT64 = 2**63
 
 
-class _Model(BaseModel):
+class Model(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True, allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return list(self.model_extra or ())
 
 
-class _Other(BaseModel):
+class Other(BaseModel):
     """A content part or block of a type octo does not serve: kept whole, refused in the serving layer with a 400
     naming it (an unsupported type, not an unknown argument)."""
 
@@ -49,12 +49,12 @@ def _part_kind(value: Any) -> str:
     return "text-part" if kind == "text" else "other-part"
 
 
-class TextPart(_Model):
+class TextPart(Model):
     type: Literal["text"]
     text: str
 
 
-class OtherPart(_Other):
+class OtherPart(Other):
     pass
 
 
@@ -62,39 +62,39 @@ ContentPart = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[OtherP
                         Discriminator(_part_kind)]
 
 
-class CalledFunction(_Model):
+class CalledFunction(Model):
     name: str
     arguments: str
 
 
-class MessageToolCall(_Model):
+class MessageToolCall(Model):
     id: str
     type: Literal["function"]
     function: CalledFunction
 
 
-class FunctionDefinition(_Model):
+class FunctionDefinition(Model):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class FunctionTool(_Model):
+class FunctionTool(Model):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Model):
+class FunctionName(Model):
     name: str
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(Model):
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatMessage(_Model):
+class ChatMessage(Model):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -105,24 +105,24 @@ class ChatMessage(_Model):
     function_call: dict[str, Any] | None = None
 
 
-class StreamOptions(_Model):
+class StreamOptions(Model):
     include_usage: bool = False
     include_obfuscation: bool | None = None
 
 
-class JsonSchemaFormat(_Model):
+class JsonSchemaFormat(Model):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # required, as OpenAI's API has it
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-def _check_stops(stops: list[str], param: str) -> None:
+def check_stops(stops: list[str], param: str) -> None:
     if len(stops) > MAX_STOPS:
         raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed, got {len(stops)}")
     for i, s in enumerate(stops):
@@ -135,7 +135,7 @@ def default_if_null(cls, v, info):
     return cls.model_fields[info.field_name].default if v is None else v
 
 
-class _Sampling(_Model):
+class _Sampling(Model):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -148,7 +148,7 @@ class _Sampling(_Model):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
     # extensions common to local servers (llama.cpp, vLLM; keep_alive: Ollama's, seconds or a duration)
-    top_k: int | None = Field(None, ge=0, le=_INT32)
+    top_k: int | None = Field(None, ge=0, le=INT32)
     keep_alive: float | str | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, alias="repeat_penalty")
@@ -160,7 +160,7 @@ class _Sampling(_Model):
     @classmethod
     def _stop(cls, v):
         if v is not None:
-            _check_stops([v] if isinstance(v, str) else v, "stop")
+            check_stops([v] if isinstance(v, str) else v, "stop")
         return v
 
     @field_validator("logit_bias")
@@ -235,23 +235,23 @@ class CompletionRequest(_Sampling):
     _null_completion_default = field_validator("echo", "max_tokens", mode="before")(default_if_null)
 
 
-class EmbeddingRequest(_Model):
+class EmbeddingRequest(Model):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
-    dimensions: int | None = Field(None, ge=1, le=_INT32)
+    dimensions: int | None = Field(None, ge=1, le=INT32)
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
     keep_alive: float | str | None = None
 
 
-def parse(model: type[_Model], body: bytes) -> Any:
+def parse(model: type[Model], body: bytes) -> Any:
     """Validate a JSON body; every failure is a 400 naming the field."""
     if not body or not body.strip():
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
         req = model.model_validate_json(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     _check_unknown(req, "")
     return req
 
@@ -262,7 +262,7 @@ _LEAVES = frozenset({str, int, bool, type(None)})
 def _check_unknown(value: Any, path: str) -> None:
     """A 400 naming the first key no model declares, at any depth (``stream_options.foo``, ``messages[0].x``), or the
     first NaN or Infinity literal inside free-form JSON (typed number fields refuse them themselves)."""
-    if isinstance(value, _Model):
+    if isinstance(value, Model):
         extra = value.unknown_fields()
         if extra:
             key = extra[0]
@@ -281,7 +281,7 @@ def _check_unknown(value: Any, path: str) -> None:
                 _check_unknown(item, f"{path}.{field.alias or name}" if path else field.alias or name)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            if isinstance(item, (_Model, list, dict, float)):
+            if isinstance(item, (Model, list, dict, float)):
                 _check_unknown(item, f"{path}[{i}]")
     elif isinstance(value, dict):  # free-form JSON (a schema, metadata, a tool's input): NaN is not JSON there either
         for key, item in value.items():
@@ -293,7 +293,7 @@ def _check_unknown(value: Any, path: str) -> None:
 
 
 # -- errors -------------------------------------------------------------------------------------------
-_UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "none", "function-after", "function-before",
+UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "none", "function-after", "function-before",
                "text-part", "other-part", "text-block", "other-block", "NamedToolChoice", "text-content",
                "other-content", "message-item", "call-item", "output-item", "other-item", "function-tool",
                "other-tool", "FunctionChoice"}
@@ -305,7 +305,7 @@ _EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": 
 def _path(loc: tuple) -> str:
     param = ""
     for part in loc:
-        if isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
+        if isinstance(part, str) and ("[" in part or part in UNION_TAGS):
             continue  # the union member a nested error came from
         param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
     return param
@@ -321,7 +321,7 @@ def _json_kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _validation_error(exc: ValidationError) -> InvalidRequest:
+def validation_error(exc: ValidationError) -> InvalidRequest:
     errors = exc.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":

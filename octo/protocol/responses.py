@@ -9,17 +9,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from octo.protocol.openai import MAX_TOKENS_LIMIT, _Model, _Other, check_metadata, default_if_null
+from octo.protocol.openai import MAX_TOKENS_LIMIT, Model, Other, check_metadata, default_if_null
 
 
-class InputText(_Model):
+class InputText(Model):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
 
 
-class OtherContent(_Other):
+class OtherContent(Other):
     pass
 
 
@@ -32,7 +32,7 @@ Content = Annotated[Annotated[InputText, Tag("text-content")] | Annotated[OtherC
                     Discriminator(_content_kind)]
 
 
-class MessageItem(_Model):
+class MessageItem(Model):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Content]
@@ -40,7 +40,7 @@ class MessageItem(_Model):
     status: str | None = None
 
 
-class FunctionCallItem(_Model):
+class FunctionCallItem(Model):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -50,7 +50,7 @@ class FunctionCallItem(_Model):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(Model):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[Content]
@@ -58,7 +58,7 @@ class FunctionCallOutputItem(_Model):
     status: str | None = None
 
 
-class OtherItem(_Other):
+class OtherItem(Other):
     pass
 
 
@@ -77,7 +77,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message-item")] | Annotated[Fu
                       Discriminator(_item_kind)]
 
 
-class FunctionTool(_Model):
+class FunctionTool(Model):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -85,7 +85,7 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
-class NamespaceTool(_Model):
+class NamespaceTool(Model):
     """A group of function tools (Codex's ``multi_agent_v1``, MCP servers): the model calls its functions, and the
     call names the namespace."""
 
@@ -95,7 +95,7 @@ class NamespaceTool(_Model):
     tools: list[FunctionTool]
 
 
-class OtherTool(_Other):
+class OtherTool(Other):
     pass
 
 
@@ -108,12 +108,12 @@ Tool = Annotated[Annotated[FunctionTool, Tag("function-tool")] | Annotated[Names
                  | Annotated[OtherTool, Tag("other-tool")], Discriminator(_tool_kind)]
 
 
-class FunctionChoice(_Model):
+class FunctionChoice(Model):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Model):
+class TextFormat(Model):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -121,22 +121,22 @@ class TextFormat(_Model):
     strict: bool | None = None
 
 
-class TextConfig(_Model):
+class TextConfig(Model):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class Reasoning(_Model):
+class Reasoning(Model):
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
 
-class ResponseStreamOptions(_Model):
+class ResponseStreamOptions(Model):
     include_obfuscation: bool | None = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(Model):
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None

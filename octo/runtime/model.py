@@ -21,7 +21,7 @@ from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
 from octo.errors import ConfigError, EngineError, InvalidRequest, ModelFailed, OctoError
 from octo.scheduler.admission import Scheduler
-from octo.scheduler.engine_loop import _set_exception, _set_result, safe_free
+from octo.scheduler.engine_loop import safe_free, set_exception, set_result
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.prefix_cache import PrefixCache
 from octo.serving import openai as serving
@@ -269,9 +269,9 @@ class _PrepThreads:
         while True:
             loop, fut, fn, args = self._jobs.get()
             try:
-                out = (_set_result, fut, fn(*args))
+                out = (set_result, fut, fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                out = (_set_exception, fut, exc)
+                out = (set_exception, fut, exc)
             try:
                 loop.call_soon_threadsafe(*out)
             except RuntimeError:  # the loop closed meanwhile: nobody waits
@@ -384,9 +384,9 @@ def embed_texts(handle: ModelHandle, inp: Any) -> list[str]:
     if isinstance(inp, str):
         texts = [inp]
     elif inp and all(isinstance(x, int) for x in inp):
-        texts = [serving._detok(handle, inp)]
+        texts = [serving.detokenize_ids(handle, inp)]
     elif inp and all(isinstance(x, list) for x in inp):
-        texts = [serving._detok(handle, x) for x in inp]
+        texts = [serving.detokenize_ids(handle, x) for x in inp]
     else:
         texts = list(inp)
     if not texts or any(t == "" for t in texts):

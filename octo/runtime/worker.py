@@ -42,7 +42,7 @@ from octo.runtime import ipc
 from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, run_call
 from octo.runtime.supervision import FAULT_EXIT
 from octo.scheduler.admission import Scheduler
-from octo.scheduler.engine_loop import _as_octo_error, new_engine_thread
+from octo.scheduler.engine_loop import as_octo_error, new_engine_thread
 from octo.scheduler.events import DONE, STREAM_CODES, Admitted, Done, Event, Failed, encode
 from octo.scheduler.jobs import Ticket
 from octo.serving import openai as serving
@@ -217,7 +217,7 @@ class Worker:
         try:
             value = handler(*args)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the gateway
-            self._reply(cid, False, _as_octo_error(exc))
+            self._reply(cid, False, as_octo_error(exc))
         else:
             self._reply(cid, True, value)
 
@@ -227,7 +227,7 @@ class Worker:
         except asyncio.CancelledError:  # cancelled by the gateway: nobody waits for a reply
             pass
         except BaseException as exc:  # noqa: BLE001
-            self._reply(cid, False, _as_octo_error(exc))
+            self._reply(cid, False, as_octo_error(exc))
         else:
             self._reply(cid, True, value)
         finally:
@@ -248,7 +248,7 @@ class Worker:
             self.outbox.set_tickets(rid, sched.submit_all(gens, n, WireQueue(self.outbox, rid)))
         except BaseException as exc:  # noqa: BLE001 - a refused request: every sequence gets the error
             self.outbox.forget(rid)
-            self.outbox.add(rid, Failed(-1, _as_octo_error(exc)))
+            self.outbox.add(rid, Failed(-1, as_octo_error(exc)))
 
     def _cancel(self, rid: int) -> None:
         for t in self.outbox.forget(rid):

@@ -18,9 +18,9 @@ from typing import Any
 
 from octo.engine import Engine, SamplingParams
 from octo.errors import ContextLengthExceeded, InvalidRequest, OctoError, Overloaded, QueueTimeout
-from octo.scheduler.engine_loop import EngineLoop, Pacer, _fail_job, new_engine_thread, safe_free
+from octo.scheduler.engine_loop import EngineLoop, Pacer, fail_job, new_engine_thread, safe_free
 from octo.scheduler.events import Failed
-from octo.scheduler.jobs import GenerationRequest, Ticket, _Call, _Job
+from octo.scheduler.jobs import Call, GenerationRequest, Job, Ticket
 from octo.scheduler.prefix_cache import PrefixCache
 from octo.scheduler.watchdog import Watchdog
 
@@ -45,10 +45,10 @@ class Scheduler(EngineLoop):
         self.preempt_mode = preempt  # "swap": a preempted sequence's KV waits in host memory; "recompute"
         self.dedup = dedup  # a prefix several running requests share is computed once (octo.scheduler.sharing)
         self.total_shared_tokens = 0
-        self._pending: deque[_Job] = deque()
+        self._pending: deque[Job] = deque()
         self._active: list[Ticket] = []
         self._preempted: list[Ticket] = []  # gave their KV back under pressure; resume oldest first
-        self._settling: list[_Job] = []  # calls running and sequences ended in this iteration, not posted yet
+        self._settling: list[Job] = []  # calls running and sequences ended in this iteration, not posted yet
         self.watchdog = Watchdog(self)
         self._pacer = Pacer(step_stretch)
         self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
@@ -114,7 +114,7 @@ class Scheduler(EngineLoop):
                 if t.events is not None:
                     t.events.put_nowait(Failed(t.index, err))
         for job in [*jobs, *running]:
-            _fail_job(job, err)
+            fail_job(job, err)
 
     def restart_loop(self) -> None:
         """(event loop) Run the step loop again on the model's engine thread after it died (the sequences it held
@@ -190,16 +190,16 @@ class Scheduler(EngineLoop):
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run ``fn(engine)`` in the engine thread, through the admission queue (embeddings, audio)."""
-        return await self._await_call(_Call(self._loop, fn))
+        return await self._await_call(Call(self._loop, fn))
 
     async def call_batch(self, key: Any, item: Any, fn: Callable[[Engine, list[Any], Callable], list[Any]]) -> Any:
         """Like :meth:`call`, but calls with the same ``key`` waiting together at the head of the queue run
         as one ``fn(engine, items, done)`` (at most ``max_batch`` items). ``fn`` returns one result per item,
         an exception instance standing for that item's error; it may call ``done(index, result)`` to answer
         an item before the others finish (transcriptions: ``Engine.transcribe_batch``)."""
-        return await self._await_call(_Call(self._loop, fn, key, item))
+        return await self._await_call(Call(self._loop, fn, key, item))
 
-    async def _await_call(self, job: _Call) -> Any:
+    async def _await_call(self, job: Call) -> Any:
         self._enqueue([job])
         try:
             return await job.future  # a queue timeout arrives here as well
@@ -207,7 +207,7 @@ class Scheduler(EngineLoop):
             self.abandon(job)
             raise
 
-    def _enqueue(self, jobs: list[_Job]) -> None:
+    def _enqueue(self, jobs: list[Job]) -> None:
         self.watchdog.check_open()  # a wedged or dead engine thread: 503 at once, not a wait
         with self._lock:
             if self._stopping:
@@ -242,7 +242,7 @@ class Scheduler(EngineLoop):
     def _retry_after(self) -> float:
         return min(self.queue_timeout, 1.0 + len(self._pending) / max(1, self.max_batch))
 
-    async def wait_admitted(self, job: _Job) -> None:
+    async def wait_admitted(self, job: Job) -> None:
         """Wait until the job leaves the queue; QueueTimeout (504) once its deadline has passed."""
         with self._lock:  # the engine thread admits under this lock: it sees the future or we see the state
             if job.state == "pending":
@@ -274,12 +274,12 @@ class Scheduler(EngineLoop):
                         self.total_timeouts += 1
                         expired.append(job)
         for job in expired:
-            _fail_job(job, err)
+            fail_job(job, err)
         self.watchdog.check()
         if not self._stopping:
             self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 
-    def abandon(self, job: _Job) -> None:
+    def abandon(self, job: Job) -> None:
         """The client is gone: drop a pending job now, cancel an active sequence at the next step, and mark a running
         call gone (engines that poll stop its item early)."""
         with self._lock:
@@ -288,7 +288,7 @@ class Scheduler(EngineLoop):
                 self._pending.remove(job)
                 self.total_cancelled += 1
                 return
-            if isinstance(job, _Call) and job.state == "active" and not job.gone:
+            if isinstance(job, Call) and job.state == "active" and not job.gone:
                 job.gone = True
                 self.total_cancelled += 1
                 return

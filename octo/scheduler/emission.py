@@ -97,7 +97,7 @@ class Emission:
             entry = (tb(tok), _clamp(lp), [(tb(a), _clamp(b)) for a, b in top])
             t.lps.append(entry)
             if t.req.stream:
-                posts.append((_put, t.events, Logprob(t.index, entry)))
+                posts.append((put_event, t.events, Logprob(t.index, entry)))
         return True
 
     def _emit(self, t: Ticket, piece: str, posts: list) -> None:
@@ -113,7 +113,7 @@ class Emission:
             if kind == "thinking":
                 t.reasoning.append(text)
                 if t.req.stream:
-                    posts.append((_put, t.events, Reasoning(t.index, text)))
+                    posts.append((put_event, t.events, Reasoning(t.index, text)))
             elif text:
                 self._answer(t, text, posts)
 
@@ -121,7 +121,7 @@ class Emission:
         if t.parser is None:
             t.text.append(piece)
             if t.req.stream:
-                posts.append((_put, t.events, Text(t.index, piece)))
+                posts.append((put_event, t.events, Text(t.index, piece)))
             return
         self._events(t, t.parser.feed(piece), posts)
 
@@ -138,7 +138,7 @@ class Emission:
         for ev in events:
             if isinstance(ev, ContentDelta):
                 t.text.append(ev.text)
-                posts.append((_put, t.events, Text(t.index, ev.text)))
+                posts.append((put_event, t.events, Text(t.index, ev.text)))
                 continue
             if ev.index > 0 and t.req.tools.single:  # parallel_tool_calls false: the first call only
                 continue
@@ -148,8 +148,8 @@ class Emission:
                 calls.append({"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}})
             elif isinstance(ev, ToolCallArguments):
                 calls[ev.index]["function"]["arguments"] += ev.delta
-            posts.append((_put, t.events, ToolDelta(t.index, to_openai_delta(ev))))
+            posts.append((put_event, t.events, ToolDelta(t.index, to_openai_delta(ev))))
 
 
-def _put(queue: Any, item: Any) -> None:
+def put_event(queue: Any, item: Any) -> None:
     queue.put_nowait(item)

@@ -26,10 +26,10 @@ from typing import Any
 from octo.engine import Feed, KVHandle, common_prefix
 from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
 from octo.scheduler.disk_cache import DiskTier
-from octo.scheduler.emission import Emission, _put
+from octo.scheduler.emission import Emission, put_event
 from octo.scheduler.events import Cached, Done, Failed
-from octo.scheduler.jobs import Ticket, _Call, _Job
-from octo.scheduler.kv_pressure import KVPressure, _age, _check_restored, _check_saved
+from octo.scheduler.jobs import Call, Job, Ticket
+from octo.scheduler.kv_pressure import KVPressure, age_of, check_restored, check_saved
 from octo.scheduler.pacer import Pacer
 from octo.scheduler.sharing import PrefixSharing
 from octo.scheduler.step_isolation import StepIsolation
@@ -87,7 +87,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                     calls, admitted = self._admit_locked()
                 for job in admitted + calls:
                     if job.admitted is not None:
-                        posts.append((_set_result, job.admitted, None))
+                        posts.append((set_result, job.admitted, None))
                 if calls and calls[0].batch_key is not None:
                     self._run_batch(calls, posts)
                 else:
@@ -155,22 +155,22 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             self._drain_scheduled = False
         _deliver(posts)
 
-    def _admit_locked(self) -> tuple[list[_Call], list[Ticket]]:
-        calls: list[_Call] = []
+    def _admit_locked(self) -> tuple[list[Call], list[Ticket]]:
+        calls: list[Call] = []
         admitted: list[Ticket] = []
         if not self._pending or (self._active and self.engine.batching == "window"):
             return calls, admitted
         room = self._room()
         while self._pending:
             job = self._pending[0]
-            if isinstance(job, _Call):
+            if isinstance(job, Call):
                 if admitted:  # keep FIFO: run the call after this step's admissions
                     break
                 self._pending.popleft()
                 job.state = "active"
                 calls.append(job)
                 while (job.batch_key is not None and self._pending and len(calls) < self.max_batch
-                       and isinstance(self._pending[0], _Call) and self._pending[0].batch_key == job.batch_key):
+                       and isinstance(self._pending[0], Call) and self._pending[0].batch_key == job.batch_key):
                     nxt = self._pending.popleft()
                     nxt.state = "active"
                     calls.append(nxt)
@@ -194,7 +194,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             admitted.append(job)
         return calls, admitted
 
-    def _run_batch(self, jobs: list[_Call], posts: list) -> None:
+    def _run_batch(self, jobs: list[Call], posts: list) -> None:
         self._post(posts[:])  # admissions now: an item answered early (below) must not wait for them
         posts.clear()
 
@@ -218,16 +218,16 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             job.state = "done"
             self.total_processed += not job.gone  # an abandoned one counts as cancelled (Scheduler.abandon)
 
-    def _run_call(self, job: _Call, posts: list) -> None:
+    def _run_call(self, job: Call, posts: list) -> None:
         self._settling.append(job)  # a wedged call: the watchdog answers it
         self.watchdog.busy(None)
         self.calls_running = 1
         try:
             result = job.fn(self.engine)
         except BaseException as exc:  # noqa: BLE001 - the error goes to the caller
-            posts.append((_set_exception, job.future, _as_octo_error(exc)))
+            posts.append((set_exception, job.future, as_octo_error(exc)))
         else:
-            posts.append((_set_result, job.future, result))
+            posts.append((set_result, job.future, result))
         finally:
             self.calls_running = 0
             self.watchdog.idle(between=True)
@@ -249,7 +249,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             if handle is not None:
                 try:
                     self.engine.kv_restore(seq, handle, n)
-                    _check_restored(seq, n)
+                    check_restored(seq, n)
                     t.cached = seq.n_cached
                     if seq.n_cached != n:  # the engine reused less than the index offered
                         self.cache.tokens_reused -= n - seq.n_cached
@@ -268,7 +268,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 elif fresh is not None:  # the engine refused the disk entry's bytes: not kept
                     self._free_kv(fresh)
             if t.cached and t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
-                posts.append((_put, t.events, Cached(t.index, t.cached)))
+                posts.append((put_event, t.events, Cached(t.index, t.cached)))
         if t.prompt_lps is None:
             self._find_lead(t)
         self._active.append(t)
@@ -393,7 +393,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 return None
             if len(self._active) > 1 and eng.kv_room() is not None:  # (no shared pool: preempting frees nothing)
                 log.info("%s; preempting the youngest sequence", exc.message)
-                self._preempt(max(self._active, key=_age))
+                self._preempt(max(self._active, key=age_of))
                 return None
             for t in owners:
                 if t.state == "active":
@@ -463,17 +463,17 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             self.total_processed += 1
         result = t._result()
         if t.req.stream:
-            posts.append((_put, t.events, Done(t.index, result)))
-        posts.append((_set_result, t.result, result))
+            posts.append((put_event, t.events, Done(t.index, result)))
+        posts.append((set_result, t.result, result))
 
     def _fail(self, t: Ticket, exc: BaseException, posts: list) -> None:
         self._settling.append(t)
         t.finish = "error"
         self._retire(t, save=False)
-        err = _as_octo_error(exc)
+        err = as_octo_error(exc)
         if t.events is not None:
-            posts.append((_put, t.events, Failed(t.index, err)))
-        posts.append((_set_exception, t.result, err))
+            posts.append((put_event, t.events, Failed(t.index, err)))
+        posts.append((set_exception, t.result, err))
 
     def _retire(self, t: Ticket, save: bool = True) -> None:
         """Take ``t`` out of the batch; offer its KV to the prefix cache first."""
@@ -495,7 +495,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             try:  # whatever the engine does here, the request still gets its result
                 handle = self.engine.kv_save(seq)
                 if handle is not None:
-                    _check_saved(handle, seq)
+                    check_saved(handle, seq)
                     if self.disk is not None and seq.sampling.adapter is None:
                         self._to_disk(handle, t.n_prompt)
                     self.cache.insert(handle, seq.sampling.adapter)
@@ -522,7 +522,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         if (posts or pending) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(_deliver, posts)
             for job in pending:
-                self._loop.call_soon_threadsafe(_fail_job, job, err)
+                self._loop.call_soon_threadsafe(fail_job, job, err)
 
 
 def _work(t: Ticket, n_ctx: int) -> int:
@@ -561,31 +561,31 @@ def new_engine_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="octo-engine")
 
 
-def _as_octo_error(exc: BaseException) -> OctoError:
+def as_octo_error(exc: BaseException) -> OctoError:
     if isinstance(exc, OctoError):
         return exc
     return EngineError(f"The engine failed: {type(exc).__name__}: {exc}")
 
 
-def _fail_job(job: _Job, err: OctoError) -> None:
+def fail_job(job: Job, err: OctoError) -> None:
     """On the event loop: a job that never ran gets ``err`` (its admission wait, and its result)."""
     if job.admitted is not None:
-        _set_exception(job.admitted, err)
-    _set_exception(job.result if isinstance(job, Ticket) else job.future, err)
+        set_exception(job.admitted, err)
+    set_exception(job.result if isinstance(job, Ticket) else job.future, err)
 
 
 def _outcome(fut: asyncio.Future, result: Any) -> tuple:
     if isinstance(result, BaseException):
-        return (_set_exception, fut, _as_octo_error(result))
-    return (_set_result, fut, result)
+        return (set_exception, fut, as_octo_error(result))
+    return (set_result, fut, result)
 
 
-def _set_result(fut: asyncio.Future, value: Any) -> None:
+def set_result(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
 
 
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+def set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
         fut.add_done_callback(_consume)  # nobody may await it (client gone)

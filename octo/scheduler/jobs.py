@@ -67,7 +67,7 @@ class Result:
     eval_s: float = 0.0
 
 
-class _Job:
+class Job:
     """Common part of a queued sequence or call: admission future and deadline handling."""
 
     __slots__ = ("admitted", "state", "deadline", "error")
@@ -79,7 +79,7 @@ class _Job:
         self.error: OctoError | None = None  # why a job that never ran was dropped (504, shutdown)
 
 
-class Ticket(_Job):
+class Ticket(Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
@@ -155,7 +155,7 @@ class Ticket(_Job):
                       else None, first - (self.t_admit or first), now - first)
 
 
-class _Call(_Job):
+class Call(Job):
     __slots__ = ("fn", "future", "batch_key", "item", "gone")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], batch_key: Any = None,

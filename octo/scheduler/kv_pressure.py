@@ -42,7 +42,7 @@ class KVPressure:
                 spare = room - decoding
             if len(self._active) <= 1 or (spare >= 0 and (decoding or spare > 0)):
                 return max(spare, 0)
-            self._preempt(max(self._active, key=_age))
+            self._preempt(max(self._active, key=age_of))
             room = self.engine.kv_room()  # shared cells stay with their other users: ask, do not add
 
     def _reclaim(self, cells: int) -> int:
@@ -75,7 +75,7 @@ class KVPressure:
         seq.n_cached = 0
         t.preemptions += 1
         self.total_preemptions += 1
-        bisect.insort(self._preempted, t, key=_age)
+        bisect.insort(self._preempted, t, key=age_of)
 
     def _resume(self, posts: list) -> None:
         """Bring preempted sequences back, oldest first, while the pool has room for all their tokens."""
@@ -88,12 +88,12 @@ class KVPressure:
             if room is not None and self._active and need > room:
                 return
             self._preempted.pop(0)
-            bisect.insort(self._active, t, key=_age)  # the oldest sequences' prompts are fed first
+            bisect.insort(self._active, t, key=age_of)  # the oldest sequences' prompts are fed first
             handle, t.swap = t.swap, None
             if handle is not None:
                 try:
                     self.engine.kv_restore(t.seq, handle, len(handle.tokens))
-                    _check_restored(t.seq, len(handle.tokens))
+                    check_restored(t.seq, len(handle.tokens))
                 except Exception:  # noqa: BLE001 - recompute instead
                     log.exception("KV restore after preemption failed; recomputing")
                     self.engine.kv_drop(t.seq)
@@ -105,13 +105,13 @@ class KVPressure:
                 room -= need
 
 
-def _check_restored(seq: Any, n: int) -> None:
+def check_restored(seq: Any, n: int) -> None:
     """A restore of ``n`` tokens must leave 0..n of them in the sequence's KV (more would skip tokens never fed)."""
     if not 0 <= seq.n_cached <= n:
         raise EngineError(f"kv_restore of {n} tokens left {seq.n_cached} tokens in the sequence's KV")
 
 
-def _check_saved(handle: Any, seq: Any) -> None:
+def check_saved(handle: Any, seq: Any) -> None:
     """A handle ``kv_save`` gave for the prefix cache: for tokens of this sequence (the index serves it to other
     requests by them), with a size the cache can count."""
     if not isinstance(handle, KVHandle):
@@ -123,5 +123,5 @@ def _check_saved(handle: Any, seq: Any) -> None:
         raise EngineError(f"kv_save returned a handle of {handle.nbytes!r} bytes")
 
 
-def _age(t: Ticket) -> int:
+def age_of(t: Ticket) -> int:
     return t.seq.id  # sequence ids grow with submission: the largest is the youngest

@@ -40,7 +40,7 @@ from octo.protocol.anthropic import (
 )
 from octo.scheduler.jobs import GenerationRequest, Result
 from octo.serving import chatprep
-from octo.serving.openai import _require, _unsupported_if
+from octo.serving.openai import require, unsupported_if
 from octo.text.reasoning import ThinkSplitter, split_thinking, supports_thinking, template_source
 
 _ALNUM = string.ascii_letters + string.digits
@@ -286,8 +286,8 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
 # -- prompt and generation ------------------------------------------------------------------------------------------
 def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], ChatInput, Any]:
     """The prompt tokens of a request (as a real request renders them), its chat input and tool format."""
-    _require(handle, Task.CHAT)
-    _unsupported_if(req, ("mcp_servers", "container"))
+    require(handle, Task.CHAT)
+    unsupported_if(req, ("mcp_servers", "container"))
     _check_context_management(req)
     engine = handle.engine
     inp = chat_input(req)

@@ -39,7 +39,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{_ID_PREFIX}{next(_id_counter):012x}"
 
 
-def _unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:
+def unsupported_if(req: Any, names: tuple[str, ...], why: str = "") -> None:
     given = req.model_fields_set  # only what the request sent can be set
     for name in names:
         if name in given and getattr(req, name) not in (None, False, [], {}):
@@ -92,7 +92,7 @@ def _check_stream_options(req: Any) -> None:
         raise InvalidRequest("stream_options is only allowed when stream is true.", param="stream_options")
 
 
-def _require(handle: Any, task: Task) -> None:
+def require(handle: Any, task: Task) -> None:
     if task not in handle.tasks:
         raise InvalidRequest(
             f"Model '{handle.name}' ({handle.engine_name}) does not support {task.value}; it serves: "
@@ -186,9 +186,9 @@ def min_tokens(engine: Any, value: int | None, max_tokens: int | None, max_param
 
 
 def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationRequest:
-    _require(handle, Task.CHAT)
+    require(handle, Task.CHAT)
     _check_stream_options(req)
-    _unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options",
+    unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options",
                           "reasoning_effort", "verbosity", "store"))
     if req.modalities not in (None, ["text"]):
         raise UnsupportedParameter("modalities", "only text output is supported")
@@ -271,9 +271,9 @@ def chat_chunk(rid: str, model: str, fingerprint: str, created: int, index: int,
 # -- completions ---------------------------------------------------------------------------------------
 def completion_generations(handle: Any, req: CompletionRequest) -> list[GenerationRequest]:
     """One GenerationRequest per prompt (a list of prompts is a batch)."""
-    _require(handle, Task.COMPLETION)
+    require(handle, Task.COMPLETION)
     _check_stream_options(req)
-    _unsupported_if(req, ("suffix",))
+    unsupported_if(req, ("suffix",))
     if req.best_of not in (None, req.n):
         raise UnsupportedParameter("best_of", "only best_of == n is supported")
     engine = handle.engine
@@ -377,11 +377,11 @@ def prompt_texts(handle: Any, req: CompletionRequest) -> list[str]:
     if isinstance(p, str):
         return [p]
     if p and all(isinstance(x, int) for x in p):
-        return [_detok(handle, p, "prompt")]
-    return [x if isinstance(x, str) else _detok(handle, x, "prompt") for x in p]
+        return [detokenize_ids(handle, p, "prompt")]
+    return [x if isinstance(x, str) else detokenize_ids(handle, x, "prompt") for x in p]
 
 
-def _detok(handle: Any, tokens: list[int], param: str = "input") -> str:
+def detokenize_ids(handle: Any, tokens: list[int], param: str = "input") -> str:
     """The text of token ids (a prompt for ``echo``, an embeddings input): 400 naming ``param`` for an id outside
     the vocabulary."""
     check_token_ids(tokens, handle.info.n_vocab, param, handle.engine)

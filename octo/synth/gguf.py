@@ -69,7 +69,7 @@ def build_gguf(
     return build_file(out, lambda tmp: quantize(src, tmp, ftype, threads))
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.permute: HF's rotate-half Q/K rows -> llama.cpp's interleaved RoPE."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -151,9 +151,9 @@ def convert_hf(hf: Path, spec: ModelSpec, out: Path, ftype: str, pooling: str | 
     for key, _name, _shape, dtype in plan:
         t = st.get_tensor(key).astype(np.float32, copy=False)
         if spec.arch == "llama" and key.endswith("q_proj.weight"):
-            t = _permute(t, spec.num_attention_heads)
+            t = permute(t, spec.num_attention_heads)
         elif spec.arch == "llama" and key.endswith("k_proj.weight"):
-            t = _permute(t, spec.num_key_value_heads)
+            t = permute(t, spec.num_key_value_heads)
         w.write_tensor_data(np.ascontiguousarray(t.astype(dtype)))
     w.close()
 

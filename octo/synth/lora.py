@@ -110,7 +110,7 @@ def build_gguf_lora(spec: ModelSpec | str, seed: int = 0, lora: LoraSpec = LoraS
 def _write_gguf_lora(spec: ModelSpec, lora: LoraSpec, out: Path) -> None:
     import gguf
 
-    from octo.synth.gguf import _permute
+    from octo.synth.gguf import permute
 
     arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[spec.arch]
     w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
@@ -122,7 +122,7 @@ def _write_gguf_lora(spec: ModelSpec, lora: LoraSpec, out: Path) -> None:
         layer = int(name.split(".")[2])
         module = name.split(".")[-2]
         if spec.arch == "llama" and module in ("q_proj", "k_proj"):  # the weights' RoPE row permutation (gguf.py)
-            b = _permute(b, spec.num_attention_heads if module == "q_proj" else spec.num_key_value_heads)
+            b = permute(b, spec.num_attention_heads if module == "q_proj" else spec.num_key_value_heads)
         base = f"blk.{layer}.{MODULES[module][1]}.weight"
         w.add_tensor(base + ".lora_a", np.ascontiguousarray(a))
         w.add_tensor(base + ".lora_b", np.ascontiguousarray(b))

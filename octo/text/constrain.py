@@ -50,7 +50,7 @@ import numpy as np
 
 from octo.errors import InvalidRequest
 from octo.logits import apply_bitmask  # noqa: F401 - re-exported: the engine-side half
-from octo.text.grammars import JSON_WHITESPACE, Constraint, _ll, available, grammar_text  # noqa: F401 - re-exported
+from octo.text.grammars import JSON_WHITESPACE, Constraint, available, grammar_text, ll_grammar  # noqa: F401 - re-exported
 
 
 # -- vocabulary -------------------------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ class Vocab:
 
     def __init__(self, tokens: Sequence[bytes], eos_ids: Sequence[int], special_tokens: Mapping[str, int] | None = None,
                  tokenize: Callable[[str], list[int]] | None = None) -> None:
-        ll = _ll()
+        ll = ll_grammar()
         if not eos_ids:
             raise ValueError("a vocabulary for constrained decoding needs at least one EOS token id")
         self.n_vocab = len(tokens)
@@ -179,7 +179,7 @@ GRAMMAR_CACHE_SIZE = 64
 
 def compile_constraint(c: Constraint, vocab: Vocab) -> Grammar:
     """Check and compile ``c`` for ``vocab`` (cached per vocabulary and grammar). Raises :class:`InvalidRequest`."""
-    ll = _ll()
+    ll = ll_grammar()
     text = grammar_text(c, vocab)
     key = (id(vocab), text)
     with _GRAMMAR_LOCK:
@@ -330,7 +330,7 @@ def fill_masks(matchers: Sequence[Matcher | None], out: np.ndarray | None = None
         global _EXECUTOR
         with _VOCAB_LOCK:
             if _EXECUTOR is None:
-                _EXECUTOR = _ll().LLExecutor()
+                _EXECUTOR = ll_grammar().LLExecutor()
         if not out.flags.c_contiguous or out.dtype != np.int32:
             raise ValueError("bitmask must be C-contiguous int32")
         _EXECUTOR.unsafe_compute_mask_ptr([(m._m, i) for i, m in live], out.ctypes.data, out.shape[1] * 4,

@@ -28,13 +28,13 @@ JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 def available() -> tuple[bool, str]:
     """Whether llguidance can be imported, and why not (for /v1/engines or a capability check)."""
     try:
-        _ll()
+        ll_grammar()
     except InvalidRequest as e:
         return False, e.message
     return True, ""
 
 
-def _ll():
+def ll_grammar():
     try:
         import llguidance
     except ImportError:
@@ -169,7 +169,7 @@ def check_strict_schema(schema: Any, param: str) -> None:
 
 def _schema_errors(schema: Any, param: str) -> list[str]:
     """llguidance's complaints about a schema (unsupported keywords, unknown formats...), [] when it compiles."""
-    ll = _ll()
+    ll = ll_grammar()
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON Schema object.", param=param)
     try:
@@ -345,7 +345,7 @@ def _tool_lark(c: Constraint, vocab: Vocab) -> str:
 
 def grammar_text(c: Constraint, vocab: Vocab) -> str:
     """The llguidance grammar (a JSON string) of a constraint, after the checks that name the request field."""
-    ll = _ll()
+    ll = ll_grammar()
     if c.kind == "json_schema":
         schema = usable_schema(c.schema, c.strict, c.param)
         return ll.LLMatcher.grammar_from_json_schema(json.dumps(_with_whitespace(schema)))

@@ -138,7 +138,7 @@ class ToolFormat:
 
     def render_calls(self, tool_calls: list[dict[str, Any]]) -> str:
         """The text the model would have written for these OpenAI ``tool_calls``."""
-        bodies = [json.dumps({"name": c["function"]["name"], self.args_key: _args_obj(c)}, ensure_ascii=False)
+        bodies = [json.dumps({"name": c["function"]["name"], self.args_key: args_obj(c)}, ensure_ascii=False)
                   for c in tool_calls]
         return self.begin + self.separator.join(self.call_open + b + self.call_close for b in bodies) + self.end
 
@@ -574,7 +574,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat | str, tool_names: Iterable[str]
     return assemble(parser.feed(text) + parser.finish(truncated))
 
 
-def _args_obj(call: dict[str, Any]) -> Any:
+def args_obj(call: dict[str, Any]) -> Any:
     args = call["function"].get("arguments")
     if isinstance(args, str):
         loaded = load_json(args) if args.strip() else {}

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from octo.text.toolcalls import ToolFormat, _args_obj, get_format
+from octo.text.toolcalls import ToolFormat, args_obj, get_format
 
 
 # -- prompts for templates ----------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def prepare_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
         out = []
         for m in messages:
             if m.get("tool_calls"):
-                m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _args_obj(c)}}
+                m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": args_obj(c)}}
                                          for c in m["tool_calls"]]}
             out.append(m)
         return ChatInput(out, tools or None)

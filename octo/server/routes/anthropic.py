@@ -17,7 +17,7 @@ from octo.errors import OctoError
 from octo.protocol.anthropic import AnthropicCountTokensRequest, AnthropicRequest
 from octo.protocol.openai import parse
 from octo.scheduler.events import Cached, Done, Failed, Text, ToolDelta
-from octo.server.routes.openai import _body, _events, _model, _sse, dumps, json_response
+from octo.server.routes.openai import dumps, event_stream, json_body, json_response, model_of, sse_response
 from octo.serving import anthropic
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -36,9 +36,9 @@ def _event(name: str, obj: dict[str, Any]) -> bytes:
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    body = await json_body(request)
     req = parse(AnthropicRequest, body)
-    async with _model(request, req) as handle:
+    async with model_of(request, req) as handle:
         tickets, events = await handle.submit("messages", req, len(body))
         mid, model, opts = anthropic.new_id("msg"), req.model or handle.name, anthropic.Options.of(req)
         try:
@@ -52,10 +52,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, ticket: Any, events: Any, mid: str, model: str,
                   opts: anthropic.Options) -> web.StreamResponse:
-    resp = await _sse(request)
+    resp = await sse_response(request)
     blocks = anthropic.StreamBlocks(opts)
     started = False
-    async for batch in _events(events, 1):
+    async for batch in event_stream(events, 1):
         out: list[bytes] = []
         if not started:  # the Cached event, when there is one, comes first
             started = True
@@ -82,8 +82,8 @@ async def _stream(request: web.Request, ticket: Any, events: Any, mid: str, mode
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await json_body(request)
     req = parse(AnthropicCountTokensRequest, body)
-    async with _model(request, req) as handle:
+    async with model_of(request, req) as handle:
         n = await handle.count_tokens("messages", req)
     return json_response({"input_tokens": n})

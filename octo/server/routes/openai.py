@@ -48,18 +48,18 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return web.Response(body=dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-async def _body(request: web.Request) -> bytes:
+async def json_body(request: web.Request) -> bytes:
     """The JSON body: bounded by --max-body-mb before and after decompression."""
     return await read_json_body(request, int(request.app[STATE].config.max_body_mb * 2**20))
 
 
-def _model(request: web.Request, req: Any):
+def model_of(request: web.Request, req: Any):
     """``async with``: the ready handle of the model ``req`` names, held for the request (loaded on demand, never
     unloaded under it; a crashed worker restarts here)."""
     return request.app[STATE].registry.use(req.model, req.keep_alive)
 
 
-async def _sse(request: web.Request) -> web.StreamResponse:
+async def sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     return resp
@@ -69,7 +69,7 @@ def _data(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-async def _events(queue: asyncio.Queue, n: int) -> AsyncIterator[list[Event]]:
+async def event_stream(queue: asyncio.Queue, n: int) -> AsyncIterator[list[Event]]:
     """Batches of ``octo.scheduler.events`` until ``n`` sequences are done (drains what is ready)."""
     done = 0
     while done < n:
@@ -92,7 +92,7 @@ async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
     its choice."""
     results: list[Result | None] = [None] * n
     pending: dict[int, list] = {}
-    async for batch in _events(queue, n):
+    async for batch in event_stream(queue, n):
         out = []
         for ev in batch:  # dispatch on the exact class: a ``match`` with class patterns costs 5-10 times as much
             cls = type(ev)
@@ -124,9 +124,9 @@ def _error_event(exc: Any) -> bytes:
 
 # -- /v1/chat/completions ------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    body = await json_body(request)
     req = parse(ChatCompletionRequest, body)
-    async with _model(request, req) as handle:
+    async with model_of(request, req) as handle:
         tickets, events = await handle.submit("chat", req, len(body))
         model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
         try:
@@ -136,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await handle.wait_admitted(tickets)
             created = int(time.time())
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            resp = await _sse(request)
+            resp = await sse_response(request)
             extra = {"usage": None} if include_usage else {}
 
             def chunk(index: int, delta: dict, finish: str | None = None, lps: list | None = None) -> bytes:
@@ -160,11 +160,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 # -- /v1/completions -----------------------------------------------------------------------------------
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    body = await json_body(request)
     req = parse(CompletionRequest, body)
     if req.echo and req.stream:
         raise UnsupportedParameter("echo", "echo is only supported without stream")
-    async with _model(request, req) as handle:
+    async with model_of(request, req) as handle:
         tickets, queue = await handle.submit("completion", req, len(body))
         model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
         try:
@@ -176,7 +176,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await handle.wait_admitted(tickets)
             created = int(time.time())
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            resp = await _sse(request)
+            resp = await sse_response(request)
 
             offsets: dict[int, int] = {}
 
@@ -201,10 +201,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # -- /v1/embeddings ------------------------------------------------------------------------------------
 async def embeddings(request: web.Request) -> web.Response:
-    body = await _body(request)
+    body = await json_body(request)
     req = parse(EmbeddingRequest, body)
     serving.check_embedding_input(req.input, 0)  # the limits that need no model, before one loads for it
-    async with _model(request, req) as handle:
+    async with model_of(request, req) as handle:
         if Task.EMBEDDINGS not in handle.tasks:
             raise InvalidRequest(f"Model '{handle.name}' ({handle.engine_name}) does not support embeddings.",
                                  param="model", code="unsupported_task")

@@ -13,10 +13,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from octo.errors import ContextLengthExceeded, NotFound, OctoError
-from octo.protocol.openai import ChatCompletionRequest, _validation_error, parse
+from octo.protocol.openai import ChatCompletionRequest, parse, validation_error
 from octo.protocol.responses import ResponsesRequest
 from octo.scheduler.events import Done, Failed, Logprob, Text, ToolDelta
-from octo.server.routes.openai import SSE_HEADERS, _body, _events, _model, dumps, json_response
+from octo.server.routes.openai import SSE_HEADERS, dumps, event_stream, json_body, json_response, model_of
 from octo.server.state import STATE
 from octo.serving import responses
 from octo.serving.response_store import ResponseStore
@@ -41,7 +41,7 @@ def _chat(body: dict[str, Any], req: ResponsesRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        raise responses.translate_error(_validation_error(exc), req) from None
+        raise responses.translate_error(validation_error(exc), req) from None
 
 
 def _drop_oldest(body: dict[str, Any], has_instructions: bool) -> bool:
@@ -63,7 +63,7 @@ def _sse_event(ev: dict[str, Any]) -> bytes:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    body = await json_body(request)
     req = parse(ResponsesRequest, body)
     responses.check_unsupported(req)
     store = _store(request)
@@ -79,7 +79,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     chat_body, conversation = responses.to_chat(req, history)
     chat_req = _chat(chat_body, req)
     try:
-        async with _model(request, chat_req) as handle:
+        async with model_of(request, chat_req) as handle:
             return await _serve(request, handle, req, chat_body, chat_req, conversation, len(body))
     except OctoError as err:
         raise responses.translate_error(err, req) from None
@@ -129,7 +129,7 @@ async def _stream(request: web.Request, handle: Any, tickets: list, events: Any,
     await resp.prepare(request)
     await resp.write(b"".join(_sse_event(e) for e in es.start()))
     lps: list = []
-    async for batch in _events(events, 1):
+    async for batch in event_stream(events, 1):
         out: list[dict[str, Any]] = []
         for ev in batch:
             cls = type(ev)

@@ -23,12 +23,12 @@ from __future__ import annotations
 from aiohttp import web
 
 from octo.errors import InvalidRequest
-from octo.protocol.openai import _Model, parse
+from octo.protocol.openai import Model, parse
 from octo.server.routes import openai as api
 from octo.server.state import STATE
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(Model):
     content: str | None = None
     prompt: str | None = None  # vLLM's name for content
     model: str | None = None
@@ -39,7 +39,7 @@ class TokenizeRequest(_Model):
     keep_alive: float | str | None = None
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(Model):
     tokens: list[int]
     model: str | None = None
     keep_alive: float | str | None = None
@@ -53,7 +53,7 @@ def add_routes(router: web.UrlDispatcher) -> None:
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
-    req = parse(TokenizeRequest, await api._body(request))
+    req = parse(TokenizeRequest, await api.json_body(request))
     if req.content is not None and req.prompt is not None:
         raise InvalidRequest("Send the text as content or as prompt, not both.", param="prompt")
     if req.add_special is not None and req.add_special_tokens is not None:
@@ -69,7 +69,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
 
 
 async def detokenize_route(request: web.Request) -> web.Response:
-    req = parse(DetokenizeRequest, await api._body(request))
+    req = parse(DetokenizeRequest, await api.json_body(request))
     async with request.app[STATE].registry.use(req.model, req.keep_alive) as handle:
         text = await handle.detokenize(req.tokens)
     return api.json_response({"content": text, "prompt": text})
