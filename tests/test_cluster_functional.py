@@ -84,7 +84,10 @@ def _sticky_questions(server, per_replica: int) -> dict[str, list[str]]:
 
 def test_serve_without_cluster_never_imports_ray():
     code = ("import sys, json\n"
-            "from octo import cli, server, registry, cluster\n"
+            "from octo import cli, cluster\n"
+            "from octo.cluster import deploy\n"
+            "from octo.runtime import registry\n"
+            "from octo.server import app as server\n"
             "from octo.config import ServerConfig\n"
             "from octo.runtime.registry import Registry\n"
             "app = server.create_app(ServerConfig(), Registry(ServerConfig(), {}))\n"

@@ -458,7 +458,7 @@ class Close(_Busy):
 
 
 def test_the_chosen_engine_stays_unless_a_challenger_wins_clearly_and_quietly():
-    from octo.engine_choice import beats
+    from octo.runtime.engine_choice import beats
 
     quiet, noisy = {"conditions": {"disturbed": False}}, {"conditions": {"disturbed": True}}
     kept = {**quiet, "score": 100.0}

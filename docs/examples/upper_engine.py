@@ -1,5 +1,5 @@
 """A complete engine plugin, the one docs/engines.md walks through: a byte-level 'model' that answers with its
-prompt in capitals. Serve it with `octo serve x.upper --plugins-dir docs/examples --engine upper`.
+prompt in capitals. Serve it with `octo serve shout --plugins-dir docs/examples --engine upper`.
 tests/test_docs.py runs it through a real server, so the tutorial stays true."""
 
 from octo.engine import Detection, Engine, ModelInfo, Task
@@ -13,7 +13,7 @@ EOS = 0
 class UpperEngine(Engine):
     name = "upper"
     tasks = frozenset({Task.COMPLETION})
-    formats = frozenset({"upper"})
+    formats = frozenset({"any"})  # it needs no artifact: any model name serves (a real engine: {"gguf"}, ...)
     isolation = "thread"  # pure Python: no native code to contain in a worker process
 
     def __init__(self, config=None):
@@ -24,12 +24,10 @@ class UpperEngine(Engine):
     def detect(cls):  # what /v1/engines and `octo engines` say; a missing runtime is Detection(False, why)
         return Detection(True)
 
-    @classmethod
-    def artifact_format(cls, path):
-        return "upper" if str(path).endswith(".upper") else None
-
     def load(self, artifact, name):  # a real engine imports its runtime here, lazily, and reads the artifact
-        return ModelInfo(name=name, n_ctx=self.opts.get("n_ctx", 2048), eos_token_ids=frozenset({EOS}), n_vocab=256)
+        self.info = ModelInfo(name=name, n_ctx=self.opts.get("n_ctx", 2048), eos_token_ids=frozenset({EOS}),
+                              n_vocab=256)
+        return self.info
 
     def tokenize(self, text, special=True):
         return list(text.encode())

@@ -41,11 +41,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from octo import engine_choice as choice
 from octo.atomic import sweep, write_json
 from octo.benchload import LoadMonitor, loadavg_1min, wait_quiet
 from octo.engine import Engine, Feed, SamplingParams, Sequence, Task
 from octo.paths import bench_dir
+from octo.runtime import engine_choice as choice
 
 log = logging.getLogger("octo.runtime.selection")
 WEIGHTS = {"batch_decode_tok_s": 0.5, "decode_tok_s": 0.3, "prefill_tok_s": 0.2}

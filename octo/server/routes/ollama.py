@@ -23,6 +23,7 @@ from octo.engine import Task
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.protocol.ollama import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, parse
 from octo.runtime.registry import parse_keep_alive
+from octo.scheduler.events import Done, Failed, Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
 from octo.server.routes import dashboard as api_dashboard
@@ -175,32 +176,33 @@ async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock
         while not events.empty():
             batch.append(events.get_nowait())
         lines: list[bytes] = []
-        for _, kind, value in batch:
-            if kind == "text":
-                obj = chunk(value)
+        for ev in batch:
+            kind = type(ev)
+            if kind is Text:
+                obj = chunk(ev.text)
                 if out.lps:  # a token's logprobs come just before its text
                     obj["logprobs"], out.lps = ollama.logprobs(out.lps), []
-            elif kind == "reasoning":
-                obj = chunk("", value)
-            elif kind == "tool":
-                out.tool(value)
+            elif kind is Reasoning:
+                obj = chunk("", ev.text)
+            elif kind is ToolDelta:
+                out.tool(ev.delta)
                 continue
-            elif kind == "lp":
-                out.lps.append(value)
+            elif kind is Logprob:
+                out.lps.append(ev.entry)
                 continue
-            elif kind == "done":
+            elif kind is Done or kind is Failed:
                 clock.done = time.perf_counter()
-                if not isinstance(value, Result):
-                    lines.append(error_line(value))
+                if kind is Failed:
+                    lines.append(error_line(ev.error))
                     await resp.write(b"".join(lines))
                     return resp
                 if out.calls:  # Ollama sends whole calls: once they are complete
                     lines.append(dumps(chunk("", None, out.calls)) + b"\n")
-                lines.append(dumps(_final(chunk, value, clock, out, False)) + b"\n")
+                lines.append(dumps(_final(chunk, ev.result, clock, out, False)) + b"\n")
                 await resp.write(b"".join(lines))
                 return resp
             else:
-                continue  # "cached"
+                continue  # Cached
             lines.append(dumps(obj) + b"\n")
         if lines:
             await resp.write(b"".join(lines))
