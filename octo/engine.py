@@ -216,6 +216,31 @@ class Segment:
 
 
 @dataclass
+class VerboseSegment(Segment):
+    """A segment with the per-segment details of OpenAI's ``verbose_json``, for speech engines that have them."""
+
+    id: int = 0
+    seek: int = 0
+    tokens: list[int] | None = None
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+
+
+def fallback_temperatures(temperature: float, increment: float) -> tuple[float, ...]:
+    """OpenAI's transcription fallback schedule (``whisper.transcribe``): ``temperature``, then up by ``increment``
+    to 1.0 (an increment of 0: no fallback). Every speech engine decodes with it, so they do the same work."""
+    if not increment:
+        return (temperature,)
+    out, t = [], temperature
+    while t <= 1.0 + 1e-6:
+        out.append(round(t, 6))
+        t += increment
+    return tuple(out) or (temperature,)
+
+
+@dataclass
 class Transcription:
     text: str
     language: str

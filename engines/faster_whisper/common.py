@@ -10,33 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from octo.engine import Segment, Transcription, TranscriptionRequest
-from octo.errors import ConfigError, InvalidRequest, OctoError
+from octo.engine import Transcription, TranscriptionRequest, VerboseSegment, fallback_temperatures
+from octo.errors import InvalidRequest, OctoError
+from octo.options import boolean, optional_float, parse_engine_options, positive_int
 
 SAMPLE_RATE = 16000
-
-
-def parse_bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got '{value}'")
-
-
-def optional_float(value: str) -> float | None:
-    return None if value.strip().lower() in ("none", "off", "") else float(value)
-
-
-def positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise ValueError(f"expected a positive integer, got {n}")
-    return n
 
 
 # the decoding options every speech engine takes (``-o KEY=VALUE``), with OpenAI's defaults
@@ -45,7 +25,7 @@ DECODING_OPTIONS: dict[str, Callable[[str], Any]] = {
     "beam_size": positive_int,
     "best_of": positive_int,
     "max_new_tokens": positive_int,
-    "condition_on_previous_text": parse_bool,
+    "condition_on_previous_text": boolean,
     "temperature_increment": float,
     "compression_ratio_threshold": optional_float,
     "logprob_threshold": optional_float,
@@ -64,27 +44,10 @@ DEFAULTS: dict[str, Any] = {
 
 def parse_options(engine: str, options: dict[str, str], extra: dict[str, Callable[[str], Any]]) -> dict[str, Any]:
     """The engine's options with OpenAI's defaults; a ConfigError names an unknown or malformed one."""
-    known = {**DECODING_OPTIONS, **extra}
-    opts = dict(DEFAULTS)
-    for key, value in options.items():
-        if key not in known:
-            raise ConfigError(f"Unknown option '{key}' for engine {engine}; known: {', '.join(known)}.", param=key)
-        try:
-            opts[key] = known[key](value)
-        except ValueError as exc:
-            raise ConfigError(f"Option '{key}': {exc}", param=key) from None
-    return opts
+    return {**DEFAULTS, **parse_engine_options(engine, {**DECODING_OPTIONS, **extra}, options)}
 
 
-def temperatures(temperature: float, increment: float) -> tuple[float, ...]:
-    """OpenAI's fallback schedule: ``temperature``, then up by ``increment`` to 1.0 (0 = no fallback)."""
-    if not increment:
-        return (temperature,)
-    out, t = [], temperature
-    while t <= 1.0 + 1e-6:
-        out.append(round(t, 6))
-        t += increment
-    return tuple(out) or (temperature,)
+temperatures = fallback_temperatures
 
 
 def check_request(req: TranscriptionRequest, languages: frozenset[str], multilingual: bool) -> str | None:
@@ -110,17 +73,7 @@ def check_request(req: TranscriptionRequest, languages: frozenset[str], multilin
     return language or None
 
 
-@dataclass
-class SpeechSegment(Segment):
-    """A segment with the details of OpenAI's ``verbose_json`` (as the whisper engine's)."""
-
-    id: int = 0
-    seek: int = 0
-    tokens: list[int] | None = None
-    temperature: float = 0.0
-    avg_logprob: float = 0.0
-    compression_ratio: float = 0.0
-    no_speech_prob: float = 0.0
+SpeechSegment = VerboseSegment
 
 
 def finish(text_parts: list[str], language: str, n_samples: int, segments: list[SpeechSegment]) -> Transcription:

@@ -20,11 +20,18 @@ import importlib.util
 import shutil
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from octo.engine import Detection, Engine, ModelInfo, Segment, Task, Transcription, TranscriptionRequest
+from octo.engine import (
+    Detection,
+    Engine,
+    ModelInfo,
+    Task,
+    Transcription,
+    TranscriptionRequest,
+    VerboseSegment,
+)
 from octo.errors import ConfigError, EngineError, InvalidRequest, OctoError
 from octo.hookspecs import hookimpl
 from octo.options import boolean, optional_float, parse_engine_options, positive_int
@@ -45,17 +52,7 @@ _OPTIONS = {
 _BATCH_FIELDS = {"max_new_tokens": "sample_len"}
 
 
-@dataclass
-class WhisperSegment(Segment):
-    """A segment with the per-segment details of OpenAI's ``verbose_json`` (beyond the contract's Segment)."""
-
-    id: int = 0
-    seek: int = 0
-    tokens: list[int] | None = None
-    temperature: float = 0.0
-    avg_logprob: float = 0.0
-    compression_ratio: float = 0.0
-    no_speech_prob: float = 0.0
+WhisperSegment = VerboseSegment  # the name this engine has always used
 
 
 class WhisperEngine(Engine):

@@ -32,6 +32,8 @@ from whisper.timing import add_word_timestamps
 from whisper.tokenizer import Tokenizer, get_tokenizer
 from whisper.utils import get_end
 
+from octo.engine import fallback_temperatures
+
 
 @dataclass
 class Settings:
@@ -89,15 +91,7 @@ class Job:
         return self.tokenizer.decode(self.all_tokens[self.n_initial :])
 
 
-def temperatures_from(temperature: float, increment: float) -> tuple[float, ...]:
-    """The fallback schedule of the whisper CLI: ``temperature``, then up by ``increment`` to 1.0."""
-    if not increment:
-        return (temperature,)
-    out, t = [], temperature
-    while t <= 1.0 + 1e-6:
-        out.append(round(t, 6))
-        t += increment
-    return tuple(out) or (temperature,)
+temperatures_from = fallback_temperatures  # the name this engine has always used
 
 
 def transcribe_jobs(model, jobs: list[Job], s: Settings, on_done: Callable[[Job], None] | None = None) -> None:

@@ -33,7 +33,6 @@ from octo.engines.faster_whisper.common import (
     SpeechSegment,
     check_request,
     finish,
-    optional_float,
     parse_options,
     run_batch,
 )
@@ -41,6 +40,7 @@ from octo.engines.faster_whisper.common import (
 from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
 from octo.errors import ConfigError, EngineError, OctoError
 from octo.hookspecs import hookimpl
+from octo.options import optional_float
 
 GGML_MAGIC = 0x67676D6C
 _EXTRA = {"entropy_threshold": optional_float}
