@@ -250,19 +250,25 @@ def test_short_bursts_switch_to_streams_through_the_sdk(gguf_path):
 
     from serverproc import run_octo
 
-    def burst(srv, tag: str) -> list:
-        c = srv.openai()
+    def burst(clients: list, tag: str) -> list:
         with ThreadPoolExecutor(4) as pool:
-            return list(pool.map(lambda i: c.completions.create(model=MODEL, prompt=f"{tag} story {i}:", max_tokens=12,
-                                                                temperature=0, extra_body={"ignore_eos": True}),
-                                 range(4)))
+            return list(pool.map(lambda i: clients[i].completions.create(
+                model=MODEL, prompt=f"{tag} story {i}:", max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True}), range(4)))
 
     with run_octo(gguf_path, "--engine", "llamacpp", "--max-batch", "8", "-o", "kv_adapt=true") as adaptive:
         kv = _kv(adaptive)
         assert (kv["layout"], kv["adaptive"], kv["layout_switches"]) == ("unified", True, 0)
+        # one client per thread, each connected by a request of its own first (one sequence at a time: no switch),
+        # so a burst's requests arrive together instead of behind four connection set-ups (a first burst split
+        # in two busy periods would switch within it)
+        clients = [adaptive.openai() for _ in range(4)]
+        for c in clients:
+            c.completions.create(model=MODEL, prompt="hello", max_tokens=1, temperature=0)
+        assert _kv(adaptive)["layout_switches"] == 0
         bursts = 0
         for k in range(6):  # a burst whose requests did not overlap (a fast model) keeps the layout: a few bursts
-            answers = burst(adaptive, f"burst {k}")
+            answers = burst(clients, f"burst {k}")
             bursts += 1
             assert all(a.usage.completion_tokens == 12 and a.choices[0].finish_reason == "length" for a in answers)
             kv = _kv(adaptive)
