@@ -75,6 +75,21 @@ def choice(*values: str) -> Callable[[str], str]:
     return convert
 
 
+# The decoding options every speech engine takes (OpenAI's transcription rules; the whisper, faster-whisper and
+# whisper.cpp engines add their own beside them).
+SPEECH_DECODING: dict[str, Callable[[str], Any]] = {
+    "threads": positive_int,
+    "beam_size": positive_int,
+    "best_of": positive_int,
+    "max_new_tokens": positive_int,
+    "condition_on_previous_text": boolean,
+    "temperature_increment": float,
+    "compression_ratio_threshold": optional_float,
+    "logprob_threshold": optional_float,
+    "no_speech_threshold": optional_float,
+}
+
+
 def parse_engine_options(engine: str, spec: Mapping[str, Option | tuple | Callable[[str], Any]],
                          options: Mapping[str, str]) -> dict[str, Any]:
     """``options`` converted by ``spec``: per name an :class:`Option`, a ``(converter, help)`` pair or a converter."""

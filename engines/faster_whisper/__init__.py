@@ -30,7 +30,6 @@ from octo.engines.faster_whisper.common import (
     check_request,
     finish,
     parse_options,
-    positive_int,
     run_batch,
     temperatures,
 )
@@ -38,6 +37,7 @@ from octo.engines.faster_whisper.common import (
 from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
 from octo.errors import ConfigError, EngineError, OctoError
 from octo.hookspecs import hookimpl
+from octo.options import positive_int
 
 _EXTRA = {"compute_type": str, "device": str, "workers": positive_int}
 

@@ -14,23 +14,13 @@ from typing import Any
 
 from octo.engine import Transcription, TranscriptionRequest, VerboseSegment, fallback_temperatures
 from octo.errors import InvalidRequest, OctoError
-from octo.options import boolean, optional_float, parse_engine_options, positive_int
+from octo.options import SPEECH_DECODING, parse_engine_options
 
 SAMPLE_RATE = 16000
 
 
 # the decoding options every speech engine takes (``-o KEY=VALUE``), with OpenAI's defaults
-DECODING_OPTIONS: dict[str, Callable[[str], Any]] = {
-    "threads": positive_int,
-    "beam_size": positive_int,
-    "best_of": positive_int,
-    "max_new_tokens": positive_int,
-    "condition_on_previous_text": boolean,
-    "temperature_increment": float,
-    "compression_ratio_threshold": optional_float,
-    "logprob_threshold": optional_float,
-    "no_speech_threshold": optional_float,
-}
+DECODING_OPTIONS = SPEECH_DECODING
 DEFAULTS: dict[str, Any] = {
     "beam_size": 1,  # whisper.transcribe's default: greedy at temperature 0 (the CLI's is 5)
     "best_of": 1,  # one sample per fallback temperature

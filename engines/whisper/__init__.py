@@ -34,21 +34,9 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, EngineError, InvalidRequest, OctoError
 from octo.hookspecs import hookimpl
-from octo.options import boolean, optional_float, parse_engine_options, positive_int
+from octo.options import SPEECH_DECODING, boolean, parse_engine_options
 
-_OPTIONS = {
-    "threads": positive_int,
-    "device": str,
-    "fp16": boolean,
-    "beam_size": positive_int,
-    "best_of": positive_int,
-    "max_new_tokens": positive_int,
-    "condition_on_previous_text": boolean,
-    "temperature_increment": float,
-    "compression_ratio_threshold": optional_float,
-    "logprob_threshold": optional_float,
-    "no_speech_threshold": optional_float,
-}
+_OPTIONS = {**SPEECH_DECODING, "device": str, "fp16": boolean}
 _BATCH_FIELDS = {"max_new_tokens": "sample_len"}
 
 
