@@ -142,6 +142,9 @@ FETCH = ("import sys; from octo.models.catalog import Artifact; from octo.models
          "print(fetch(Artifact(sys.argv[1], sys.argv[2], sys.argv[3]), progress=False))")
 
 
+SMALL_WRITES = "import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1 << 16\n"
+
+
 def fetch_code(engine: str, uri: str, fmt: str) -> str:
     return f"import sys; sys.argv[1:] = {[engine, uri, fmt]!r}\n" + FETCH
 
@@ -153,8 +156,7 @@ def test_a_killed_hub_download_is_redone_and_its_partial_blob_removed(slow_hub, 
     # huggingface_hub writes its temporary blob 10 MiB at a time (constants.DOWNLOAD_CHUNK_SIZE), so a 3 MiB body
     # lands in one write just before the rename: the kill would race that instant. 64 KiB writes give a partial
     # blob for the whole transfer, as a real multi-GiB download has.
-    code = ("import huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SIZE = 1 << 16\n"
-            + fetch_code("llamacpp", "hf://org/Big-GGUF/Big-Q4_K_M.gguf", "gguf"))
+    code = SMALL_WRITES + fetch_code("llamacpp", "hf://org/Big-GGUF/Big-Q4_K_M.gguf", "gguf")
     blobs = tmp_path / "hf" / "hub" / "models--org--Big-GGUF" / "blobs"
 
     def partial() -> bool:  # huggingface_hub's temporary blob, with part of the body in it
@@ -174,7 +176,9 @@ def test_a_killed_url_download_resumes_and_leaves_no_part_file(slow_hub, tmp_pat
     hub, env = slow_hub
     data = os.urandom(3 << 20)
     url = hub.add_file(f"models/{hashlib.sha256(data).hexdigest()}/tiny.pt", data)
-    code = fetch_code("whisper", url, "whisper")
+    # 64 KiB writes, as in the hub test above: with huggingface_hub's 10 MiB chunks the whole body lands in one
+    # write just before the rename, and the kill would race that instant
+    code = SMALL_WRITES + fetch_code("whisper", url, "whisper")
     dest = tmp_path / "octo" / "downloads"
 
     def part() -> bool:
