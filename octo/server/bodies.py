@@ -22,7 +22,7 @@ BODY_IDLE_TIMEOUT = 30.0  # seconds a request body may stall between two chunks 
 _STEP = MB  # most output of one decompression step
 _DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 SUPPORTED_ENCODINGS = "identity, gzip, deflate"
-BODY_KEY = "octo_body"  # request[BODY_KEY]: the JSON body as read (octo.server.app logs a refused one at DEBUG)
+BODY_KEY = web.RequestKey("octo_body", bytes)  # the JSON body as read (octo.server.app logs a refused one at DEBUG)
 
 
 def content_encoding(request: web.Request, *, allow_compressed: bool = True) -> str:
