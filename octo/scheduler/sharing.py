@@ -28,8 +28,9 @@ MIN_SHARE = 32
 
 
 class PrefixSharing:
-    """Leads and followers among the running sequences ``active`` (the engine loop's list, read here, changed by the
-    loop only). ``dedup`` turns itself off for good when the engine cannot share."""
+    """Leads and followers among the running sequences ``active`` (the engine loop's list, read here; the loop and
+    the KV-pressure part move sequences in and out). ``dedup`` turns itself off for good when the engine cannot
+    share."""
 
     def __init__(self, engine: Any, active: list[Ticket], dedup: bool = True) -> None:
         self.engine = engine
