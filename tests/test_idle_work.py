@@ -8,7 +8,7 @@ import time
 from octo.engines.echo import EchoEngine
 
 from octo.engine import EngineConfig
-from octo.scheduler import admission as sched
+from octo.scheduler import engine_loop as sched
 from octo.scheduler.admission import GenerationRequest, Scheduler
 
 
@@ -79,4 +79,4 @@ async def test_idle_work_that_concludes_is_not_called_again(monkeypatch):
 def test_engines_without_idle_work_sleep_until_kicked():
     e = EchoEngine(EngineConfig())
     e.load("x", "m")
-    assert Scheduler(e)._idle_delay is None
+    assert Scheduler(e).idle_delay is None

@@ -90,15 +90,15 @@ def test_sharing_never_follows_another_adapter():
             self.seq = Sequence(0, tokens, SamplingParams(adapter=adapter))
             self.lead = None
 
-    s = PrefixSharing()
-    s.dedup = True
+    active: list = []
+    s = PrefixSharing(None, active, dedup=True)
     prompt = list(range(200))
     other, same, t = T(prompt + [1], "x"), T(prompt + [2], None), T(prompt + [3], None)
-    s._active = [other, t]
-    s._find_lead(t)
+    active[:] = [other, t]
+    s.find_lead(t)
     assert t.lead is None  # the only running sequence with that prefix uses adapter x
-    s._active = [other, same, t]
-    s._find_lead(t)
+    active[:] = [other, same, t]
+    s.find_lead(t)
     assert t.lead is same
 
 

@@ -504,7 +504,7 @@ async def test_scheduler_batching_cache_and_cancel(folder):
         assert res.finish_reason == "cancelled" and res.completion_tokens < 1000
         assert (await short.result).completion_tokens <= 6
         for _ in range(50):
-            if not sched._active:
+            if not sched.stats()["active"]:
                 break
             await asyncio.sleep(0.02)
         assert len(e.batch) == 0

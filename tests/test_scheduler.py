@@ -153,7 +153,7 @@ async def test_kv_pressure_cancel_while_preempted():
             await asyncio.sleep(0.01)
             if s.stats()["preempted"]:
                 break
-        victim = s._preempted[0]
+        victim = s.kv.preempted[0]
         s.abandon(victim)
         done = [await t.result for t in tickets]
         assert victim.finish == "cancelled"
@@ -259,7 +259,7 @@ async def test_short_prompts_beside_a_nearly_done_request_go_in_whole_and_a_long
     step = e.step
     e.step = lambda fs: (feeds.append([(f.seq.id, len(f.tokens)) for f in fs]), step(fs))[1]
     s = Scheduler(e, max_batch=9)
-    pacer = s._pacer
+    pacer = s.pacer
     pacer.observe = lambda *a, **k: None  # fixed costs: 20 ms decode steps, 5 ms per prompt token
     pacer.decode_s, pacer.token_s = 0.020, 0.005
     assert pacer.short(4096) == 50 and pacer.budgets(4096, decoding=True, urgent=True) == (4096, 4)

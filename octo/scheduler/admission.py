@@ -9,71 +9,45 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from typing import Any
 
 from octo.engine import Engine, SamplingParams
 from octo.errors import ContextLengthExceeded, InvalidRequest, OctoError, Overloaded, QueueTimeout
-from octo.scheduler.engine_loop import EngineLoop, Pacer, fail_job, new_engine_thread, safe_free
+from octo.scheduler.disk_cache import DiskPrefixCache
+from octo.scheduler.engine_loop import EngineLoop
 from octo.scheduler.events import Failed
 from octo.scheduler.jobs import Call, GenerationRequest, Job, Ticket
+from octo.scheduler.posting import fail_job, new_engine_thread
 from octo.scheduler.prefix_cache import PrefixCache
 from octo.scheduler.watchdog import Watchdog
 
 log = logging.getLogger("octo.scheduler.admission")
-IDLE_WORK_DELAY_S = 5.0  # idleness before the engine's idle work (probes): not between a burst's requests, nor
-# in the moment after a load, when the request that asked for the model is on its way
 
 
 class Scheduler(EngineLoop):
-    gate: Any = None  # octo.runtime.arbiter.ComputeGate of a worker sharing the cores with other models
+    """Admission (this class, on the event loop) on top of the step loop (:class:`EngineLoop`, on the engine thread);
+    it owns the watchdog and is the watchdog's :class:`octo.scheduler.watchdog.WatchdogOwner`."""
+
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
                  cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0,
-                 dedup: bool = True, disk: Any = None) -> None:
-        self.engine = engine
-        self._free_kv = safe_free(engine)
-        self.disk = disk  # octo.scheduler.disk_cache.DiskPrefixCache (--prefix-cache-dir), or None
-        self.disk_tokens_reused = 0
-        self.max_batch = max_batch
+                 dedup: bool = True, disk: DiskPrefixCache | None = None) -> None:
+        super().__init__(engine, max_batch=max_batch, cache=cache, disk=disk, preempt=preempt,
+                         step_stretch=step_stretch, dedup=dedup)
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.cache = cache
-        self.preempt_mode = preempt  # "swap": a preempted sequence's KV waits in host memory; "recompute"
-        self.dedup = dedup  # a prefix several running requests share is computed once (octo.scheduler.sharing)
-        self.total_shared_tokens = 0
-        self._pending: deque[Job] = deque()
-        self._active: list[Ticket] = []
-        self._preempted: list[Ticket] = []  # gave their KV back under pressure; resume oldest first
-        self._settling: list[Job] = []  # calls running and sequences ended in this iteration, not posted yet
         self.watchdog = Watchdog(self)
-        self._pacer = Pacer(step_stretch)
-        self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
-        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
         self._thread: Executor | None = None
-        self._stopping = False
-        self._between: list[tuple[Callable[[], Any], Future]] = []  # run on the engine thread between two steps
-        self._sleeping = False
         self._kick_scheduled = False
-        # Engine.idle_work: seconds of idleness before its first call (None: the engine has none; it asks again)
-        self._idle_delay: float | None = IDLE_WORK_DELAY_S if type(engine).idle_work is not Engine.idle_work else None
-        self._outbox: list = []
-        self._out_lock = threading.Lock()
-        self._drain_scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.max_depth = 0
-        self.total_processed = 0
         self.total_rejected = 0
         self.total_timeouts = 0
-        self.total_cancelled = 0
-        self.generated_tokens = 0
-        self.steps = 0
-        self.total_preemptions = 0
-        self.total_resumed = 0
-        self.calls_running = 0  # embedding / audio items the engine thread is working on now
+
+    @property
+    def disk_tokens_reused(self) -> int:
+        """Prompt tokens restored from the disk tier (``--prefix-cache-dir``)."""
+        return self.disk.tokens_reused if self.disk is not None else 0
 
     # -- life cycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None, engine_thread: Executor | None = None) -> None:
@@ -312,11 +286,11 @@ class Scheduler(EngineLoop):
             "steps": self.steps,
             "generated_tokens": self.generated_tokens,
             "preempted": len(self._preempted),
-            "total_preemptions": self.total_preemptions,
-            "total_resumed": self.total_resumed,
-            "prefix_dedup": self.dedup,
-            "total_shared_tokens": self.total_shared_tokens,
-            "isolated_steps": self.isolated_steps,  # steps that raised, split until the failing sequence was alone
+            "total_preemptions": self.kv.total_preemptions,
+            "total_resumed": self.kv.total_resumed,
+            "prefix_dedup": self.sharing.dedup,
+            "total_shared_tokens": self.sharing.total_shared_tokens,
+            "isolated_steps": self.isolation.isolated_steps,  # steps that raised, split until the failing one was alone
             "engine_thread": self.watchdog.state,
             "kv": self.engine.kv_stats(),
         }

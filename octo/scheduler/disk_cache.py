@@ -334,13 +334,19 @@ class DiskPrefixCache:
 
 
 class DiskTier:
-    """Methods of the engine loop (engine thread) that use its ``disk`` (a :class:`DiskPrefixCache`) beside its
-    in-memory prefix cache."""
+    """The disk tier as a part of the engine loop (engine thread): its :class:`DiskPrefixCache` (``store``) beside the
+    in-memory prefix cache (``cache``, whose hit counters count disk hits too), for base-model KV only."""
 
-    def _from_disk(self, seq: Any, handle: Any, n: int) -> tuple[Any, int, Any]:
+    def __init__(self, store: DiskPrefixCache, engine: Any, cache: Any) -> None:
+        self.store = store
+        self.engine = engine
+        self.cache = cache
+        self.tokens_reused = 0
+
+    def restore(self, seq: Any, handle: Any, n: int) -> tuple[Any, int, Any]:
         """The disk entry sharing more of ``seq``'s prompt than the in-memory hit (``handle``, ``n``) does, imported
         (the handle, its shared length, and the handle again: new, for the in-memory cache); else the in-memory hit."""
-        disk = self.disk
+        disk = self.store
         entry, m = disk.lookup(seq.tokens, len(seq.tokens) - 1)
         if entry is None or m < n + disk.min_gain:
             return handle, n, None
@@ -361,11 +367,12 @@ class DiskTier:
             self.cache.misses -= 1
         self.cache.hits += 1
         self.cache.tokens_reused += m
-        self.disk_tokens_reused += m
+        self.tokens_reused += m
         return imported, m, imported
 
-    def _to_disk(self, handle: Any, n_prompt: int) -> None:
-        if not self.disk.wants(handle.tokens, n_prompt):
+    def offer(self, handle: Any, n_prompt: int) -> None:
+        """A finished sequence's saved KV (``handle``, ``n_prompt`` prompt tokens): written when the store wants it."""
+        if not self.store.wants(handle.tokens, n_prompt):
             return
         try:
             data = self.engine.kv_export(handle)
@@ -373,4 +380,11 @@ class DiskTier:
             log.exception("KV export failed")
             return
         if data is not None:
-            self.disk.save(handle.tokens, bytes(data))
+            self.store.save(handle.tokens, bytes(data))
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+    def close(self) -> None:
+        """The writes queued so far complete."""
+        self.store.close()

@@ -1,4 +1,6 @@
-"""What the engine loop does with each sampled token beyond the text itself (a mixin of ``EngineLoop``).
+"""What the engine loop does with each sampled token beyond the text itself: :class:`Emission`, a part of
+:class:`octo.scheduler.engine_loop.EngineLoop` (engine thread), given the engine; it appends what it emits to the
+loop's list of posts (``(function, target, value)`` triples the event loop runs).
 
 - **Constraints** (``GenerationRequest.grammar``): before a step, a constrained sequence's feed carries its matcher's
   allowed-token bitmask (``Feed.mask``, applied by the engine before sampling); after it, the matcher accepts the
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -31,9 +34,13 @@ def _clamp(lp: float) -> float:
 
 
 class Emission:
-    """Methods of the engine loop (engine thread) for masks, logprobs and tool-call events."""
+    """Masks, logprobs, reasoning, text and tool-call events of the running sequences."""
 
-    def _dress(self, f: Feed, t: Ticket) -> None:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._no_eos_row: np.ndarray | None = None  # the mask that forbids only the end of sequence (built once)
+
+    def dress(self, f: Feed, t: Ticket) -> None:
         """Tell the engine what ``t`` needs from this step beyond its tokens."""
         if f.sample:
             if t.matcher is not None:
@@ -53,7 +60,7 @@ class Emission:
         if not eng.supports_masks:
             f.no_eos = True
             return
-        row = getattr(self, "_no_eos_row", None)
+        row = self._no_eos_row
         if row is None:
             info = eng.info
             row = np.full((info.n_vocab + 31) // 32, -1, dtype=np.int32)
@@ -69,7 +76,7 @@ class Emission:
         if both.any():
             f.mask = both
 
-    def _prompt_logprobs(self, f: Feed, t: Ticket) -> None:
+    def prompt_logprobs(self, f: Feed, t: Ticket) -> None:
         """Keep the prompt-token logprobs the engine reported for this feed's positions (once each: a recomputed
         prompt reports them again)."""
         out = f.prompt_out
@@ -84,13 +91,13 @@ class Emission:
             if pos == len(lps) and pos < t.n_prompt:
                 lps.append((tb(tokens[pos]), _clamp(lp), [(tb(a), _clamp(b)) for a, b in top]))
 
-    def _accept(self, f: Feed, t: Ticket, tok: int, eos: frozenset, posts: list) -> bool:
-        """Constraint and logprobs of a sampled token; False when the sequence failed."""
+    def accept(self, f: Feed, t: Ticket, tok: int, eos: frozenset, posts: list) -> EngineError | None:
+        """Constraint and logprobs of a sampled token; the error the sequence fails with when its constraint forbids
+        the token."""
         m = t.matcher
         if m is not None and not m.accept(tok):
-            self._fail(t, EngineError(f"The {self.engine.name} engine sampled token {tok}, which the output "
-                                      f"constraint forbids ({m.error or 'not in the allowed set'})."), posts)
-            return False
+            return EngineError(f"The {self.engine.name} engine sampled token {tok}, which the output constraint "
+                               f"forbids ({m.error or 'not in the allowed set'}).")
         if t.lps is not None and tok not in eos and f.logprob is not None:
             lp, top = f.logprob
             tb = self.engine.token_bytes
@@ -98,9 +105,9 @@ class Emission:
             t.lps.append(entry)
             if t.req.stream:
                 posts.append((put_event, t.events, Logprob(t.index, entry)))
-        return True
+        return None
 
-    def _emit(self, t: Ticket, piece: str, posts: list) -> None:
+    def emit(self, t: Ticket, piece: str, posts: list) -> None:
         """Output text of ``t``: its reasoning apart (``Ticket.thinker``), the rest to its text and stream, through its
         tool-call parser when it has one."""
         if t.thinker is not None:
@@ -125,7 +132,7 @@ class Emission:
             return
         self._events(t, t.parser.feed(piece), posts)
 
-    def _end_output(self, t: Ticket, posts: list) -> None:
+    def end_output(self, t: Ticket, posts: list) -> None:
         """A sequence ends: what its splitter and parser still held, and the first prompt token's entry (no logprob)."""
         if t.thinker is not None:
             self._split(t, t.thinker.finish(), posts)
@@ -153,3 +160,16 @@ class Emission:
 
 def put_event(queue: Any, item: Any) -> None:
     queue.put_nowait(item)
+
+
+def token_id(tok: Any, n_vocab: int) -> int | EngineError:
+    """``tok`` as a token id, or the error of an engine that sampled something else (a native engine would crash
+    on a negative id, or one past its vocabulary)."""
+    try:
+        tok = operator.index(tok)  # an int, or a numpy integer
+    except TypeError:
+        return EngineError(f"The engine sampled {tok!r} ({type(tok).__name__}), which is not a token id.")
+    if tok < 0 or (n_vocab and tok >= n_vocab):
+        return EngineError(f"The engine sampled token id {tok}, which is outside its vocabulary"
+                           + (f" (0..{n_vocab - 1})." if n_vocab else "."))
+    return tok

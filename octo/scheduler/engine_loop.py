@@ -6,41 +6,108 @@ chunks within the engine's ``prefill_chunk`` budget. Results go back to the even
 ``loop.call_soon_threadsafe`` per step. Stop strings, ``max_tokens``, EOS, the context limit, cancellation,
 per-sequence engine failures and KV pressure are handled here, once, for every engine.
 
-KV pressure (preemption and resumption) lives in ``octo.scheduler.kv_pressure``, in-flight prefix sharing in
-``octo.scheduler.sharing``,
-constraints, logprobs and tool-call events in ``octo.scheduler.emission``; all are mixins of :class:`EngineLoop`.
+The loop holds its parts, each an object with its own state, given what it needs when it is made:
+
+- ``kv`` (:class:`octo.scheduler.kv_pressure.KVPressure`): admission room, preemption and resumption;
+- ``sharing`` (:class:`octo.scheduler.sharing.PrefixSharing`): in-flight prefix sharing (leads and followers);
+- ``emission`` (:class:`octo.scheduler.emission.Emission`): masks, logprobs, reasoning, text and tool-call events;
+- ``reuse`` (:class:`octo.scheduler.reuse.PrefixReuse`, or None): the prefix cache in use, with
+  ``disk`` (:class:`octo.scheduler.disk_cache.DiskTier`, or None), its disk tier;
+- ``isolation`` (:class:`octo.scheduler.step_isolation.StepIsolation`): a raising step costs one request;
+- ``pacer`` (:class:`octo.scheduler.pacer.Pacer`): how much prompt a step may carry;
+- ``watchdog`` (:class:`octo.scheduler.watchdog.Watchdog`, made by the Scheduler, its owner).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
-from octo.engine import Feed, KVHandle, common_prefix
-from octo.errors import EngineError, KVCacheFull, OctoError, Overloaded
-from octo.scheduler.disk_cache import DiskTier
-from octo.scheduler.emission import Emission, put_event
+from octo.engine import Engine, Feed, common_prefix
+from octo.errors import EngineError, KVCacheFull, Overloaded
+from octo.scheduler.disk_cache import DiskPrefixCache, DiskTier
+from octo.scheduler.emission import Emission, put_event, token_id
 from octo.scheduler.events import Cached, Done, Failed
 from octo.scheduler.jobs import Call, Job, Ticket
-from octo.scheduler.kv_pressure import KVPressure, age_of, check_restored, check_saved
-from octo.scheduler.pacer import Pacer
+from octo.scheduler.kv_pressure import KVPressure
+from octo.scheduler.pacer import Pacer, work_left
+from octo.scheduler.posting import (
+    as_octo_error,
+    deliver,
+    fail_job,
+    new_engine_thread,
+    outcome,
+    safe_free,
+    set_exception,
+    set_result,
+)
+from octo.scheduler.prefix_cache import PrefixCache
+from octo.scheduler.reuse import PrefixReuse
 from octo.scheduler.sharing import PrefixSharing
 from octo.scheduler.step_isolation import StepIsolation
+from octo.scheduler.watchdog import Watchdog
+
+# names other packages import from here (octo.runtime); they live in octo.scheduler.posting
+__all__ = ["EngineLoop", "Pacer", "as_octo_error", "fail_job", "new_engine_thread", "safe_free", "set_exception",
+           "set_result"]
 
 log = logging.getLogger("octo.scheduler.admission")
 # iterations in a row failing outside a step: the loop gives up (octo.scheduler.watchdog takes over)
 MAX_LOOP_FAILURES = 3
+IDLE_WORK_DELAY_S = 5.0  # idleness before the engine's idle work (probes): not between a burst's requests, nor
+# in the moment after a load, when the request that asked for the model is on its way
 
 
-class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
-    """Methods that run on the model's engine thread; the state they share lives on the Scheduler."""
+class EngineLoop:
+    """The step loop (engine thread) and the state it shares with admission (the queue, under ``_lock``)."""
+
+    gate: Any = None  # octo.runtime.arbiter.ComputeGate of a worker sharing the cores with other models
+    watchdog: Watchdog  # made by the Scheduler (the watchdog's owner)
+
+    def __init__(self, engine: Engine, *, max_batch: int, cache: PrefixCache | None, disk: DiskPrefixCache | None,
+                 preempt: str, step_stretch: float, dedup: bool) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.cache = cache
+        self._free_kv = safe_free(engine)
+        self._lock = threading.Lock()  # guards the queue and the counters shared by both threads
+        self._pending: deque[Job] = deque()
+        self._active: list[Ticket] = []
+        self._settling: list[Job] = []  # calls running and sequences ended in this iteration, not posted yet
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # the sleeping engine thread waits on it
+        self._between: list[tuple[Callable[[], Any], Future]] = []  # run on the engine thread between two steps
+        self._stopping = False
+        self._sleeping = False
+        # Engine.idle_work: seconds of idleness before its first call (None: the engine has none; it asks again)
+        self.idle_delay: float | None = IDLE_WORK_DELAY_S if type(engine).idle_work is not Engine.idle_work else None
+        self._outbox: list = []
+        self._out_lock = threading.Lock()
+        self._drain_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.total_processed = 0
+        self.total_cancelled = 0
+        self.generated_tokens = 0
+        self.steps = 0
+        self.calls_running = 0  # embedding / audio items the engine thread is working on now
+        # the parts
+        self.pacer = Pacer(step_stretch)
+        self.sharing = PrefixSharing(engine, self._active, dedup)
+        self.kv = KVPressure(engine, self._active, cache=cache, sharing=self.sharing, mode=preempt,
+                             free_kv=self._free_kv)
+        self._preempted = self.kv.preempted  # (the same list: the loop reads it, the kv part changes it)
+        self.emission = Emission(engine)
+        self.disk = DiskTier(disk, engine, cache) if disk is not None else None
+        self.reuse = PrefixReuse(engine, cache, self.disk, self._free_kv) if cache is not None else None
+        self.isolation = StepIsolation(engine, self._engine_step)
+        # the per-token path calls the emission part through these (one attribute look-up, as when it was a mixin)
+        self._dress, self._accept, self._emit = self.emission.dress, self.emission.accept, self.emission.emit
 
     def run_between_steps(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn()`` on the engine thread before its next step (e.g. ``Engine.set_threads`` while serving)."""
@@ -82,19 +149,10 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                     self._idle()
                     continue
                 if self._preempted:
-                    self._resume(posts)
-                with self._lock:
-                    calls, admitted = self._admit_locked()
-                for job in admitted + calls:
-                    if job.admitted is not None:
-                        posts.append((set_result, job.admitted, None))
-                if calls and calls[0].batch_key is not None:
-                    self._run_batch(calls, posts)
-                else:
-                    for job in calls:
-                        self._run_call(job, posts)
-                for t in admitted:
-                    self._start(t, posts)
+                    for t in [t for t in self._preempted if t._cancel]:
+                        self._finish(t, "cancelled", posts)
+                    self.kv.resume()
+                self._admit(admitted, posts)
                 if admitted and posts:  # their answers' headers (and a chat stream's role chunk) go before the step
                     self._post(posts)
                     posts = []
@@ -117,23 +175,39 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             self._settling.clear()
         self._shutdown()
 
+    def _admit(self, admitted: list[Ticket], posts: list) -> None:
+        """Take queued jobs, FIFO: run the calls (embeddings, audio), start the sequences (into ``admitted``)."""
+        with self._lock:
+            calls, tickets = self._admit_locked()
+        admitted += tickets
+        for job in admitted + calls:
+            if job.admitted is not None:
+                posts.append((set_result, job.admitted, None))
+        if calls and calls[0].batch_key is not None:
+            self._run_batch(calls, posts)
+        else:
+            for job in calls:
+                self._run_call(job, posts)
+        for t in admitted:
+            self._start(t, posts)
+
     def _idle(self) -> None:
         """Nothing to run: sleep until a kick (or stop; spurious wake-ups just look again), or give the engine's
         idle work (``Engine.idle_work``) its turn once the engine has been idle for the delay it asked for."""
-        if self._idle_delay is None:
+        if self.idle_delay is None:
             self._wake.get()
             return
         try:
-            self._wake.get(timeout=self._idle_delay)  # a request within the delay: the work waits for the next lull
+            self._wake.get(timeout=self.idle_delay)  # a request within the delay: the work waits for the next lull
             return
         except queue.Empty:
             pass
         self.watchdog.busy(None)
         try:
-            self._idle_delay = self.engine.idle_work(self._interrupted)
+            self.idle_delay = self.engine.idle_work(self._interrupted)
         except Exception:  # noqa: BLE001 - optional work: it never costs serving
             log.exception("the engine's idle work failed; not retried")
-            self._idle_delay = None
+            self.idle_delay = None
         finally:
             self.watchdog.idle()
 
@@ -153,14 +227,14 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         with self._out_lock:
             posts, self._outbox = self._outbox, []
             self._drain_scheduled = False
-        _deliver(posts)
+        deliver(posts)
 
     def _admit_locked(self) -> tuple[list[Call], list[Ticket]]:
         calls: list[Call] = []
         admitted: list[Ticket] = []
         if not self._pending or (self._active and self.engine.batching == "window"):
             return calls, admitted
-        room = self._room()
+        room = self.kv.room()
         while self._pending:
             job = self._pending[0]
             if isinstance(job, Call):
@@ -179,12 +253,12 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 break  # preempted sequences keep their engine slot and resume before anything new starts
             if room is not None:
                 need = len(job.seq.tokens) + 1  # its prompt, and a cell for the first decode step
-                if self.dedup and self.engine.kv_shares_cells:  # a prefix it will share with a running one is free
+                if self.sharing.dedup and self.engine.kv_shares_cells:  # a prefix shared with a running one is free
                     need -= max((common_prefix(t.seq.tokens, job.seq.tokens, len(job.seq.tokens) - 1)
                                  for t in [*self._active, *admitted]
                                  if t.seq.sampling.adapter == job.seq.sampling.adapter), default=0)
                 if need > room:
-                    room += self._reclaim(need - room)  # prefix-cache entries give their pool cells back first
+                    room += self.kv.reclaim(need - room)  # prefix-cache entries give their pool cells back first
                 if need > room and (self._active or admitted):
                     break  # waits until the running sequences give cells back (alone, it always fits)
                 room -= need
@@ -199,7 +273,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         posts.clear()
 
         def done(i: int, result: Any) -> None:  # the engine answers one item before the batch ends
-            self._post([_outcome(jobs[i].future, result)])
+            self._post([outcome(jobs[i].future, result)])
 
         self.watchdog.busy(None)
         self.calls_running = len(jobs)
@@ -214,7 +288,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
             self.calls_running = 0
             self.watchdog.idle(between=True)
         for job, result in zip(jobs, results, strict=True):
-            posts.append(_outcome(job.future, result))  # no-op for futures already answered by done()
+            posts.append(outcome(job.future, result))  # no-op for futures already answered by done()
             job.state = "done"
             self.total_processed += not job.gone  # an abandoned one counts as cancelled (Scheduler.abandon)
 
@@ -241,47 +315,51 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         except BaseException as exc:  # noqa: BLE001 - remove_sequence gives back what it may have taken
             self._fail(t, exc, posts)
             return
-        if self.cache is not None and t.prompt_lps is None:  # prompt logprobs need every prompt position computed
-            handle, n = self.cache.lookup(seq.tokens, len(seq.tokens) - 1, seq.sampling.adapter)
-            fresh = None  # a handle imported from the disk tier: the in-memory cache takes it after the restore
-            if self.disk is not None and seq.sampling.adapter is None:  # the disk holds base-model KV only
-                handle, n, fresh = self._from_disk(seq, handle, n)
-            if handle is not None:
-                try:
-                    self.engine.kv_restore(seq, handle, n)
-                    check_restored(seq, n)
-                    t.cached = seq.n_cached
-                    if seq.n_cached != n:  # the engine reused less than the index offered
-                        self.cache.tokens_reused -= n - seq.n_cached
-                except Exception:  # noqa: BLE001 - a failed restore is a miss, never an error
-                    log.exception("KV restore failed; recomputing the prompt")
-                    self.cache.restore_failed(n)
-                    seq.n_cached = 0
-                    try:
-                        self.engine.remove_sequence(seq)
-                        self.engine.add_sequence(seq)
-                    except Exception as exc:  # noqa: BLE001 - this request fails alone
-                        self._fail(t, exc, posts)
-                        return
-                if fresh is not None and seq.n_cached > 0:
-                    self.cache.insert(fresh)
-                elif fresh is not None:  # the engine refused the disk entry's bytes: not kept
-                    self._free_kv(fresh)
-            if t.cached and t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
-                posts.append((put_event, t.events, Cached(t.index, t.cached)))
+        if self.reuse is not None and t.prompt_lps is None:  # prompt logprobs need every prompt position computed
+            cached, err = self.reuse.restore(seq)
+            if err is not None:
+                self._fail(t, err, posts)
+                return
+            if cached:
+                t.cached = cached
+                if t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
+                    posts.append((put_event, t.events, Cached(t.index, t.cached)))
         if t.prompt_lps is None:
-            self._find_lead(t)
+            self.sharing.find_lead(t)
         self._active.append(t)
 
     def _step(self, posts: list) -> None:
+        """One ``Engine.step`` for the batch: cancelled sequences leave, followers take their leads' prefixes, KV
+        pressure is settled, then the feeds are planned, stepped, and their outputs taken."""
         eng = self.engine
         n_ctx = eng.info.n_ctx if eng.info else 1 << 30
         for t in [t for t in self._active if t._cancel]:
             self._finish(t, "cancelled", posts)
-        self._join_leads()
+        self.sharing.join_leads()
         room = eng.kv_room()
-        spare = 1 << 30 if room is None else self._fit(room)
-        # decode tokens first (one per sequence), then prompt chunks within the engine's prefill budget
+        spare = 1 << 30 if room is None else self.kv.fit(room)
+        feeds, owners = self._plan(n_ctx, spare)
+        if not feeds:
+            return
+        dress = self._dress
+        for f, t in zip(feeds, owners, strict=True):
+            if t.extra:
+                dress(f, t)
+        n_decode = sum(1 for f in feeds if len(f.tokens) == 1 and f.sample)
+        n_fed = sum(len(f.tokens) for f in feeds)
+        starts = [f.seq.n_cached for f in feeds]
+        started = time.perf_counter()
+        out = self._call_step(feeds, owners, starts, posts)
+        if out is None:
+            return
+        self.steps += 1
+        self.pacer.observe(time.perf_counter() - started, n_decode, n_fed - n_decode)
+        self._take_outputs(feeds, owners, out, starts, n_ctx, posts)
+
+    def _plan(self, n_ctx: int, spare: int) -> tuple[list[Feed], list[Ticket]]:
+        """This step's feeds and the ticket of each: decode tokens first (one per sequence), then prompt chunks within
+        the engine's prefill budget, the pacer's and the ``spare`` KV cells."""
+        eng = self.engine
         feeds: list[Feed] = []
         owners: list[Ticket] = []  # the ticket of each feed
         prefilling: list[Ticket] = []
@@ -296,21 +374,9 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
         paced, least, leads = budget, None, set()
         if prefilling and eng.batching != "window":
-            # Shortest remaining work first. A long prompt (see `least`) gets at most the pacer's step time per step
-            # (so that a request arriving waits one short step), and beside decoding requests only what stretches
-            # the step to --step-stretch decode steps: a long prompt never stalls a short request. Short prompts go
-            # in whole (many streams arriving together join the batch at once, as llama-server's would).
             leads = {id(t.lead) for t in self._active if t.lead is not None}
-            prefilling.sort(key=lambda t: (id(t) not in leads, _work(t, n_ctx)))  # a shared prefix first
-            alone = not feeds and len(prefilling) == 1 and not self._pending
-            urgent = any(_work(t, n_ctx) <= Pacer.SHORT_WORK for t in (*owners, *prefilling))
-            budget, paced = self._pacer.budgets(budget, decoding=bool(feeds), alone=alone, urgent=urgent)
-            # short: a prompt that fits one chunk while nothing decodes (nobody waits on it), or beside decoders one no
-            # longer than one step's worth of prompt work (the pacer's `short`, never less than its share `paced`) or
-            # the least work a decoding request has left (so streams that arrive just after a first one join it
-            # together at its next step, instead of one by one behind it: 8 short streams took 1.9 s to all start,
-            # against 0.8 s with llama-server)
-            least = max(self._pacer.short(budget), min(_work(t, n_ctx) for t in owners)) if owners else budget
+            prefilling.sort(key=lambda t: (id(t) not in leads, work_left(t, n_ctx)))  # a shared prefix first
+            budget, paced, least = self._pace(budget, owners, prefilling, n_ctx)
         budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
         for t in prefilling:
             if budget <= 0:
@@ -322,44 +388,57 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 continue
             take = min(remaining, cap)
             if leads and id(t) in leads:  # end the chunk where a follower can join
-                stop = self._lead_stop(t)
+                stop = self.sharing.lead_stop(t)
                 if stop is not None:
                     take = min(take, stop - seq.n_cached)
             budget -= take
             paced -= take
             feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
             owners.append(t)
-        if not feeds:
-            return
-        for f, t in zip(feeds, owners, strict=True):
-            if t.extra:
-                self._dress(f, t)
-        n_decode = sum(1 for f in feeds if len(f.tokens) == 1 and f.sample)
-        n_fed = sum(len(f.tokens) for f in feeds)
-        starts = [f.seq.n_cached for f in feeds]
-        started = time.perf_counter()
-        out = self._call_step(feeds, owners, starts, posts)
-        if out is None:
-            return
-        self.steps += 1
-        self._pacer.observe(time.perf_counter() - started, n_decode, n_fed - n_decode)
+        return feeds, owners
+
+    def _pace(self, budget: int, decoding: list[Ticket], prefilling: list[Ticket], n_ctx: int) -> tuple[int, int, int]:
+        """The prompt budget of a step beside the ``decoding`` sequences, the share of it a long prompt gets (``paced``)
+        and the most work a prompt may have to go in whole (``least``).
+
+        Shortest remaining work first. A long prompt (see ``least``) gets at most the pacer's step time per step (so
+        that a request arriving waits one short step), and beside decoding requests only what stretches the step to
+        --step-stretch decode steps: a long prompt never stalls a short request. Short prompts go in whole (many
+        streams arriving together join the batch at once, as llama-server's would)."""
+        alone = not decoding and len(prefilling) == 1 and not self._pending
+        urgent = any(work_left(t, n_ctx) <= Pacer.SHORT_WORK for t in (*decoding, *prefilling))
+        budget, paced = self.pacer.budgets(budget, decoding=bool(decoding), alone=alone, urgent=urgent)
+        # short: a prompt that fits one chunk while nothing decodes (nobody waits on it), or beside decoders one no
+        # longer than one step's worth of prompt work (the pacer's `short`, never less than its share `paced`) or
+        # the least work a decoding request has left (so streams that arrive just after a first one join it
+        # together at its next step, instead of one by one behind it: 8 short streams took 1.9 s to all start,
+        # against 0.8 s with llama-server)
+        least = max(self.pacer.short(budget), min(work_left(t, n_ctx) for t in decoding)) if decoding else budget
+        return budget, paced, least
+
+    def _take_outputs(self, feeds: list[Feed], owners: list[Ticket], out: list, starts: list[int], n_ctx: int,
+                      posts: list) -> None:
+        """Each sequence takes what the step gave it: prompt logprobs, its sampled token(s); it fails alone when the
+        engine failed it, gave it something unusable, or broke the step contract."""
+        eng = self.engine
         eos = eng.info.eos_token_ids if eng.info else frozenset()
         n_vocab = eng.info.n_vocab if eng.info else 0
         token_bytes = eng.token_bytes
+        take = self._take
         for f, t, tok, start in zip(feeds, owners, out, starts, strict=True):
             if isinstance(tok, BaseException):  # the engine failed this sequence alone
                 self._fail(t, tok, posts)
                 continue
             try:
                 if t.extra and t.prompt_lps is not None:
-                    self._prompt_logprobs(f, t)
+                    self.emission.prompt_logprobs(f, t)
                 if tok is not None and f.sample:  # (a token for a feed that did not ask for one is ignored)
                     if isinstance(tok, list):  # speculative decoding: several tokens at once, each checked as if alone
                         for x in tok:
-                            if not self._take(f, t, x, eos, posts, n_ctx, token_bytes, n_vocab):
+                            if not take(f, t, x, eos, posts, n_ctx, token_bytes, n_vocab):
                                 break
                     else:
-                        self._take(f, t, tok, eos, posts, n_ctx, token_bytes, n_vocab)
+                        take(f, t, tok, eos, posts, n_ctx, token_bytes, n_vocab)
                 seq = f.seq
                 if t.state == "active" and not 0 <= seq.n_cached < len(seq.tokens):  # nothing left to feed: a hang
                     raise EngineError(
@@ -372,54 +451,61 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
                 if t.state == "active":
                     self._fail(t, exc, posts)
 
-    def _call_step(self, feeds: list[Feed], owners: list[Ticket], starts: list[int], posts: list) -> list | None:
-        """``Engine.step(feeds)`` (``starts``: each sequence's ``n_cached`` before it): its outputs, or None when the
-        step is over (failed, or to run again)."""
-        eng, gate = self.engine, self.gate
-        n_fed = sum(len(f.tokens) for f in feeds)
-        self.watchdog.busy(n_fed)
+    def _engine_step(self, feeds: list[Feed]) -> list:
+        """``Engine.step(feeds)`` as the loop runs it: watched by the watchdog, in the compute gate's turn where several
+        models share the cores (octo.runtime.arbiter), one output per feed; raises what the engine raised."""
+        gate = self.gate
+        self.watchdog.busy(sum(len(f.tokens) for f in feeds))
         try:
-            if gate is not None:  # several models share the cores: compute in turns (octo.runtime.arbiter)
+            if gate is not None:
                 gate.enter()
             try:
-                out = eng.step(feeds)
+                out = self.engine.step(feeds)
             finally:
                 if gate is not None:
                     gate.exit()
             if len(out) != len(feeds):
                 raise EngineError(f"the engine step returned {len(out)} tokens for {len(feeds)} feeds")
-        except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
-            if self._reclaim(n_fed):
-                return None
-            if len(self._active) > 1 and eng.kv_room() is not None:  # (no shared pool: preempting frees nothing)
-                log.info("%s; preempting the youngest sequence", exc.message)
-                self._preempt(max(self._active, key=age_of))
-                return None
-            for t in owners:
-                if t.state == "active":
-                    self._fail(t, exc, posts)
-            return None
-        except BaseException as exc:  # noqa: BLE001 - fail this step's sequences (or only the one that raises)
-            log.exception("engine step failed")
-            out = self._isolate(feeds, starts, exc)  # engines that can undo a step: octo.scheduler.step_isolation
-            if out is None:
-                for t in owners:
-                    if t.state == "active":
-                        self._fail(t, exc, posts)
-                return None
         finally:
             self.watchdog.idle(between=True)
         return out
 
+    def _call_step(self, feeds: list[Feed], owners: list[Ticket], starts: list[int], posts: list) -> list | None:
+        """``Engine.step(feeds)`` (``starts``: each sequence's ``n_cached`` before it): its outputs, or None when the
+        step is over (failed, or to run again)."""
+        try:
+            return self._engine_step(feeds)
+        except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
+            if self.kv.reclaim(sum(len(f.tokens) for f in feeds)):
+                return None
+            if len(self._active) > 1 and self.engine.kv_room() is not None:  # (no shared pool: preempting frees none)
+                log.info("%s; preempting the youngest sequence", exc.message)
+                self.kv.preempt_youngest()
+                return None
+            err: BaseException = exc
+        except BaseException as exc:  # noqa: BLE001 - fail this step's sequences (or only the one that raises)
+            log.exception("engine step failed")
+            out = self.isolation.isolate(feeds, starts, exc)  # engines that can undo a step try again without it
+            if out is not None:
+                return out
+            err = exc
+        for t in owners:
+            if t.state == "active":
+                self._fail(t, err, posts)
+        return None
+
     def _take(self, f: Feed, t: Ticket, tok: Any, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any,
               n_vocab: int) -> bool:
         """A sampled token of ``t``: constraint, text, stop strings, limits; False when the sequence ended."""
-        tok = _token_id(tok, n_vocab)
+        tok = token_id(tok, n_vocab)
         if isinstance(tok, EngineError):
             self._fail(t, tok, posts)
             return False
-        if t.extra and not self._accept(f, t, tok, eos, posts):
-            return False
+        if t.extra:
+            err = self._accept(f, t, tok, eos, posts)
+            if err is not None:
+                self._fail(t, err, posts)
+                return False
         tokens = t.seq.tokens
         tokens.append(tok)
         if not t.t_first:
@@ -455,7 +541,7 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         if tail:
             self._emit(t, tail, posts)
         if reason != "cancelled":
-            self._end_output(t, posts)
+            self.emission.end_output(t, posts)
         self._retire(t)
         if reason == "cancelled":
             self.total_cancelled += 1
@@ -481,28 +567,13 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         t.lead = None
         if t in self._active:
             self._active.remove(t)
-            self._release_followers(t)
-        elif t in self._preempted:
-            self._preempted.remove(t)
-        if t.swap is not None:
-            handle, t.swap = t.swap, None
-            self._free_kv(handle)
+            self.sharing.release_followers(t)
+        self.kv.discard(t)  # out of the preempted queue, its swapped KV freed
         seq = t.seq
         # a sequence that ended inside a speculative run holds KV past its last token: only its tokens count
         seq.n_cached = min(seq.n_cached, len(seq.tokens))
-        if save and self.cache is not None and seq.n_cached > 0:
-            handle = None
-            try:  # whatever the engine does here, the request still gets its result
-                handle = self.engine.kv_save(seq)
-                if handle is not None:
-                    check_saved(handle, seq)
-                    if self.disk is not None and seq.sampling.adapter is None:
-                        self._to_disk(handle, t.n_prompt)
-                    self.cache.insert(handle, seq.sampling.adapter)
-            except Exception:  # noqa: BLE001
-                log.exception("KV save failed")
-                if isinstance(handle, KVHandle):  # not kept: the engine gets it back
-                    self._free_kv(handle)
+        if save and self.reuse is not None and seq.n_cached > 0:
+            self.reuse.save(seq, t.n_prompt)
         try:
             self.engine.remove_sequence(seq)
         except Exception:  # noqa: BLE001
@@ -520,82 +591,6 @@ class EngineLoop(KVPressure, PrefixSharing, Emission, DiskTier, StepIsolation):
         if self.cache is not None:
             self.cache.clear()
         if (posts or pending) and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_deliver, posts)
+            self._loop.call_soon_threadsafe(deliver, posts)
             for job in pending:
                 self._loop.call_soon_threadsafe(fail_job, job, err)
-
-
-def _work(t: Ticket, n_ctx: int) -> int:
-    """Tokens ``t`` has left to feed and generate (its prompt's rest, and up to max_tokens)."""
-    seq = t.seq
-    limit = n_ctx if t.req.max_tokens is None else min(n_ctx, t.n_prompt + t.req.max_tokens)
-    return (len(seq.tokens) - seq.n_cached) + max(0, limit - len(seq.tokens))
-
-
-def safe_free(engine: Any) -> Callable[[Any], None]:
-    """``engine.kv_free`` that logs instead of raising: a handle the engine cannot free is its leak, not a failure
-    of the request (or of the prefix-cache index) that let it go."""
-    def free(handle: Any) -> None:
-        try:
-            engine.kv_free(handle)
-        except Exception:  # noqa: BLE001
-            log.exception("kv_free failed")
-    return free
-
-
-def _token_id(tok: Any, n_vocab: int) -> int | EngineError:
-    """``tok`` as a token id, or the error of an engine that sampled something else (a native engine would crash
-    on a negative id, or one past its vocabulary)."""
-    try:
-        tok = operator.index(tok)  # an int, or a numpy integer
-    except TypeError:
-        return EngineError(f"The engine sampled {tok!r} ({type(tok).__name__}), which is not a token id.")
-    if tok < 0 or (n_vocab and tok >= n_vocab):
-        return EngineError(f"The engine sampled token id {tok}, which is outside its vocabulary"
-                           + (f" (0..{n_vocab - 1})." if n_vocab else "."))
-    return tok
-
-
-def new_engine_thread() -> ThreadPoolExecutor:
-    """A model's engine thread: one thread that runs its load, warm-up, benchmark and every step, in order."""
-    return ThreadPoolExecutor(1, thread_name_prefix="octo-engine")
-
-
-def as_octo_error(exc: BaseException) -> OctoError:
-    if isinstance(exc, OctoError):
-        return exc
-    return EngineError(f"The engine failed: {type(exc).__name__}: {exc}")
-
-
-def fail_job(job: Job, err: OctoError) -> None:
-    """On the event loop: a job that never ran gets ``err`` (its admission wait, and its result)."""
-    if job.admitted is not None:
-        set_exception(job.admitted, err)
-    set_exception(job.result if isinstance(job, Ticket) else job.future, err)
-
-
-def _outcome(fut: asyncio.Future, result: Any) -> tuple:
-    if isinstance(result, BaseException):
-        return (set_exception, fut, as_octo_error(result))
-    return (set_result, fut, result)
-
-
-def set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-        fut.add_done_callback(_consume)  # nobody may await it (client gone)
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _deliver(posts: list) -> None:
-    for fn, target, value in posts:
-        fn(target, value)

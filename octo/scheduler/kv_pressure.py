@@ -1,51 +1,71 @@
-"""KV pressure, a mixin of :class:`octo.scheduler.engine_loop.EngineLoop` (engine thread).
+"""KV pressure, a part of the engine loop (:class:`octo.scheduler.engine_loop.EngineLoop`; engine thread).
 
 Engines whose sequences share one bounded KV pool report its free cells with ``Engine.kv_room``: a new sequence is
 admitted only when its prompt fits beside what the running ones still have to feed; before each step, the youngest
 sequences are preempted until every decoding sequence has its cell. A preempted sequence keeps its tokens, text,
 stream and engine slot; its KV is saved to host memory (``preempt="swap"``, through ``Engine.kv_swap_out``) or
 dropped (``"recompute"``), and it resumes, oldest first, when the pool has room for all its tokens.
+
+:class:`KVPressure` owns the queue of preempted sequences; it is given the engine, the loop's list of running
+sequences, the prefix cache (whose entries give their pool cells back first), the prefix-sharing part (a preempted
+lead releases its followers) and the engine's ``kv_free``.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from octo.engine import KVHandle
 from octo.errors import EngineError
 from octo.scheduler.jobs import Ticket
+from octo.scheduler.prefix_cache import PrefixCache
+from octo.scheduler.sharing import PrefixSharing
 
 log = logging.getLogger("octo.scheduler.admission")
 
 
 class KVPressure:
-    """Scheduler state it uses: ``engine``, ``cache``, ``preempt_mode``, ``_active``, ``_preempted``, counters."""
+    """Admission room, preemption and resumption over the engine's shared KV pool. ``mode``: ``"swap"`` (a preempted
+    sequence's KV waits in host memory) or ``"recompute"``."""
 
-    def _room(self) -> int | None:
+    def __init__(self, engine: Any, active: list[Ticket], *, cache: PrefixCache | None, sharing: PrefixSharing,
+                 mode: str, free_kv: Callable[[Any], None]) -> None:
+        self.engine = engine
+        self.active = active
+        self.cache = cache
+        self.sharing = sharing
+        self.mode = mode
+        self.free_kv = free_kv
+        self.preempted: list[Ticket] = []  # gave their KV back under pressure; resume oldest first
+        self.total_preemptions = 0
+        self.total_resumed = 0
+
+    def room(self) -> int | None:
         """KV cells free for new work: the engine's free cells less what the active sequences still have to feed
         (the rest of their prompts, and the next decode token); None when the engine's KV is not shared."""
         room = self.engine.kv_room()
         if room is None:
             return None
-        return room - sum(len(t.seq.tokens) - t.seq.n_cached for t in self._active)
+        return room - sum(len(t.seq.tokens) - t.seq.n_cached for t in self.active)
 
-    def _fit(self, room: int) -> int:
+    def fit(self, room: int) -> int:
         """Preempt the youngest sequences until every decoding sequence has a cell for this step and something can
         move; return the cells left for prompt chunks."""
         while True:
-            decoding = sum(1 for t in self._active if len(t.seq.tokens) - t.seq.n_cached == 1)
+            decoding = sum(1 for t in self.active if len(t.seq.tokens) - t.seq.n_cached == 1)
             spare = room - decoding
             if spare < 0 or not (decoding or spare > 0):
-                room += self._reclaim(max(1, -spare))  # cached prefixes give their cells back before anyone waits
+                room += self.reclaim(max(1, -spare))  # cached prefixes give their cells back before anyone waits
                 spare = room - decoding
-            if len(self._active) <= 1 or (spare >= 0 and (decoding or spare > 0)):
+            if len(self.active) <= 1 or (spare >= 0 and (decoding or spare > 0)):
                 return max(spare, 0)
-            self._preempt(max(self._active, key=age_of))
+            self.preempt_youngest()
             room = self.engine.kv_room()  # shared cells stay with their other users: ask, do not add
 
-    def _reclaim(self, cells: int) -> int:
+    def reclaim(self, cells: int) -> int:
         """Evict prefix-cache entries that hold cells of the engine's shared pool, least recently used first, until
         ``cells`` are free again or none is left; returns the cells freed."""
         if self.cache is None or cells <= 0:
@@ -56,13 +76,13 @@ class KVPressure:
             freed = (self.engine.kv_room() or 0) - before
         return freed
 
-    def _preempt(self, t: Ticket) -> None:
-        """``t`` gives its KV back and waits in ``_preempted``; its tokens, text and sampler stay as they are."""
+    def preempt(self, t: Ticket) -> None:
+        """``t`` gives its KV back and waits in ``preempted``; its tokens, text and sampler stay as they are."""
         seq = t.seq
-        self._active.remove(t)
-        self._release_followers(t)  # before its KV goes
+        self.active.remove(t)
+        self.sharing.release_followers(t)  # before its KV goes
         t.lead = None
-        if self.preempt_mode == "swap" and seq.n_cached > 0:
+        if self.mode == "swap" and seq.n_cached > 0:
             try:
                 t.swap = self.engine.kv_swap_out(seq)
             except Exception:  # noqa: BLE001 - it is recomputed instead
@@ -70,25 +90,35 @@ class KVPressure:
         try:
             self.engine.kv_drop(seq)
         except BaseException:
-            self._active.append(t)  # still running: the loop fails it, rather than leave it nowhere
+            self.active.append(t)  # still running: the loop fails it, rather than leave it nowhere
             raise
         seq.n_cached = 0
         t.preemptions += 1
         self.total_preemptions += 1
-        bisect.insort(self._preempted, t, key=age_of)
+        bisect.insort(self.preempted, t, key=age_of)
 
-    def _resume(self, posts: list) -> None:
-        """Bring preempted sequences back, oldest first, while the pool has room for all their tokens."""
-        for t in [t for t in self._preempted if t._cancel]:
-            self._finish(t, "cancelled", posts)
-        room = self._room()
-        while self._preempted:
-            t = self._preempted[0]
+    def preempt_youngest(self) -> None:
+        self.preempt(max(self.active, key=age_of))
+
+    def discard(self, t: Ticket) -> None:
+        """``t`` leaves (it ended, failed or was cancelled): out of the preempted queue, its swapped KV freed."""
+        if t in self.preempted:
+            self.preempted.remove(t)
+        if t.swap is not None:
+            handle, t.swap = t.swap, None
+            self.free_kv(handle)
+
+    def resume(self) -> None:
+        """Bring preempted sequences back, oldest first, while the pool has room for all their tokens (the loop
+        finishes the cancelled ones first)."""
+        room = self.room()
+        while self.preempted:
+            t = self.preempted[0]
             need = len(t.seq.tokens) + 1
-            if room is not None and self._active and need > room:
+            if room is not None and self.active and need > room:
                 return
-            self._preempted.pop(0)
-            bisect.insort(self._active, t, key=age_of)  # the oldest sequences' prompts are fed first
+            self.preempted.pop(0)
+            bisect.insort(self.active, t, key=age_of)  # the oldest sequences' prompts are fed first
             handle, t.swap = t.swap, None
             if handle is not None:
                 try:
@@ -99,7 +129,7 @@ class KVPressure:
                     self.engine.kv_drop(t.seq)
                     t.seq.n_cached = 0
                 finally:
-                    self._free_kv(handle)
+                    self.free_kv(handle)
             self.total_resumed += 1
             if room is not None:
                 room -= need

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class Pacer:
     """How many prompt tokens one step may carry, from the measured cost of a decode-only step and of a prompt token:
@@ -65,3 +67,10 @@ class Pacer:
             return
         per = max(seconds - base, 0.0) / n_prefill
         self.token_s = per if not self.token_s else 0.8 * self.token_s + 0.2 * per
+
+
+def work_left(t: Any, n_ctx: int) -> int:
+    """Tokens ``t`` has left to feed and generate (its prompt's rest, and up to max_tokens)."""
+    seq = t.seq
+    limit = n_ctx if t.req.max_tokens is None else min(n_ctx, t.n_prompt + t.req.max_tokens)
+    return (len(seq.tokens) - seq.n_cached) + max(0, limit - len(seq.tokens))

@@ -6,14 +6,16 @@ list, ``n > 1`` asks for several choices of one prompt. The new sequence (a *fol
 computes the shared part (the lead's prompt goes first, its chunks end where a follower's share ends), then takes
 those tokens' KV with ``Engine.kv_share``: llama.cpp's unified pool shares the cells themselves, other engines
 copy a snapshot. If the lead leaves early (cancelled, failed, preempted), each follower takes what the lead had
-computed and goes on by itself, or follows another sequence. Mixed into
-:class:`octo.scheduler.engine_loop.EngineLoop`; runs
-on the engine thread.
+computed and goes on by itself, or follows another sequence.
+
+:class:`PrefixSharing` is a part of the engine loop (:class:`octo.scheduler.engine_loop.EngineLoop`); it runs on the
+engine thread, and is given the engine and the loop's list of running sequences.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from octo.engine import common_prefix
 from octo.scheduler.jobs import Ticket
@@ -26,9 +28,17 @@ MIN_SHARE = 32
 
 
 class PrefixSharing:
-    """Scheduler state it uses: ``_active``, ``engine``, ``dedup``, ``total_shared_tokens``."""
+    """Leads and followers among the running sequences ``active`` (the engine loop's list, read here; the loop and
+    the KV-pressure part move sequences in and out). ``dedup`` turns itself off for good when the engine cannot
+    share."""
 
-    def _find_lead(self, t: Ticket) -> None:
+    def __init__(self, engine: Any, active: list[Ticket], dedup: bool = True) -> None:
+        self.engine = engine
+        self.active = active
+        self.dedup = dedup
+        self.total_shared_tokens = 0
+
+    def find_lead(self, t: Ticket) -> None:
         """``t`` just started (or lost its lead): follow the running sequence sharing the longest prefix with it, when
         that is at least ``MIN_SHARE`` tokens more than ``t`` holds."""
         if not self.dedup:
@@ -36,7 +46,7 @@ class PrefixSharing:
         seq = t.seq
         limit = len(seq.tokens) - 1  # the last prompt token is always fed, for the logits
         best, best_n = None, seq.n_cached + MIN_SHARE - 1
-        for a in self._active:
+        for a in self.active:
             if a is t or a.lead is not None or a.seq.sampling.adapter != seq.sampling.adapter:
                 continue  # (KV computed with another LoRA adapter is not shared)
             n = common_prefix(a.seq.tokens, seq.tokens, limit)
@@ -45,18 +55,18 @@ class PrefixSharing:
         if best is not None:
             t.lead, t.lead_n = best, best_n
 
-    def _join_leads(self) -> None:
+    def join_leads(self) -> None:
         """Followers whose lead has computed their shared prefix take it."""
-        for t in self._active:
+        for t in self.active:
             a = t.lead
             if a is not None and a.seq.n_cached >= t.lead_n:
                 t.lead = None
                 self._share(t, a, t.lead_n)
 
-    def _release_followers(self, a: Ticket) -> None:
+    def release_followers(self, a: Ticket) -> None:
         """``a`` leaves the batch or gives its KV back: its followers take what it has computed, then follow another
         sequence or compute the rest themselves. Call while ``a`` still holds its KV."""
-        followers = [t for t in self._active if t.lead is a]
+        followers = [t for t in self.active if t.lead is a]
         for t in followers:
             t.lead = None
             n = min(t.lead_n, a.seq.n_cached)
@@ -64,12 +74,12 @@ class PrefixSharing:
                 self._share(t, a, n)
         for t in followers:
             if t.state == "active":
-                self._find_lead(t)
+                self.find_lead(t)
 
-    def _lead_stop(self, a: Ticket) -> int | None:
+    def lead_stop(self, a: Ticket) -> int | None:
         """Where ``a``'s next chunk should end so that its nearest follower can join after the step."""
         n = a.seq.n_cached
-        stops = [t.lead_n for t in self._active if t.lead is a and t.lead_n > n]
+        stops = [t.lead_n for t in self.active if t.lead is a and t.lead_n > n]
         return min(stops) if stops else None
 
     def _share(self, t: Ticket, a: Ticket, n: int) -> None:

@@ -1,5 +1,5 @@
-"""One raising step costs one request where the engine allows it (a mixin of
-:class:`octo.scheduler.engine_loop.EngineLoop`).
+"""One raising step costs one request where the engine allows it (:class:`StepIsolation`, a part of
+:class:`octo.scheduler.engine_loop.EngineLoop`, given the engine and the loop's guarded step function).
 
 An ``Engine.step`` over several sequences that raises (rather than returning an exception in one feed's place) used
 to fail every sequence of the step: one request whose tokens make the backend fail took its batch with it, as
@@ -18,21 +18,25 @@ fail together. So does a step whose rollback fails (the engine could not keep a 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from octo.engine import Feed
-from octo.errors import EngineError
 
 log = logging.getLogger("octo.scheduler.admission")
 
 
 class StepIsolation:
-    """Needs ``engine``, ``gate`` and ``watchdog`` (the scheduler's)."""
+    """``step(feeds)``: the engine loop's ``Engine.step`` as it runs it (watched, in the compute gate's turn, its
+    outputs counted), raising what the engine raised."""
 
-    isolated_steps = 0  # steps that raised and were split until the failing sequence was alone
-    rollback_failures = 0
+    def __init__(self, engine: Any, step: Callable[[list[Feed]], list[Any]]) -> None:
+        self.engine = engine
+        self.step = step
+        self.isolated_steps = 0  # steps that raised and were split until the failing sequence was alone
+        self.rollback_failures = 0
 
-    def _isolate(self, feeds: list[Feed], starts: list[int], exc: BaseException) -> list[Any] | None:
+    def isolate(self, feeds: list[Feed], starts: list[int], exc: BaseException) -> list[Any] | None:
         """After ``engine.step(feeds)`` raised ``exc``: one output per feed, the sequences that raise alone getting
         their exception in their place; None when the engine cannot undo the step (every sequence then fails)."""
         if len(feeds) < 2 or not getattr(self.engine, "supports_rollback", False):
@@ -79,23 +83,10 @@ class StepIsolation:
 
     def _rerun(self, feeds: list[Feed], group: list[int], out: list[Any]) -> BaseException | None:
         """``engine.step`` of the feeds in ``group``, their outputs into ``out``; the exception when it raised."""
-        sub = [feeds[i] for i in group]
-        gate = self.gate
-        self.watchdog.busy(sum(len(f.tokens) for f in sub))
         try:
-            if gate is not None:
-                gate.enter()
-            try:
-                res = self.engine.step(sub)
-            finally:
-                if gate is not None:
-                    gate.exit()
-            if len(res) != len(sub):
-                raise EngineError(f"the engine step returned {len(res)} tokens for {len(sub)} feeds")
+            res = self.step([feeds[i] for i in group])
         except BaseException as exc:  # noqa: BLE001 - the caller splits the group, or fails it when alone
             return exc
-        finally:
-            self.watchdog.idle(between=True)
         for i, r in zip(group, res, strict=True):
             out[i] = r
         return None

@@ -10,8 +10,8 @@ without queueing, and ``on_fault`` tells the owner: an engine worker process exi
 in a fresh one; in the gateway (``--isolation thread``) a dead loop is restarted and a wedged one is reported until
 its step returns.
 
-The watchdog talks to its scheduler only through the scheduler's owner interface: ``stopping``, ``on_loop``,
-``fail_everything`` and ``restart_loop``.
+The watchdog talks to its owner (the scheduler) only through :class:`WatchdogOwner`: ``stopping``, ``on_loop``,
+``fail_everything`` and ``restart_loop``; the engine thread tells it about each engine call with ``busy`` / ``idle``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from octo.errors import ModelFailed
-
-if TYPE_CHECKING:
-    from octo.scheduler.admission import Scheduler
+from octo.errors import ModelFailed, OctoError
 
 log = logging.getLogger("octo.scheduler.watchdog")
 
@@ -35,9 +32,30 @@ STEP_MARGIN = 20.0  # times the slowest seconds per token seen
 MAX_RESTARTS = 3  # dead loops restarted in-process before the model is declared failed
 
 
+class WatchdogOwner(Protocol):
+    """What the watchdog needs of the scheduler it supervises."""
+
+    @property
+    def stopping(self) -> bool:
+        """The scheduler is shutting down: its engine thread ending is no fault."""
+        ...
+
+    def on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the scheduler's event loop, from any thread."""
+        ...
+
+    def fail_everything(self, err: OctoError) -> None:
+        """(event loop) Fail every job the model holds, queued or in flight, with ``err``."""
+        ...
+
+    def restart_loop(self) -> None:
+        """(event loop) Run the step loop again on the model's engine thread after it died."""
+        ...
+
+
 class Watchdog:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, owner: WatchdogOwner) -> None:
+        self.owner = owner
         self.state = "ok"  # ok | wedged | dead
         self.reason: str | None = None
         self.on_fault: Callable[[str, str], Any] | None = None  # (state, reason), on the event loop
@@ -79,10 +97,10 @@ class Watchdog:
     def thread_exited(self, done: Any) -> None:
         """Done-callback of the engine loop's future (runs on the engine thread)."""
         exc = done.exception() if not done.cancelled() else None
-        if exc is None and self.scheduler.stopping:
+        if exc is None and self.owner.stopping:
             return
         log.error("the engine thread died: %s", _describe(exc), exc_info=exc)
-        self.scheduler.on_loop(self._dead, _describe(exc))
+        self.owner.on_loop(self._dead, _describe(exc))
 
     # -- event loop --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -103,17 +121,17 @@ class Watchdog:
 
     def _dead(self, why: str) -> None:
         self._fault("dead", f"the engine thread died ({why})")
-        if self.on_fault is None and self.restarts < MAX_RESTARTS and not self.scheduler.stopping:
+        if self.on_fault is None and self.restarts < MAX_RESTARTS and not self.owner.stopping:
             self.restarts += 1  # in the gateway: start the loop again on the model's engine thread
             log.warning("restarting the engine loop (%d of %d)", self.restarts, MAX_RESTARTS)
-            self.scheduler.restart_loop()
+            self.owner.restart_loop()
             self.state, self.reason = "ok", None
 
     def _fault(self, state: str, reason: str) -> None:
         """Fail everything the model holds with a 503 and tell the owner."""
         self.state, self.reason = state, reason
         log.error("%s", reason)
-        self.scheduler.fail_everything(ModelFailed(f"The model stopped serving: {reason}.",
+        self.owner.fail_everything(ModelFailed(f"The model stopped serving: {reason}.",
                                                    headers={"Retry-After": "5"}))
         if self.on_fault is not None:
             self.on_fault(state, reason)
