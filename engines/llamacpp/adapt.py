@@ -42,6 +42,7 @@ from octo.errors import EngineError
 from . import layout
 from .background import check as _check
 from .background import retry_at as _retry
+from .kvcache import KVCells
 
 log = logging.getLogger("octo.engines.llamacpp")
 
@@ -241,7 +242,7 @@ class LayoutHost(Protocol):
     n_ctx_opt: int
     cell_bytes: int
     info: ModelInfo | None
-    cells: Any  # .kvcache.KVCells
+    cells: KVCells
 
     def rebuild_context(self, unified: bool, stream_cells: int | None) -> None:
         """Serve from a new context of that layout; running sequences keep their slots (not their KV)."""
