@@ -40,7 +40,7 @@ def run(path: str, unified: bool, idle: int, args) -> float:
         e.add_sequence(first)
         for k in range(0, args.context, 512):
             e.step([Feed(first, toks[k:min(k + 512, args.context)], False)])
-        snap = e._snapshot(first)  # a copy in RAM: restoring it writes cells of their own
+        snap = e.cells.snapshot(first)  # a copy in RAM: restoring it writes cells of their own
         e.remove_sequence(first)
 
         def filled(i: int) -> Sequence:

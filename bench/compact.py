@@ -65,7 +65,7 @@ def level(path: str, n: int, reps: int, args) -> dict:
             "decode_tok_s": tok_s,
             "over_streams": {k: round(v / tok_s["streams"], 3) for k, v in tok_s.items()},
             "step_ms_per_window": {k: [round(x / reps / 16 * 1e3, 1) for x in v] for k, v in took.items()},
-            "compaction_passes": engines["unified+compaction"].compactions,
+            "compaction_passes": engines["unified+compaction"].cells.compactions,
         }
     finally:
         for e in engines.values():

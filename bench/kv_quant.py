@@ -80,9 +80,9 @@ def state_bytes_per_token(e, n1: int = 64, n2: int = 320) -> float:
     e.add_sequence(s)
     try:
         e.step([Feed(s, toks[:n1], False)])
-        a = e._L.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
+        a = e.lib.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
         e.step([Feed(s, toks[n1:], False)])
-        b = e._L.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
+        b = e.lib.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
     finally:
         e.remove_sequence(s)
     return (b - a) / (n2 - n1)

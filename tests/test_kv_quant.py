@@ -68,9 +68,9 @@ def _state_bytes_per_token(e) -> float:
     s = Sequence(1, toks, SamplingParams(temperature=0.0))
     e.add_sequence(s)
     e.step([Feed(s, toks[:50], False)])
-    a = e._L.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
+    a = e.lib.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
     e.step([Feed(s, toks[50:], False)])
-    b = e._L.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
+    b = e.lib.llama_state_seq_get_size(e.ctx, s.slot.seq_id)
     e.remove_sequence(s)
     return (b - a) / 250
 

@@ -33,7 +33,7 @@ def _load(path: str, **opts: str) -> LlamaCppEngine:
 def pair(gguf_path):
     """An engine that adapts (streams of 512 cells: a 2,048-cell pool over 4 sequences) and one that never does."""
     ref, e = _load(gguf_path, kv_unified="true", kv_adapt="false"), _load(gguf_path, kv_unified="true", kv_adapt="true")
-    assert ref.adapt is None and e.adapt is not None and e.adapt.cells == 512
+    assert ref.layout.policy is None and e.layout.policy is not None and e.layout.policy.cells == 512
     yield ref, e
     ref.unload()
     e.unload()
@@ -53,7 +53,7 @@ def _run(e: LlamaCppEngine, prompts: list[list[int]], n: int, first_id: int = 0)
         s.tokens.append(o)
     for s in seqs:
         e.remove_sequence(s)
-    assert e.book.used() == 0 and not e.active
+    assert e.cells.book.used() == 0 and not e.active
     return [s.tokens for s in seqs]
 
 
@@ -66,8 +66,8 @@ def test_short_bursts_run_in_streams_and_the_text_is_the_same(pair):
     for burst in range(3):
         assert _run(ref, _prompts(ref), 30) == _run(e, _prompts(e), 30)
         assert e.kv_unified is (burst == 0)  # after a burst of 4 short sequences (nothing shared): streams
-    assert not e.kv_unified and e.adapt.switches == 1 and e.adapt.forced == 0
-    assert e.adapt.last == {"peak": 4, "longest": max(len(p) for p in _prompts(e)) + 29, "prompt":
+    assert not e.kv_unified and e.layout.policy.switches == 1 and e.layout.policy.forced == 0
+    assert e.layout.policy.last == {"peak": 4, "longest": max(len(p) for p in _prompts(e)) + 29, "prompt":
                             sum(map(len, _prompts(e))), "reused": 0, "sequences": 4}
     assert e.kv_room() is None and e.n_ctx_seq == ref.n_ctx_seq == 2048  # a sequence may still use the whole context
     st = e.kv_stats()  # what /v1/queue/stats shows per model under "kv"
@@ -83,11 +83,11 @@ def test_a_sequence_that_outgrows_its_stream_moves_everyone_to_the_pool(pair):
     # the next burst starts in streams; two of its sequences run past 512 cells: at that step all of them (and
     # their KV) move to a new unified pool
     assert _run(ref, _prompts(ref, 3), 600) == _run(e, _prompts(e, 3), 600)
-    assert e.kv_unified and e.adapt.forced == 1 and e.adapt.switches == 2
-    assert e.adapt.last["longest"] > 512
+    assert e.kv_unified and e.layout.policy.forced == 1 and e.layout.policy.switches == 2
+    assert e.layout.policy.last["longest"] > 512
     # that burst was long: the next one stays in the pool
     assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)
-    assert e.kv_unified and e.adapt.switches == 2
+    assert e.kv_unified and e.layout.policy.switches == 2
 
 
 def test_a_long_prompt_takes_the_pool_at_once_even_beside_running_streams(pair):
@@ -114,7 +114,7 @@ def test_a_long_prompt_takes_the_pool_at_once_even_beside_running_streams(pair):
         out[eng is e] = [s.tokens for s in seqs]
         for s in seqs:
             eng.remove_sequence(s)
-    assert out[True] == out[False] and e.adapt.forced == 1
+    assert out[True] == out[False] and e.layout.policy.forced == 1
 
 
 def test_cached_prefixes_survive_a_switch_both_ways(pair):
@@ -137,7 +137,7 @@ def test_cached_prefixes_survive_a_switch_both_ways(pair):
     tail = e.step([Feed(b, b.tokens[b.n_cached:], True)])
     in_streams = e.kv_save(b)  # a RAM snapshot of the streams context
     e.remove_sequence(b)
-    e._relayout(True)
+    e.layout.relayout(True)
     c = Sequence(2, list(prompt) + [5, 7], SamplingParams(temperature=0))
     e.add_sequence(c)
     e.kv_restore(c, in_streams, len(prompt) + 1)
@@ -197,11 +197,11 @@ def test_measured_when_idle_then_cached(gguf_path, auto, monkeypatch, pays):
     monkeypatch.setattr(adapt, "probe", probe)
     e = _load(gguf_path)
     try:
-        assert not calls and e.adapt is None and e.kv_layout["adapt"]["pending"], "no probe at load"
-        background.settle(e)
+        assert not calls and e.layout.policy is None and e.layout.verdicts["adapt"]["pending"], "no probe at load"
+        background.settle(e.layout)
         assert len(calls) == 1 and calls[0]["unified_step_s"] > 0 and calls[0]["streams_step_s"] > 0
-        assert e.kv_unified and not e.active and e.book.used() == 0, "the probe left nothing behind"
-        assert (e.adapt is not None) is pays
+        assert e.kv_unified and not e.active and e.cells.book.used() == 0, "the probe left nothing behind"
+        assert (e.layout.policy is not None) is pays
         verdict = e.info.extra["kv_layout"]["adapt"]  # shown whether or not it pays
         assert verdict["source"] == "measured" and verdict["pays"] is pays
         assert _run(e, _prompts(e), 5)
@@ -211,7 +211,7 @@ def test_measured_when_idle_then_cached(gguf_path, auto, monkeypatch, pays):
     assert cached["pays"] is pays
     again = _load(gguf_path)
     try:
-        assert len(calls) == 1 and (again.adapt is not None) is pays
+        assert len(calls) == 1 and (again.layout.policy is not None) is pays
         assert again.info.extra["kv_layout"]["adapt"]["cached"] is True
     finally:
         again.unload()
@@ -223,7 +223,7 @@ def test_off_when_the_layout_is_given_or_asked_off(gguf_path, auto, forbid):
                  {"kv_unified": "false", "kv_adapt": "true"}):
         e = _load(gguf_path, **opts)
         try:
-            assert e.adapt is None and "adapt" not in e.info.extra["kv_layout"], opts
+            assert e.layout.policy is None and "adapt" not in e.info.extra["kv_layout"], opts
         finally:
             e.unload()
     with pytest.raises(ConfigError, match="kv_adapt"):
@@ -233,17 +233,17 @@ def test_off_when_the_layout_is_given_or_asked_off(gguf_path, auto, forbid):
 def test_a_layout_it_cannot_build_leaves_the_one_it_had(pair, monkeypatch):
     """Building the streams context fails (memory): the engine rebuilds its pool, keeps serving, stops switching."""
     ref, e = pair
-    real = e._build_context
+    real = e.rebuild_context
 
-    def build(pooling, n_ctx, unified, stream_cells=None):
+    def build(unified, stream_cells):
         if not unified:
             raise MemoryError("no room for the streams")
-        return real(pooling, n_ctx, unified, stream_cells)
+        return real(unified, stream_cells)
 
-    monkeypatch.setattr(e, "_build_context", build)
+    monkeypatch.setattr(e, "rebuild_context", build)
     assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)
     assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)  # its first add tried streams
-    assert e.kv_unified and e.adapt is None and e.ctx
+    assert e.kv_unified and e.layout.policy is None and e.ctx
     assert _run(ref, _prompts(ref), 10) == _run(e, _prompts(e), 10)
 
 
@@ -259,18 +259,18 @@ def test_a_forced_switch_that_cannot_build_the_pool_fails_the_step_and_keeps_the
         e.add_sequence(s)
     assert not e.kv_unified and e.stream_cells == 512
     outs = e.step([Feed(s, s.tokens, True) for s in seqs])
-    real = e._build_context
+    real = e.rebuild_context
 
-    def build(pooling, n_ctx, unified, stream_cells=None):
+    def build(unified, stream_cells):
         if unified:
             raise MemoryError("no room for the pool")
-        return real(pooling, n_ctx, unified, stream_cells)
+        return real(unified, stream_cells)
 
-    monkeypatch.setattr(e, "_build_context", build)
+    monkeypatch.setattr(e, "rebuild_context", build)
     long = seqs[0]
     with pytest.raises(EngineError, match="outgrew its KV stream"):
         e.step([Feed(long, [7] * 520, False)])  # past its 512 cells
-    assert not e.kv_unified and e.stream_cells == 512 and e.adapt is None
+    assert not e.kv_unified and e.stream_cells == 512 and e.layout.policy is None
     short = seqs[1]
     short.tokens.append(outs[1])
     got = [short.tokens[-1]]

@@ -27,7 +27,7 @@ def _engine(path: str, min_runs: int | None) -> LlamaCppEngine:
     e = LlamaCppEngine(EngineConfig(max_batch=4, options={"n_ctx": "512", "kv_unified": "true", **off}))
     e.load(path, "tiny")
     assert e.info.extra["kv_compact"] is (min_runs is not None)
-    e.COMPACT_RUNS = min_runs or 2
+    e.cells.COMPACT_RUNS = min_runs or 2
     return e
 
 
@@ -37,7 +37,7 @@ def _decode(e: LlamaCppEngine, seqs: list[Sequence], steps: int) -> None:
         for s, o in zip(seqs, outs, strict=True):
             s.tokens.append(o)
         outs = e.step([Feed(s, s.tokens[-1:], True) for s in seqs])
-        assert e.book.used() == _cells(e)
+        assert e.cells.book.used() == _cells(e)
     for s, o in zip(seqs, outs, strict=True):
         s.tokens.append(o)
 
@@ -45,13 +45,13 @@ def _decode(e: LlamaCppEngine, seqs: list[Sequence], steps: int) -> None:
 def _cells(e: LlamaCppEngine) -> int:
     """Cells in use as llama.cpp itself reports them: the positions each sequence holds, counted once per cell (in
     these tests sequences share only a common first stretch, so a shared cell is one position of every holder)."""
-    L = e._L
+    L = e.lib
     spans = []
-    for sid in [*e.active, *e._entries]:
+    for sid in [*e.active, *e.cells.entries]:
         lo, hi = L.llama_memory_seq_pos_min(e.mem, sid), L.llama_memory_seq_pos_max(e.mem, sid)
         if hi >= 0:
             spans.append((sid, lo, hi))
-    shared = e.book.shared_prefix
+    shared = e.cells.book.shared_prefix
     return sum(hi - lo + 1 for _, lo, hi in spans) - sum(
         min(shared(sid), hi + 1) for sid, lo, hi in spans[1:]) if spans else 0
 
@@ -70,13 +70,13 @@ def test_compacted_cells_decode_the_same_tokens(gguf_path):
                 eng.add_sequence(s)
             _decode(eng, seqs, 60)
             out[eng is e] = [s.tokens for s in seqs]
-            assert eng.book.used() == sum(s.n_cached for s in seqs)
+            assert eng.cells.book.used() == sum(s.n_cached for s in seqs)
             for s in seqs:
                 eng.remove_sequence(s)
-            assert eng.book.used() == 0
-        assert ref.compactions == 0 and e.compactions >= 5, e.compactions
+            assert eng.cells.book.used() == 0
+        assert ref.cells.compactions == 0 and e.cells.compactions >= 5, e.cells.compactions
         assert out[True] == out[False]
-        assert max(e._runs.values(), default=0) < 2 * 4 + 1
+        assert max(e.cells.runs.values(), default=0) < 2 * 4 + 1
     finally:
         ref.unload()
         e.unload()
@@ -97,19 +97,19 @@ def test_a_shared_prefix_stays_shared_and_whole(gguf_path):
             eng.step([Feed(a, a.tokens[:40], False)])
             eng.add_sequence(b)
             eng.kv_share(a, b, 40)
-            assert b.n_cached == 40 and eng.book.shared_prefix(b.slot.seq_id) == 40
+            assert b.n_cached == 40 and eng.cells.book.shared_prefix(b.slot.seq_id) == 40
             c = Sequence(2, eng.tokenize("an unrelated prompt"), SamplingParams(temperature=0))
             eng.add_sequence(c)
             _decode(eng, [a, b, c], 50)
-            assert eng.book.used() == a.n_cached + b.n_cached + c.n_cached - 40, "the prefix's cells counted once"
-            assert eng.book.shared_prefix(a.slot.seq_id) == eng.book.shared_prefix(b.slot.seq_id) == 40
+            assert eng.cells.book.used() == a.n_cached + b.n_cached + c.n_cached - 40, "the prefix's cells counted once"
+            assert eng.cells.book.shared_prefix(a.slot.seq_id) == eng.cells.book.shared_prefix(b.slot.seq_id) == 40
             eng.remove_sequence(a)
             _decode(eng, [b, c], 20)
             out[eng is e] = (a.tokens, b.tokens, c.tokens)
             eng.remove_sequence(b)
             eng.remove_sequence(c)
-            assert eng.book.used() == 0
-        assert e.compactions >= 3 and out[True] == out[False]
+            assert eng.cells.book.used() == 0
+        assert e.cells.compactions >= 3 and out[True] == out[False]
     finally:
         ref.unload()
         e.unload()
@@ -122,11 +122,11 @@ def test_runs_count_interleaved_steps_not_a_sequence_alone(gguf_path):
         for s in (a, b):
             e.add_sequence(s)
         _decode(e, [a], 10)  # alone: its cells continue one run
-        assert e._runs[a.slot.seq_id] == 1
+        assert e.cells.runs[a.slot.seq_id] == 1
         _decode(e, [a, b], 5)  # together: a run per step
-        assert e._runs[a.slot.seq_id] == 1 + 6 and e._runs[b.slot.seq_id] == 6
-        e.COMPACT_RUNS = 4
+        assert e.cells.runs[a.slot.seq_id] == 1 + 6 and e.cells.runs[b.slot.seq_id] == 6
+        e.cells.COMPACT_RUNS = 4
         e.step([Feed(a, a.tokens[-1:], True), Feed(b, b.tokens[-1:], True)])
-        assert e.compactions == 1 and e._runs[a.slot.seq_id] == 2 and e._runs[b.slot.seq_id] == 2
+        assert e.cells.compactions == 1 and e.cells.runs[a.slot.seq_id] == 2 and e.cells.runs[b.slot.seq_id] == 2
     finally:
         e.unload()

@@ -44,7 +44,7 @@ def _load(path: str, max_batch: int = 4, settle: bool = False, **opts: str) -> L
     e = LlamaCppEngine(EngineConfig(max_batch=max_batch, options={"n_ctx": "512", **opts}))
     e.load(path, "tiny")
     if settle:  # what the engine loop does when the model is idle
-        background.settle(e)
+        background.settle(e.layout)
     return e
 
 
@@ -52,7 +52,7 @@ def _measured(path: str, **kw) -> dict:
     """The layout verdict of a load whose probe ran to its end (then unloaded)."""
     e = _load(path, settle=True, **kw)
     try:
-        assert not e.active and e.book.used() == 0 and e.kv_unified, "the probe left the pool as it served"
+        assert not e.active and e.cells.book.used() == 0 and e.kv_unified, "the probe left the pool as it served"
         return dict(e.info.extra["kv_layout"])
     finally:
         e.unload()
@@ -78,7 +78,7 @@ def test_serves_at_once_then_measured_when_idle_then_cached(gguf_path, auto):
         lay = e.info.extra["kv_layout"]
         assert lay["pending"] and lay["chosen"] == "unified" and e.kv_unified, "the safe default, no probe at load"
         assert _greedy(e, [e.tokenize("hello there")], 3)[0]
-        background.settle(e)
+        background.settle(e.layout)
         lay = e.info.extra["kv_layout"]
         assert lay["source"] == "measured" and not lay.get("cached") and not lay.get("pending")
         assert lay["unified_s"] > 0 and lay["streams_s"] > 0
@@ -90,7 +90,7 @@ def test_serves_at_once_then_measured_when_idle_then_cached(gguf_path, auto):
                    and lay["solo_streams_s"] <= layout.MARGIN * lay["solo_unified_s"])
         assert e.kv_unified and lay.get("next_load") == ("streams" if streams else None), lay
         assert e.info.extra["kv_unified"] is e.kv_unified and e.kv_shares_cells is e.kv_unified
-        assert not e.active and e.book.used() == 0, "the probe's sequences are gone"
+        assert not e.active and e.cells.book.used() == 0, "the probe's sequences are gone"
         tokens = _greedy(e, [e.tokenize("hello there"), e.tokenize("a longer prompt about engines")], 6)
         assert all(len(t) == 6 for t in tokens)
     finally:
@@ -101,7 +101,7 @@ def test_serves_at_once_then_measured_when_idle_then_cached(gguf_path, auto):
     try:
         assert again.info.extra["kv_layout"]["cached"] is True and not again.info.extra["kv_layout"].get("pending")
         assert again.kv_unified is (not streams)
-        assert again.idle_work(lambda: False) is None or again.kv_layout.get("adapt"), "nothing left to measure"
+        assert again.idle_work(lambda: False) is None or again.layout.verdicts.get("adapt"), "nothing left to measure"
     finally:
         again.unload()
     other = _load(gguf_path, max_batch=3)  # another setting the timing depends on: measured again
@@ -121,11 +121,11 @@ def test_a_request_interrupts_the_probe_which_leaves_the_engine_as_it_serves(ggu
             return len(calls) > 6  # a request arrives a few probe steps in
 
         assert e.idle_work(interrupted) == background.INTERRUPTED_RETRY_S
-        assert e.kv_layout["pending"] and e.kv_unified and not e.active and e.book.used() == 0
+        assert e.layout.verdicts["pending"] and e.kv_unified and not e.active and e.cells.book.used() == 0
         assert not list((auto / "probe").glob("llamacpp-layout-*.json")), "nothing concluded, nothing cached"
         assert _greedy(e, [e.tokenize("served meanwhile")], 3)[0]
-        background.settle(e)  # the next idle moment: it starts again and concludes
-        assert e.kv_layout["source"] == "measured" and cached_verdict(auto, "layout", False)
+        background.settle(e.layout)  # the next idle moment: it starts again and concludes
+        assert e.layout.verdicts["source"] == "measured" and cached_verdict(auto, "layout", False)
     finally:
         e.unload()
 
@@ -140,8 +140,8 @@ def test_a_disturbed_measurement_is_not_followed_and_waits_for_its_retry(gguf_pa
     forbid(layout, "_workload")  # the next start does not measure again before the retry time
     e = _load(gguf_path)
     try:
-        assert e.kv_layout["pending"] and e.kv_layout["attempts"] == 1
-        assert e.kv_layout["retry_at"] >= background.retry_at(1) - 60
+        assert e.layout.verdicts["pending"] and e.layout.verdicts["attempts"] == 1
+        assert e.layout.verdicts["retry_at"] >= background.retry_at(1) - 60
         wait = e.idle_work(lambda: False)
         assert wait is not None and wait > background.DISTURBED_RETRY_S[0] / 2
     finally:
@@ -164,7 +164,7 @@ def test_the_faster_layout_serves(gguf_path, auto, monkeypatch, faster):
     try:
         assert e.info.extra["kv_layout"]["chosen"] == faster
         assert e.kv_unified is (faster == "unified") and e.kv_shares_cells is e.kv_unified
-        L = e._L  # a unified pool is one sequence's whole context; streams are n_ctx cells each
+        L = e.lib  # a unified pool is one sequence's whole context; streams are n_ctx cells each
         assert L.llama_n_ctx_seq(e.ctx) == (L.llama_n_ctx(e.ctx) if faster == "unified" else 512)
         assert (e.n_cache_seqs > 0) is (faster == "unified")
         assert (e.kv_room() is None) is (faster == "streams")
@@ -235,8 +235,9 @@ def test_a_failing_probe_costs_the_choice_not_the_load(gguf_path, auto, monkeypa
     e = _load(gguf_path, settle=True)
     try:
         assert e.kv_unified and "probe broke" in e.info.extra["kv_layout"]["source"]
-        assert not e.kv_layout.get("pending") and e.idle_work(lambda: False) in (None, background.INTERRUPTED_RETRY_S)
-        assert not e.active and e.book.used() == 0, "a fresh context: nothing of the probe is left"
+        assert not e.layout.verdicts.get("pending")
+        assert e.idle_work(lambda: False) in (None, background.INTERRUPTED_RETRY_S)
+        assert not e.active and e.cells.book.used() == 0, "a fresh context: nothing of the probe is left"
         assert _greedy(e, [e.tokenize("still serves")], 3)[0]
     finally:
         e.unload()

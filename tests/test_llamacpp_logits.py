@@ -409,7 +409,7 @@ def test_the_greedy_argmax_is_llama_cpps_own_pick(engine):
     try:
         engine.step([Feed(seq, list(seq.tokens), True)])
         idx = len(seq.tokens) - 1  # the feed's last batch position: its logits stay until the next decode
-        row = logits_row(engine._L, engine.ctx, idx, engine.n_vocab)
+        row = logits_row(engine.lib, engine.ctx, idx, engine.n_vocab)
         raw = row.copy()
         order = np.argsort(-raw, kind="stable")
         top, second, low = int(order[0]), int(order[1]), int(order[-1])
@@ -422,21 +422,21 @@ def test_the_greedy_argmax_is_llama_cpps_own_pick(engine):
                 assert chain.argmax is not None
                 fast = chain.sample(engine.ctx, idx)
                 assert np.array_equal(row, raw)  # the bias went back out of llama.cpp's buffer
-                assert fast == engine._L.llama_sampler_sample(chain.ptr, engine.ctx, idx), bias
+                assert fast == engine.lib.llama_sampler_sample(chain.ptr, engine.ctx, idx), bias
             finally:
                 chain.close()
         # within a mask (the constrained path sets forbidden logits to -inf in the row first)
         row[order[:50]] = -np.inf
         chain = SamplerChain(engine.n_vocab, SamplingParams(temperature=0.0, logit_bias={low: 2.0}))
         try:
-            assert chain.sample(engine.ctx, idx) == engine._L.llama_sampler_sample(chain.ptr, engine.ctx, idx)
+            assert chain.sample(engine.ctx, idx) == engine.lib.llama_sampler_sample(chain.ptr, engine.ctx, idx)
         finally:
             chain.close()
         # a NaN logit: llama.cpp's greedy decides (numpy's argmax would pick the NaN)
         row[int(order[60])] = np.nan
         chain = SamplerChain(engine.n_vocab, SamplingParams(temperature=0.0))
         try:
-            assert chain.sample(engine.ctx, idx) == engine._L.llama_sampler_sample(chain.ptr, engine.ctx, idx)
+            assert chain.sample(engine.ctx, idx) == engine.lib.llama_sampler_sample(chain.ptr, engine.ctx, idx)
             assert chain.sample(engine.ctx, idx) != int(order[60])
         finally:
             chain.close()

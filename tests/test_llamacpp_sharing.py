@@ -269,7 +269,7 @@ def test_idle_entries_move_to_ram_and_still_hit(gguf_path):
         assert other.n_cached == len(prompts[2])
         e.step([Feed(other, other.tokens[other.n_cached:], True)])  # decoding starts: idle entries leave the pool
         e.remove_sequence(other)
-        assert e.demoted == 2
+        assert e.cells.demoted == 2
         assert [h.cells for h in handles] == [0, 0, len(prompts[2])]
         assert e.kv_room() == e.kv_cells - len(prompts[2])
         out = {}

@@ -160,7 +160,7 @@ def test_adapter_logits_equal_the_merged_model(files):
             s = Sequence(1, toks, SamplingParams(temperature=0.0, adapter=adapter))
             e.add_sequence(s)
             e.step([Feed(s, toks, True)])
-            return logits_row(e._L, e.ctx, len(toks) - 1, e.n_vocab).astype(np.float64)
+            return logits_row(e.lib, e.ctx, len(toks) - 1, e.n_vocab).astype(np.float64)
         finally:
             e.unload()
 

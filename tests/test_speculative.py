@@ -169,7 +169,7 @@ def test_a_failing_draft_costs_speed_not_requests(models):
     def broken(*args, **kwargs):
         raise RuntimeError("the draft model's decode failed")
 
-    e.drafter.propose = broken  # e.g. its KV full: every step decodes without a draft
+    e.spec.drafter.propose = broken  # e.g. its KV full: every step decodes without a draft
     assert generate(e, [PROMPTS[1]], 12)[0] == want
     assert e.draft_stats()["proposed"] == 0
     e.unload()

@@ -16,7 +16,12 @@ shared prefixes are what the pool does best), and the first prompt of the new on
 in the pool. A stream that would overflow (a sequence grows past its cells, a long prompt arrives) moves every running
 sequence into a new unified context at once (``llama_state_seq`` snapshots, copied back to the same sequence ids:
 the KV, hence the text, is unchanged) and the period goes on there. A switch costs a context build (about 0.2 s for
-that model) plus the copies; idle prefix-cache entries leave the pool for RAM snapshots first (:meth:`_demote_idle`).
+that model) plus the copies; idle prefix-cache entries leave the pool for RAM snapshots first
+(:meth:`.kvcache.KVCells.demote_idle`).
+
+:class:`AdaptiveLayout` is the engine's ``layout`` part: the verdicts of both probes (``verdicts``, shown as
+``kv_layout``), the policy (``policy``, None while off) and the switch (:meth:`AdaptiveLayout.relayout`). It asks the
+engine (:class:`LayoutHost`) for a new context and the KV cells part for the copies.
 
 Whether streams pay for short traffic on this host is measured while the model is idle (:func:`probe` from
 :mod:`.background`; cached like the layout's verdict, off until then): ``max_batch`` sequences of ``PREFIX`` cells
@@ -29,13 +34,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from octo.engine import Feed, SamplingParams, Sequence
+from octo.engine import Feed, ModelInfo, SamplingParams, Sequence
+from octo.errors import EngineError
 
 from . import layout
 from .background import check as _check
 from .background import retry_at as _retry
+from .kvcache import KVCells
 
 log = logging.getLogger("octo.engines.llamacpp")
 
@@ -48,7 +55,7 @@ VERSION = 2  # of the probe (part of its cache key)
 
 
 class Adaptive:
-    """The switching policy and its counters (the engine switches: :meth:`AdaptiveLayout._relayout`)."""
+    """The switching policy and its counters (the switch itself: :meth:`AdaptiveLayout.relayout`)."""
 
     def __init__(self, cells: int, verdict: dict[str, Any]) -> None:
         self.cells = cells
@@ -146,7 +153,7 @@ def measure(engine: Any, cells: int, attempts: int = 0) -> tuple[Adaptive | None
         return None, {"source": f"probe failed ({type(exc).__name__}: {exc})", "pays": False}
     finally:
         drop_leftovers(engine, before)
-        engine._relayout(True)
+        engine.layout.relayout(True)
     conditions = mon.stop()
     verdict["disturbed"] = conditions["disturbed"]
     log.debug("llamacpp: short traffic in streams: %s (a step: pool %.4f s, streams %.4f s%s)",
@@ -176,7 +183,7 @@ def probe(engine: Any, cells: int) -> dict[str, Any]:
     snaps: dict[bool, Any] = {}  # the prefix, computed once in each layout
     for rep in range(REPS):
         for unified in (True, False) if rep % 2 == 0 else (False, True):
-            engine._relayout(unified, cells)
+            engine.layout.relayout(unified, cells)
             if unified not in snaps:
                 snaps[unified] = _prefix(engine, [(13 * i + 7) % vocab for i in range(prefix + 1)], prefix)
             snap = snaps[unified]
@@ -217,7 +224,7 @@ def _prefix(engine: Any, tokens: list[int], prefix: int) -> Any:
             part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + min(engine.prefill_chunk,
                                                                               layout.PREFIX_STEP))]
             _check(engine.step([Feed(lead, part, False)]))
-        snap = engine._snapshot(lead)
+        snap = engine.cells.snapshot(lead)
     finally:
         engine.remove_sequence(lead)
     if snap is None:
@@ -225,36 +232,51 @@ def _prefix(engine: Any, tokens: list[int], prefix: int) -> Any:
     return snap
 
 
+class LayoutHost(Protocol):
+    """What :class:`AdaptiveLayout` needs of the engine (the probes drive it through its public serving methods)."""
+
+    kv_unified: bool
+    kv_cells: int
+    stream_cells: int | None  # cells of each stream (None: the pool)
+    active: dict[int, Sequence]
+    n_ctx_opt: int
+    cell_bytes: int
+    info: ModelInfo | None
+    cells: KVCells
+
+    def rebuild_context(self, unified: bool, stream_cells: int | None) -> None:
+        """Serve from a new context of that layout; running sequences keep their slots (not their KV)."""
+
+
 class AdaptiveLayout:
-    """A mixin of :class:`.engine.LlamaCppEngine`: the layout switch itself and the engine's hooks into the policy."""
+    """The engine's KV layout part: verdicts, the short-traffic policy and the layout switch."""
 
-    adapt: Adaptive | None = None
+    def __init__(self, host: LayoutHost) -> None:
+        self.host = host
+        self.policy: Adaptive | None = None  # short traffic in streams (None: off)
+        self.verdicts: dict[str, Any] = {}  # how the layout was chosen, and the adaptation's verdict under "adapt"
 
-    def _choose_layout(self, pooling: int) -> None:
-        """The KV layout: the one given or cached, else the unified pool while the probes run when the model is idle
-        (:mod:`.background`)."""
-        n_ctx = self.n_ctx_opt
-        unified, self.kv_layout = layout.decide(self, n_ctx, self.cell_bytes)
-        if unified != self.kv_unified or not self.ctx:
-            self._build_context(pooling, n_ctx, unified)
-        self.adapt, verdict = setup(self, self.kv_cells)  # short traffic in streams of the same memory
+    def start(self, verdicts: dict[str, Any]) -> None:
+        """The load chose the layout (``verdicts``: how, :func:`.layout.decide`) and built its context: set up the
+        short-traffic policy from the pool's size."""
+        self.verdicts = verdicts
+        self.policy, verdict = setup(self.host, self.host.kv_cells)  # short traffic in streams of the same memory
         if verdict is not None:
-            self.kv_layout["adapt"] = verdict
+            verdicts["adapt"] = verdict
 
-    def idle_work(self, interrupted: Any) -> float | None:
-        from .background import run
-
-        return run(self, interrupted)
+    def describe(self) -> dict[str, Any]:
+        """``kv_layout`` of the model's info."""
+        return {"chosen": "unified" if self.host.kv_unified else "streams", **self.verdicts}
 
     def conclude_probe(self, kind: str) -> None:
         """Run the pending ``kind`` probe ("layout", "adapt") to its end and follow a verdict that concludes."""
-        lay = self.kv_layout
+        lay, host = self.verdicts, self.host
         if kind == "layout":
-            adapt, self.adapt = self.adapt, None  # the probe's switches are not the policy's
+            adapt, self.policy = self.policy, None  # the probe's switches are not the policy's
             try:
-                unified, verdict = layout.measure(self, self.n_ctx_opt, self.cell_bytes, lay.get("attempts", 0))
+                unified, verdict = layout.measure(host, host.n_ctx_opt, host.cell_bytes, lay.get("attempts", 0))
             finally:
-                self.adapt = adapt
+                self.policy = adapt
             adapt_verdict = lay.get("adapt")
             if verdict.get("disturbed"):
                 lay.update(attempts=lay.get("attempts", 0) + 1, retry_at=_retry(lay.get("attempts", 0) + 1),
@@ -270,68 +292,86 @@ class AdaptiveLayout:
                      "streams, from the next load of this model")
         else:
             cells = lay["adapt"]["cells"]
-            self.adapt, lay["adapt"] = measure(self, cells, lay["adapt"].get("attempts", 0))
-        if self.info is not None:
-            self.info.extra["kv_layout"] = {"chosen": "unified" if self.kv_unified else "streams", **lay}
+            self.policy, lay["adapt"] = measure(host, cells, lay["adapt"].get("attempts", 0))
+        if host.info is not None:
+            host.info.extra["kv_layout"] = self.describe()
 
-    def _relayout(self, unified: bool, cells: int | None = None, forced: bool = False) -> None:
+    # -- the engine's hooks ----------------------------------------------------------------------------------
+    def before_add(self, seq: Sequence) -> None:
+        """Before ``seq`` takes a slot: the layout its busy period wants (or a stream it cannot fit)."""
+        host = self.host
+        want = self.policy.opening(len(host.active), len(seq.tokens), host.kv_unified)
+        if want is not None and want != host.kv_unified:
+            self.relayout(want, forced=bool(host.active))
+
+    def before_step(self, feeds: list[Feed], extra: int) -> None:
+        """Before a step (``extra``: the draft tokens a row may add): a sequence that would outgrow its stream moves
+        everything to the pool."""
+        if not self.host.kv_unified and self.policy.overflows(feeds, extra):
+            self.relayout(True, forced=True)
+
+    def added(self, n_active: int, n_prompt: int) -> None:
+        if self.policy is not None:
+            self.policy.added(n_active, n_prompt)
+
+    def removed(self, n_tokens: int, n_active: int) -> None:
+        if self.policy is not None:
+            self.policy.removed(n_tokens, n_active)
+
+    def reused(self, n_tokens: int) -> None:
+        if self.policy is not None:
+            self.policy.reused(n_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        """The live numbers of ``Engine.kv_stats`` (plain attributes: called from another thread)."""
+        adapt = self.policy
+        return {"adaptive": adapt is not None, "stream_cells": adapt.cells if adapt is not None else None,
+                "layout_switches": adapt.switches if adapt is not None else 0,
+                "forced_switches": adapt.forced if adapt is not None else 0}
+
+    # -- the switch --------------------------------------------------------------------------------------------
+    def relayout(self, unified: bool, cells: int | None = None, forced: bool = False) -> None:
         """Serve from a new context with the other layout (streams: of ``cells`` each, default the policy's), keeping
         every running sequence: its KV is copied out (``llama_state_seq_get_data``) and back into the same sequence
         id."""
-        if unified == self.kv_unified:
+        host = self.host
+        if unified == host.kv_unified:
             return
-        from octo.errors import EngineError
-
+        kv = host.cells
         t0 = time.perf_counter()
         snaps = []
-        for sid, seq in self.active.items():
+        for sid, seq in host.active.items():
             if seq.n_cached > 0:
-                snap = self._snapshot_id(sid, seq.n_cached)
+                snap = kv.snapshot_id(sid, seq.n_cached)
                 if snap is None:
                     raise EngineError(f"moving sequence {seq.id} to a new KV layout failed (no snapshot)")
                 snaps.append((sid, seq, snap))
-        if self._entries:  # cached entries leave the pool's cells for RAM snapshots (the new context has none)
-            self._demote_idle(bound=0)
-        keep = self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions
-        before = self.stream_cells  # the current context's (None: the pool)
+        if kv.entries:  # cached entries leave the pool's cells for RAM snapshots (the new context has none)
+            kv.demote_idle(bound=0)
+        before = host.stream_cells  # the current context's (None: the pool)
         if not unified and cells is None:
-            cells = self.adapt.cells
+            cells = self.policy.cells
         try:
-            self._rebuild(unified, cells, keep, snaps)
+            self._rebuild(unified, cells, snaps)
         except Exception as exc:  # (a context it cannot build): back to the one it had, and no more switching
-            self._rebuild(not unified, before, keep, snaps)
+            self._rebuild(not unified, before, snaps)
             log.warning("llamacpp: switching the KV layout failed (%s: %s); staying with the %s", type(exc).__name__,
                         exc, "streams" if unified else "unified pool")
-            self.adapt = None
+            self.policy = None
             if forced:
                 raise EngineError(f"a sequence outgrew its KV stream and the unified pool could not be built: {exc}") \
                     from exc
             return
-        if self.adapt is not None:
-            self.adapt.switches += 1
-            self.adapt.forced += forced
+        if self.policy is not None:
+            self.policy.switches += 1
+            self.policy.forced += forced
             log.info("llamacpp: KV layout now %s (%s%d running sequences moved, %.3f s)",
                      "the unified pool" if unified else f"streams of {cells} cells",
                      "forced: a sequence outgrew its stream; " if forced else "", len(snaps), time.perf_counter() - t0)
 
-    def _rebuild(self, unified: bool, cells: int | None, keep: tuple, snaps: list) -> None:
-        from octo.errors import EngineError
-
-        self._build_context(self._pooling, self.n_ctx_opt, unified, stream_cells=None if unified else cells)
-        self.active, self.free_ids, self.n_ctx_seq, self.demoted, self.compactions = keep
+    def _rebuild(self, unified: bool, cells: int | None, snaps: list) -> None:
+        self.host.rebuild_context(unified, None if unified else cells)
+        kv = self.host.cells
         for sid, seq, snap in snaps:
-            buf, size = snap.data
-            if not self._set_state(buf, size, sid):
+            if not kv.put_back(sid, snap, seq.n_cached):
                 raise EngineError(f"moving sequence {seq.id} ({seq.n_cached} tokens) to a new KV layout failed")
-            self.book.append(sid, seq.n_cached)
-
-    def _adapt_add(self, seq: Sequence) -> None:
-        """Before ``seq`` takes a slot: the layout its busy period wants (or a stream it cannot fit)."""
-        want = self.adapt.opening(len(self.active), len(seq.tokens), self.kv_unified)
-        if want is not None and want != self.kv_unified:
-            self._relayout(want, forced=bool(self.active))
-
-    def _adapt_step(self, feeds: list[Feed]) -> None:
-        """Before a step: a sequence that would outgrow its stream moves everything to the pool."""
-        if not self.kv_unified and self.adapt.overflows(feeds, self.n_draft if self.drafter is not None else 0):
-            self._relayout(True, forced=True)

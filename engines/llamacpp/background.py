@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger("octo.engines.llamacpp")
 
@@ -63,10 +63,18 @@ def pending(verdict: dict[str, Any] | None) -> bool:
     return bool(verdict and verdict.get("pending"))
 
 
-def run(engine: Any, interrupted: Any) -> float | None:
-    """``Engine.idle_work`` of the llama.cpp engine: the due probes, in order (the layout, then short traffic).
-    Returns None when none is left, else the idleness to wait before the next call."""
-    lay = engine.kv_layout
+class Probed(Protocol):
+    """What :func:`run` drives: the engine's layout part (:class:`.adapt.AdaptiveLayout`)."""
+
+    verdicts: dict[str, Any]  # "pending" marks a probe to run (the layout's; the adaptation's under "adapt")
+
+    def conclude_probe(self, kind: str) -> None: ...
+
+
+def run(part: Probed, interrupted: Any) -> float | None:
+    """``Engine.idle_work`` of the llama.cpp engine: the due probes of its layout ``part``, in order (the layout, then
+    short traffic). Returns None when none is left, else the idleness to wait before the next call."""
+    lay = part.verdicts
     waits = []
     for kind in ("layout", "adapt"):
         verdict = lay if kind == "layout" else lay.get("adapt")
@@ -78,7 +86,7 @@ def run(engine: Any, interrupted: Any) -> float | None:
             continue
         _state.interrupted = interrupted
         try:
-            engine.conclude_probe(kind)
+            part.conclude_probe(kind)
         except ProbeInterrupted:
             log.debug("llamacpp: the %s probe stopped for a request; it goes on at the next idle moment", kind)
             return INTERRUPTED_RETRY_S
@@ -89,12 +97,12 @@ def run(engine: Any, interrupted: Any) -> float | None:
     return max(1.0, min(waits)) if waits else None
 
 
-def settle(engine: Any) -> None:
-    """Run every pending probe to its end now, whatever its retry time (tests, benchmarks)."""
-    for verdict in (engine.kv_layout, engine.kv_layout.get("adapt")):
+def settle(part: Probed) -> None:
+    """Run every pending probe of the layout ``part`` to its end now, whatever its retry time (tests, benchmarks)."""
+    for verdict in (part.verdicts, part.verdicts.get("adapt")):
         if pending(verdict):
             verdict["retry_at"] = 0.0
-    while run(engine, lambda: False) is not None:
-        for verdict in (engine.kv_layout, engine.kv_layout.get("adapt")):
+    while run(part, lambda: False) is not None:
+        for verdict in (part.verdicts, part.verdicts.get("adapt")):
             if pending(verdict):
                 return  # disturbed: recorded for later

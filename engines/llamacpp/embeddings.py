@@ -15,7 +15,7 @@ def embed_texts(engine: Any, texts: list[str]) -> Embeddings:
     """Embeddings of ``texts`` on a loaded embedding model (``engine.is_embedding``)."""
     import numpy as np
 
-    L = engine._L
+    L = engine.lib
     inputs = [engine.tokenize(t, special=False) for t in texts]
     limit = min(engine.n_ctx_seq, engine.n_batch)
     for i, toks in enumerate(inputs):

@@ -19,6 +19,15 @@ KV-cache type (``-o cache_type=f16|q8_0|q4_0``): ``type_k``/``type_v`` of the co
 attention on (llama.cpp reads a quantized V only there). LoRA adapters (``-o lora``, what ``--lora`` passes): loaded
 with the model; llama.cpp's adapter set is per context, so a step mixing adapters runs one decode per adapter
 (:mod:`.lora`).
+
+The engine holds the slots (sequence ids, sampler chains), the serving context and the decode loop; three parts it
+holds own the rest, each with its own state, and reach the engine only through a small protocol of public names:
+
+* ``cells`` (:class:`.kvcache.KVCells`): the KV cells of the context: the cell book, preemption, prefix sharing, the
+  prefix cache and compaction;
+* ``layout`` (:class:`.adapt.AdaptiveLayout`): how the KV layout was chosen, the probes that choose it while the model
+  is idle (:mod:`.layout`, :mod:`.background`), the short-traffic policy and the switch between layouts;
+* ``spec`` (:class:`.speculate.Speculation`, None without ``-o draft``): the draft model, drafting and verification.
 """
 
 from __future__ import annotations
@@ -40,21 +49,18 @@ from octo.engine import (
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
-from . import layout, lora
+from . import background, context, layout, loading, lora
 from . import logits as lg
 from .adapt import AdaptiveLayout
-from .cells import CellBook
 from .embeddings import embed_texts
 from .kvcache import KVCells, Slot
-from .native import CACHE_TYPES, GGUF_MAGIC, Batch, LogTap, check_gguf, parse_options, physical_cores, read_metadata
+from .native import CACHE_TYPES, GGUF_MAGIC, Batch, LogTap, parse_options, physical_cores, read_metadata
 from .sampling import SamplerChain
 from .speculate import Speculation
 from .template import ChatTemplate
 
 log = logging.getLogger("octo.engines.llamacpp")
 
-POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-FLASH = {"auto": -1, "off": 0, "on": 1}
 # A GGUF without a chat template gets ChatML, as llama-server does.
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
@@ -62,7 +68,7 @@ CHATML = (
 )
 
 
-class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
+class LlamaCppEngine(Engine):
     name: ClassVar[str] = "llamacpp"
     aliases: ClassVar[tuple[str, ...]] = ("llama.cpp", "llama-cpp", "llama_cpp")
     tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
@@ -89,8 +95,12 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
             raise ConfigError("max_batch must be >= 1", param="max_batch")
         self.prefill_chunk = self.opts.get("prefill_chunk", type(self).prefill_chunk)
         self.model = self.ctx = self.mem = self.vocab = None
-        self._L: Any = None
+        self.lib: Any = None  # the llama_cpp module (imported at load)
         self.adapters: lora.Adapters | None = None
+        self.active: dict[int, Sequence] = {}  # running sequences by llama.cpp sequence id
+        self.cells = KVCells(self)
+        self.layout = AdaptiveLayout(self)
+        self.spec: Speculation | None = None
 
     # -- discovery ---------------------------------------------------------------------------------
     @classmethod
@@ -125,26 +135,8 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
     def load(self, artifact: str, name: str) -> ModelInfo:
         import llama_cpp as L
 
-        self._L = L
-        path = check_gguf(artifact)
-        self.artifact_path = str(path)
-        LogTap.install()
-        L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        if "n_gpu_layers" in self.opts:  # else llama.cpp's default: everything on a GPU backend if there is one
-            mp.n_gpu_layers = self.opts["n_gpu_layers"]
-        mp.use_mmap = self.opts.get("use_mmap", True)
-        mp.use_extra_bufts = self.repack = self._repack(L.__version__)
-        LogTap.recent.clear()
-        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
-        if not self.model:
-            raise ConfigError(
-                f"llama.cpp could not load {artifact} (corrupt or truncated GGUF, or an "
-                f"unsupported architecture): {LogTap.tail() or 'no details'}"
-            )
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.metadata = read_metadata(L, self.model)
+        self.lib = L
+        self._load_model(artifact)
         arch = self.metadata.get("general.architecture", "?")
         pooling = int(self.metadata.get(f"{arch}.pooling_type", "-1"))
         self.is_embedding = pooling > 0
@@ -174,13 +166,19 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
             self.gguf_template or CHATML, self._text(self.bos), self._text(L.llama_vocab_eos(self.vocab))
         )
         try:
-            self._choose_layout(pooling)
+            # the KV layout: the one given or cached, else the unified pool while the probes run when the model is
+            # idle (.background)
+            unified, verdicts = layout.decide(self, self.n_ctx_opt, self.cell_bytes)
+            if unified != self.kv_unified or not self.ctx:
+                self._build_context(pooling, self.n_ctx_opt, unified)
+            self.layout.start(verdicts)
             if self.opts.get("draft"):
-                self._load_draft(L)
+                self.spec = Speculation.load(L, self.opts, self.vocab, eog, max_batch=self.config.max_batch,
+                                             n_ctx=self.n_ctx_seq, n_threads=self.n_threads, repack=self.repack,
+                                             n_batch=self.n_batch)
         except BaseException:
             self.unload()
             raise
-        ftype = L.llama_ftype_name(L.llama_model_ftype(self.model))
         self.info = ModelInfo(
             name=name,
             n_ctx=self.n_ctx_seq,
@@ -188,55 +186,20 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
             n_vocab=self.n_vocab,
             embedding_dim=L.llama_model_n_embd_out(self.model) if self.is_embedding else 0,
             tasks=frozenset({Task.EMBEDDINGS}) if self.is_embedding else frozenset({Task.CHAT, Task.COMPLETION}),
-            extra={
-                "backend": f"llama-cpp-python {L.__version__}",
-                "architecture": arch,
-                "file_type": ftype.decode() if ftype else self.metadata.get("general.file_type"),
-                "n_params": L.llama_model_n_params(self.model),
-                "size_bytes": L.llama_model_size(self.model),
-                "threads": self.n_threads,
-                "threads_batch": self.n_threads_batch,
-                "n_ctx_train": L.llama_model_n_ctx_train(self.model),
-                "n_ctx_per_seq": self.n_ctx_seq,
-                "kv_cells": L.llama_n_ctx(self.ctx),
-                "kv_unified": self.kv_unified,
-                "kv_compact": self.compact and self.kv_unified,
-                "kv_layout": {"chosen": "unified" if self.kv_unified else "streams", **self.kv_layout},
-                "n_seq_max": L.llama_n_seq_max(self.ctx),
-                "n_batch": self.n_batch,
-                "n_ubatch": L.llama_n_ubatch(self.ctx),
-                "prefill_chunk": self.prefill_chunk,
-                "flash_attn": self.flash_attn,
-                "cache_type": self.cache_type,
-                "kv_bytes_per_token": self.cell_bytes,
-                "lora": self.adapters.describe() if self.adapters else None,
-                "draft": ({"model": self.opts["draft"], "n_draft": self.n_draft, "max_batch": self.draft_max_batch}
-                          if self.drafter is not None else None),
-                "tasks": ["embeddings"] if self.is_embedding else ["chat", "completion"],
-                "pooling": POOLING_NAMES.get(pooling, "none") if self.is_embedding else None,
-                "chat_template": self.template_source,
-                "cache_seqs": self.n_cache_seqs,
-                "prefix_cache": (f"shared cells of the unified pool ({self.n_cache_seqs} entries), RAM snapshots "
-                                 "beyond" if self.n_cache_seqs else "llama_state_seq snapshots in RAM"),
-                "repack": self.repack,
-                "repack_source": self.repack_source,
-            },
+            extra=loading.describe(self, arch, pooling),
         )
         return self.info
 
-    def _repack(self, version: str) -> bool:
-        """Weight repacking (the fast path) unless the user said no, or this host's probe crashed with it."""
-        choice = self.opts.get("repack", "auto")
-        if choice != "auto":
-            self.repack_source = "option"
-            return choice == "true"
-        from .probe import repack_safe
-
-        self.repack_source = "probe"
-        return repack_safe(version)
+    def _load_model(self, artifact: str) -> None:
+        self.artifact_path, self.model, self.repack, self.repack_source = loading.load_model(self.lib, artifact,
+                                                                                             self.opts)
+        L = self.lib
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.metadata = read_metadata(L, self.model)
 
     def _make_context(self, pooling: int) -> None:
-        L = self._L
+        L = self.lib
         n_ctx_train = L.llama_model_n_ctx_train(self.model)
         n_ctx = self.opts.get("n_ctx", n_ctx_train)
         self.n_threads = self.opts.get("n_threads", physical_cores())
@@ -245,94 +208,50 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
         head_dim = L.llama_model_n_embd(self.model) // max(1, L.llama_model_n_head(self.model))
         self.cell_bytes = round(L.llama_model_n_layer(self.model) * 2 * L.llama_model_n_head_kv(self.model) * head_dim
                                 * CACHE_TYPES[self.cache_type])
-        self.n_ctx_opt, self._pooling, self.adapt = n_ctx, pooling, None
+        self.n_ctx_opt, self.pooling = n_ctx, pooling
         self.plain_kv = not (L.llama_model_n_swa(self.model) or L.llama_model_is_recurrent(self.model)
                              or L.llama_model_is_hybrid(self.model))  # one KV cache: .kvcache.restream applies
+        self.free_ids = list(range(self.config.max_batch))  # add_sequence takes the lowest
+        self.active = {}
+        self.cells = KVCells(self)
+        self.layout = AdaptiveLayout(self)
         self._build_context(pooling, n_ctx, (layout.given(self) or (True, None))[0])  # measured after the load
 
     def _build_context(self, pooling: int, n_ctx: int, unified: bool, stream_cells: int | None = None) -> None:
         """The serving context with a KV layout (freeing one built before: the layout probe builds both); streams of
         ``stream_cells`` each (default ``n_ctx``: :mod:`.adapt` runs short traffic in smaller ones)."""
-        L = self._L
+        L = self.lib
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = self.mem = None
-        n_ctx_train = L.llama_model_n_ctx_train(self.model)
         self.kv_unified = unified
         if self.adapters is not None:
             self.adapters.active = None  # a new context has no adapter set
         max_batch = self.config.max_batch
-        if max_batch > L.llama_max_parallel_sequences():
-            raise ConfigError(
-                f"max_batch {max_batch} exceeds llama.cpp's {L.llama_max_parallel_sequences()} parallel sequences",
-                param="max_batch",
-            )
-        cp = L.llama_context_default_params()
-        if self.is_embedding:  # a whole input must fit one micro-batch (non-causal attention needs it)
-            self.n_batch = self.opts.get("n_batch", n_ctx)
-            cp.n_ubatch = self.opts.get("n_ubatch", self.n_batch)
-            cp.embeddings = True
-            cp.pooling_type = pooling
-        else:
-            self.n_batch = self.opts.get("n_batch", max(512, max_batch + self.prefill_chunk))
-            cp.n_ubatch = self.opts.get("n_ubatch", min(self.n_batch, 512))
-        if self.n_batch < max_batch + self.prefill_chunk and not self.is_embedding:
-            raise ConfigError(
-                f"n_batch ({self.n_batch}) must hold max_batch + prefill_chunk ({max_batch} + {self.prefill_chunk})",
-                param="n_batch",
-            )
-        # Unified: one pool of KV cells shared by all sequences, each of which may grow to n_ctx; by default
-        # room for max_batch full sequences, capped at the model's trained context (or n_ctx if larger).
-        # Separate streams: each sequence gets n_ctx cells of its own.
-        if self.kv_unified:
-            cells = self.opts.get("kv_cells", min(n_ctx * max_batch, max(n_ctx_train, n_ctx)))
-            if cells < n_ctx:
-                raise ConfigError(f"kv_cells ({cells}) must be >= n_ctx ({n_ctx})", param="kv_cells")
-        else:
-            if "kv_cells" in self.opts:
-                raise ConfigError("kv_cells applies to a unified KV pool (kv_unified=true)", param="kv_cells")
-            cells = (stream_cells or n_ctx) * max_batch
-        self.stream_cells = None if self.kv_unified else (stream_cells or n_ctx)  # cells a sequence's stream holds
-        # Prefix-cache entries as cells of their own sequence ids (unified pool only: across streams a copy would
-        # copy whole buffers).
-        n_cache = self.opts.get("cache_seqs", 16) if self.kv_unified and not self.is_embedding else 0
-        n_cache = max(0, min(n_cache, L.llama_max_parallel_sequences() - max_batch))
-        cp.n_ctx = cells
-        cp.n_batch = self.n_batch
-        cp.n_seq_max = max_batch + n_cache
-        cp.kv_unified = self.kv_unified
-        cp.n_threads = self.n_threads
-        cp.n_threads_batch = self.n_threads_batch
-        # KV cache type (K and V alike): llama.cpp reads a quantized V cache only inside flash attention, so a
-        # quantized cache turns flash attention on (an explicit flash_attn=off with one is refused)
-        self.flash_attn = self.opts.get("flash_attn", "auto")
-        if self.cache_type in ("q8_0", "q4_0"):
-            if self.flash_attn == "off":
-                raise ConfigError(f"cache_type={self.cache_type} needs flash attention (llama.cpp reads a quantized "
-                                  "V cache only there); drop flash_attn=off", param="cache_type")
-            self.flash_attn = "on"
-        cp.type_k = cp.type_v = getattr(L, f"GGML_TYPE_{self.cache_type.upper()}")
-        cp.flash_attn_type = FLASH[self.flash_attn]
-        cp.no_perf = True
+        p = context.plan(L, self.model, self.opts, is_embedding=self.is_embedding, pooling=pooling,
+                         max_batch=max_batch, prefill_chunk=self.prefill_chunk, n_ctx=n_ctx, unified=unified,
+                         stream_cells=stream_cells, n_threads=self.n_threads, n_threads_batch=self.n_threads_batch,
+                         cache_type=self.cache_type)
+        self.n_batch, self.stream_cells, self.n_cache_seqs, self.flash_attn = (p.n_batch, p.stream_cells, p.n_cache,
+                                                                               p.flash_attn)
         LogTap.recent.clear()
-        self.ctx = L.llama_init_from_model(self.model, cp)
+        self.ctx = L.llama_init_from_model(self.model, p.params)
         if not self.ctx:
             raise ConfigError(f"llama.cpp could not create a context (n_ctx={n_ctx}, cache_type={self.cache_type}): "
                               f"{LogTap.tail()}")
         self.mem = L.llama_get_memory(self.ctx)
         self.n_ctx_seq = min(n_ctx, L.llama_n_ctx_seq(self.ctx))
         self.batch = Batch(self.n_batch)
-        self.free_ids = list(range(max_batch))  # add_sequence takes the lowest
-        self.cache_ids = list(range(max_batch + n_cache - 1, max_batch - 1, -1))
-        self.n_cache_seqs = n_cache
-        self._entries: dict[int, KVHandle] = {}  # cache sequence id -> its handle, oldest first
-        self.demoted = 0
-        self._members_changed = False  # sequences came or went since the last step's idle check
-        self.book = CellBook()
-        self._reset_compaction(self.opts.get("kv_compact", True))
-        self.active: dict[int, Sequence] = {}
+        self.cells.reset(p.n_cache, max_batch, self.opts.get("kv_compact", True))
         self.kv_cells = L.llama_n_ctx(self.ctx)
         self.kv_shares_cells = self.kv_unified
+
+    def rebuild_context(self, unified: bool, stream_cells: int | None) -> None:
+        """A new serving context in another layout (:meth:`.adapt.AdaptiveLayout.relayout`, which moves the running
+        sequences' KV): the slots and the context a sequence may grow to stay as they were."""
+        n_ctx_seq = self.n_ctx_seq
+        self._build_context(self.pooling, self.n_ctx_opt, unified, stream_cells)
+        self.n_ctx_seq = n_ctx_seq
 
     def thread_counts(self) -> list[int]:
         """Current threads first, then one fewer: on a busy 2-core host 1 thread can beat 2 (issue 3)."""
@@ -342,15 +261,17 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
 
     def set_threads(self, n: int) -> None:
         self.n_threads = self.n_threads_batch = n
-        self._L.llama_set_n_threads(self.ctx, n, n)
-        if self.drafter is not None:
-            self._L.llama_set_n_threads(self.drafter.ctx, n, n)
+        self.lib.llama_set_n_threads(self.ctx, n, n)
+        if self.spec is not None:
+            self.spec.set_threads(self.lib, n)
         if self.info is not None:
             self.info.extra.update(threads=n, threads_batch=n)
 
     def unload(self) -> None:
-        L = self._L
-        self._close_draft()
+        L = self.lib
+        if self.spec is not None:
+            self.spec.close()
+            self.spec = None
         if L is not None:
             if self.ctx:
                 L.llama_free(self.ctx)
@@ -360,17 +281,24 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
         self.adapters = None  # llama.cpp frees a model's adapters with it
         super().unload()
 
+    def idle_work(self, interrupted: Any) -> float | None:
+        return background.run(self.layout, interrupted)
+
+    def draft_stats(self) -> dict[str, Any] | None:
+        """Draft tokens proposed and accepted so far (None without a draft model)."""
+        return self.spec.stats() if self.spec is not None else None
+
     # -- text --------------------------------------------------------------------------------------
     def _text(self, token: int) -> str | None:
         if token < 0:
             return None
-        raw = self._L.llama_vocab_get_text(self.vocab, token)
+        raw = self.lib.llama_vocab_get_text(self.vocab, token)
         return raw.decode("utf-8", "replace") if raw else None
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """llama.cpp's tokenizer (``llama_tokenize``) with the model's BOS/EOS rule; no doubled BOS when the
         text (e.g. a rendered chat template) already starts with it."""
-        L = self._L
+        L = self.lib
         data = text.encode("utf-8")
         n = L.llama_tokenize(self.vocab, data, len(data), self._tok_buf, len(self._tok_buf), True, special)
         if n < 0:
@@ -385,10 +313,10 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
         piece = self._pieces.get(token)
         if piece is None:
             buf = self._piece_buf
-            n = self._L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = self._L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+                n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
             piece = self._pieces[token] = buf.raw[:n]
         return piece
 
@@ -403,7 +331,7 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
     def special_tokens(self) -> dict[str, int]:
         """Control and user-defined tokens by their text (llama.cpp's token attributes; the first id of a text)."""
         if self._special is None:
-            L = self._L
+            L = self.lib
             flags = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
             found: dict[str, int] = {}
             for t in range(self.n_vocab):
@@ -427,11 +355,11 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
             )
         if not self.free_ids:
             raise EngineError(f"All {self.config.max_batch} llama.cpp sequence slots are in use.")
-        if self.adapt is not None:
-            self._adapt_add(seq)
+        if self.layout.policy is not None:
+            self.layout.before_add(seq)
         if self.kv_unified:  # the shared pool must hold this prompt next to the running sequences (the prefix it
-            used = self.book.used()  # may share with one of them or a cached entry in the pool takes no new cell)
-            if used + len(seq.tokens) + 1 - self._shareable(seq.tokens, seq.sampling.adapter) > self.kv_cells:
+            used = self.cells.book.used()  # may share with one of them or a cached entry in the pool takes no new cell)
+            if used + len(seq.tokens) + 1 - self.cells.shareable(seq.tokens, seq.sampling.adapter) > self.kv_cells:
                 raise Overloaded(
                     f"The KV cache is full ({used} of {self.kv_cells} cells in use by {len(self.active)} "
                     f"sequences); retry shortly.",
@@ -445,25 +373,22 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
         chain = SamplerChain(self.n_vocab, seq.sampling, self.penalty_last_n, seq.tokens)
         seq_id = min(self.free_ids)  # the lowest: in streams, a step's sequences form few runs of consecutive ids
         self.free_ids.remove(seq_id)
-        self._seq_rm(seq_id, 0)
-        self._members_changed = True
+        self.cells.join(seq_id)
         seq.slot = Slot(seq_id, chain)
         seq.n_cached = 0
         self.active[seq_id] = seq
-        self._runs[seq_id] = 0
-        if self.adapt is not None:
-            self.adapt.added(len(self.active), len(seq.tokens))
+        self.layout.added(len(self.active), len(seq.tokens))
 
     def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         if not feeds:
             return []
-        if self.adapt is not None:
-            self._adapt_step(feeds)
-        if self._members_changed and self._entries:  # decoding now: idle cached cells would be scanned every row
-            self._members_changed = False
-            self._demote_idle()
-        if self.kv_unified and self.compact:
-            self._compact_scattered()
+        if self.layout.policy is not None:
+            self.layout.before_step(feeds, self.spec.n_draft if self.spec is not None else 0)
+        cells = self.cells
+        if cells.members_changed and cells.entries:  # decoding now: idle cached cells would be scanned every row
+            cells.demote_after_change()
+        if self.kv_unified and cells.compact:
+            cells.compact_scattered()
         if self.adapters is None:
             return self._decode(feeds)
         parts = lora.groups(feeds)  # llama.cpp's adapter set is per context: one decode per adapter (.lora)
@@ -481,7 +406,7 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
                 # tokens come again after the preemption; a penalties sampler keeps one extra accepted token)
                 for f in done:
                     f.seq.n_cached -= len(f.tokens)
-                    self._seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
+                    cells.seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
                 raise
             done += group
             for i, r in zip(idx, res, strict=True):
@@ -489,7 +414,8 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
         return out
 
     def _decode(self, feeds: list[Feed]) -> list[int | list[int] | BaseException | None]:
-        drafts = self._drafts(feeds) if self.drafter is not None else None
+        spec = self.spec
+        drafts = spec.drafts(feeds, self.batch.capacity, self.n_ctx_seq, self.kv_room) if spec is not None else None
         if drafts is not None:
             try:
                 return self._run(feeds, drafts)
@@ -512,7 +438,7 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
 
     def _run_batch(self, feeds: list[Feed],
                    drafts: list[list[int]] | None) -> list[int | list[int] | BaseException | None]:
-        b = self.batch
+        b, L, ctx, cells = self.batch, self.lib, self.ctx, self.cells
         n = 0
         starts: list[int] = []  # each feed's first batch position
         for i, f in enumerate(feeds):
@@ -538,62 +464,120 @@ class LlamaCppEngine(AdaptiveLayout, Speculation, KVCells, Engine):
             starts.append(n)
             n += k + len(d)
         b.struct.n_tokens = n
-        rc = self._L.llama_decode(self.ctx, b.struct)
+        rc = L.llama_decode(ctx, b.struct)
         if rc != 0:
             self._decode_failed(rc, feeds)
         if self.kv_unified:
-            self._count_runs(feeds)
+            cells.count_runs(feeds)
         result: list[int | list[int] | BaseException | None] = []
-        append = self.book.append
+        append = cells.book.append
         for i, (f, start) in enumerate(zip(feeds, starts, strict=True)):
             seq, k = f.seq, len(f.tokens)
             if f.prompt_logprobs >= 0:  # before the mask touches the last row
-                f.prompt_out = lg.prompt_entries(self._L, self.ctx, self.n_vocab, f, start, seq.n_cached)
+                f.prompt_out = lg.prompt_entries(L, ctx, self.n_vocab, f, start, seq.n_cached)
             d = drafts[i] if drafts is not None else ()
             seq.n_cached += k + len(d)
             append(seq.slot.seq_id, k + len(d))
             if d:
-                out = self._verify(f, start + k - 1, d)
+                out = self.spec.verify(f, ctx, start + k - 1, d)
                 if len(out) - 1 < len(d):  # the KV of rejected draft tokens goes
                     seq.n_cached -= len(d) - (len(out) - 1)
-                    self._seq_rm(seq.slot.seq_id, seq.n_cached)
+                    cells.seq_rm(seq.slot.seq_id, seq.n_cached)
                 result.append(out)
             elif not (f.sample and k):
                 result.append(None)
             elif f.mask is None and f.logprobs < 0:  # the plain path: the native chain alone
-                result.append(seq.slot.chain.sample(self.ctx, start + k - 1))
+                result.append(seq.slot.chain.sample(ctx, start + k - 1))
             else:
-                result.append(lg.sample(self._L, self.ctx, self.n_vocab, f, start + k - 1, self.penalty_last_n))
+                result.append(lg.sample(L, ctx, self.n_vocab, f, start + k - 1, self.penalty_last_n))
         return result
 
     def _decode_failed(self, rc: int, feeds: list[Feed]) -> None:
         if rc == 1:  # no KV slot: the memory state was restored, nothing was consumed (the scheduler preempts)
-            used = self.book.used()
+            used = self.cells.book.used()
             raise KVCacheFull(
                 f"llama.cpp's KV cache is full ({self.kv_cells} cells shared by {len(self.active)} "
                 f"sequences holding {used} tokens)."
             )
         # A fatal error may leave part of the batch in memory: drop what each sequence added.
         for f in feeds:
-            self._seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
+            self.cells.seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
         raise EngineError(f"llama_decode failed with code {rc}: {LogTap.tail()}")
 
     def remove_sequence(self, seq: Sequence) -> None:
         slot: Slot | None = seq.slot
         if slot is None:
             return
-        if self.adapt is not None:
-            self.adapt.removed(seq.n_cached, len(self.active) - (slot.seq_id in self.active))
-        self._seq_rm(slot.seq_id, 0)
+        self.layout.removed(seq.n_cached, len(self.active) - (slot.seq_id in self.active))
+        self.cells.leave(slot.seq_id)
         if slot.chain is not None:
             slot.chain.close()
         self.free_ids.append(slot.seq_id)
         self.active.pop(slot.seq_id, None)
-        self._runs.pop(slot.seq_id, None)
-        if self.drafter is not None:
-            self.drafter.drop(slot.seq_id)
+        if self.spec is not None:
+            self.spec.drop(slot.seq_id)
         seq.slot = None
-        self._members_changed = True
+
+    # -- KV (the cells part: .kvcache) -------------------------------------------------------------
+    def kv_stats(self) -> dict[str, Any] | None:
+        if self.is_embedding or not self.ctx:
+            return None
+        return {"layout": "unified" if self.kv_unified else "streams", "cells": self.kv_cells, **self.layout.stats(),
+                "compaction_passes": self.cells.compactions, "entries_moved_to_ram": self.cells.demoted}
+
+    def kv_room(self) -> int | None:
+        if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
+            return None
+        return self.kv_cells - self.cells.book.used()
+
+    def kv_drop(self, seq: Sequence) -> None:
+        self.cells.drop(seq)
+
+    def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
+        return self.cells.snapshot(seq)
+
+    def kv_share(self, src: Sequence, dst: Sequence, n_tokens: int) -> None:
+        n = min(n_tokens, src.n_cached, len(dst.tokens) - 1)
+        if not self.kv_unified:  # across streams llama.cpp would copy whole buffers: a snapshot copies less
+            super().kv_share(src, dst, n)
+            return
+        if n > 0:
+            self.cells.share(src, dst, n)
+            self.layout.reused(n)
+
+    def kv_save(self, seq: Sequence) -> KVHandle | None:
+        return self.cells.save(seq)
+
+    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+        """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
+        next step has logits to sample from). On failure ``n_cached`` stays 0."""
+        n = self.cells.restore(seq, handle, n_tokens)
+        if n:
+            self.layout.reused(n)
+
+    def kv_free(self, handle: KVHandle) -> None:
+        self.cells.free(handle)
+
+    def kv_export(self, handle: KVHandle) -> bytes | None:
+        return self.cells.export_bytes(handle)
+
+    def kv_import(self, tokens: tuple[int, ...], data: bytes) -> KVHandle | None:
+        return self.cells.import_bytes(tokens, data)
+
+    def kv_rollback(self, seq: Sequence, n_tokens: int) -> None:
+        """Undo a step that raised (octo.scheduler.step_isolation): its positions from ``n_tokens`` on leave the KV
+        (``llama_memory_seq_rm``, which only drops this sequence from cells it shares). A sampler chain that may have
+        drawn in that step and keeps state (penalties' history, a random draw) is rebuilt from the sequence's tokens:
+        penalties come back exactly, a random draw restarts from its seed; a plain greedy pick keeps no state."""
+        slot: Slot | None = seq.slot
+        if slot is None:
+            seq.n_cached = 0
+            return
+        advanced = seq.n_cached > n_tokens  # the step got to this sequence (its n_cached moves before it samples)
+        seq.n_cached = n_tokens if self.cells.seq_rm(slot.seq_id, n_tokens) else 0
+        if advanced and slot.chain is not None and slot.chain.argmax is None:
+            old, slot.chain = slot.chain, SamplerChain(self.n_vocab, seq.sampling, self.penalty_last_n, seq.tokens)
+            old.close()
 
     # -- embeddings --------------------------------------------------------------------------------
     def embed(self, texts: list[str]) -> Embeddings:

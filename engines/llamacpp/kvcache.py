@@ -1,19 +1,23 @@
-"""The llama.cpp engine's KV cells: the shared pool's bookkeeping, preemption (``kv_room``/``kv_drop``/swap),
-in-flight prefix sharing (``kv_share``) and the prefix cache (cells of cache sequence ids, RAM snapshots beyond).
-A mixin of :class:`.engine.LlamaCppEngine`, which owns the state it uses (``ctx``, ``mem``, ``book``, ``active``,
-``cache_ids``, ``_entries``, ``adapters``)."""
+"""The llama.cpp engine's KV cells (:class:`KVCells`, the engine's ``cells`` part): the shared pool's bookkeeping
+(:class:`.cells.CellBook`), preemption (``drop``/swap snapshots), in-flight prefix sharing (``share``), compaction of
+scattered cells and the prefix cache (cells of cache sequence ids, RAM snapshots beyond).
+
+The part owns its state (the book, the free cache ids, the cached entries, the compaction counters) and reads the
+engine's serving context through :class:`CellsHost`: the context is rebuilt when the KV layout changes
+(:mod:`.adapt`), so the handles are read where used, never kept; :meth:`KVCells.reset` starts the new context's book."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from octo.engine import KVHandle, Sequence, common_prefix
+from octo.errors import EngineError
 
+from .cells import CellBook
 from .native import LogTap
-from .sampling import SamplerChain
 
 log = logging.getLogger("octo.engines.llamacpp")
 STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")  # llama.cpp's sequence-state io_magic (llama-context.cpp)
@@ -25,62 +29,85 @@ class Slot:
     chain: Any  # its .sampling.SamplerChain
 
 
+class CellsHost(Protocol):
+    """What :class:`KVCells` reads of the engine: its serving context and the sequences running in it."""
+
+    lib: Any  # the llama_cpp module
+    ctx: Any  # llama_context (rebuilt on a layout switch)
+    mem: Any  # its llama_memory
+    active: dict[int, Sequence]  # running sequences by sequence id
+    adapters: Any  # .lora.Adapters, or None without LoRA
+    is_embedding: bool
+    kv_unified: bool
+    cell_bytes: int
+    plain_kv: bool  # one plain KV cache (no sliding window, not recurrent): restream applies
+
+
 class KVCells:
-    # -- KV cells ----------------------------------------------------------------------------------
-    def _shareable(self, tokens: list[int], adapter: str | None = None) -> int:
+    """The KV cells of the engine's context, as one part (``engine.cells``)."""
+
+    def __init__(self, host: CellsHost) -> None:
+        self.host = host
+        self.demoted = 0  # prefix-cache entries moved from the pool to RAM (kept across layout switches)
+        self.compactions = 0  # compaction passes that moved cells (kept across layout switches)
+        self.reset(0, 0, True)
+
+    def reset(self, n_cache: int, first_cache_id: int, compact: bool) -> None:
+        """A new context: an empty book, ``n_cache`` cache sequence ids from ``first_cache_id`` on, no entries."""
+        self.book = CellBook()
+        self.cache_ids = list(range(first_cache_id + n_cache - 1, first_cache_id - 1, -1))
+        self.entries: dict[int, KVHandle] = {}  # cache sequence id -> its handle, oldest first
+        self.members_changed = False  # sequences came or went since the last step's idle check
+        self.compact = compact
+        self.runs: dict[int, int] = {}  # sequence id -> runs of cells written since its cells were last compacted
+        self.solo = -1  # the sequence of the last step when it ran alone (its next cells continue the same run)
+        self.scratch = (ctypes.c_uint8 * 0)()  # compaction's copies, kept between passes
+
+    # -- sequences ---------------------------------------------------------------------------------------------
+    def join(self, seq_id: int) -> None:
+        """A sequence takes ``seq_id``: whatever the id held goes."""
+        self.seq_rm(seq_id, 0)
+        self.members_changed = True
+        self.runs[seq_id] = 0
+
+    def leave(self, seq_id: int) -> None:
+        """The sequence of ``seq_id`` is removed: its cells go (those it shares stay with their other holders)."""
+        self.seq_rm(seq_id, 0)
+        self.runs.pop(seq_id, None)
+        self.members_changed = True
+
+    def shareable(self, tokens: list[int], adapter: str | None = None) -> int:
         """The longest prefix of ``tokens`` already in the pool's cells (a running sequence's or a cached entry's)."""
-        if self.adapters is not None:  # KV computed with another adapter is never shared: same-adapter runners only
-            held = [s.tokens[:s.n_cached] for s in self.active.values() if s.sampling.adapter == adapter]
+        active = self.host.active
+        if self.host.adapters is not None:  # KV computed with another adapter is never shared: same-adapter only
+            held = [s.tokens[:s.n_cached] for s in active.values() if s.sampling.adapter == adapter]
         else:
-            held = [*(s.tokens[:s.n_cached] for s in self.active.values()), *(h.tokens for h in self._entries.values())]
+            held = [*(s.tokens[:s.n_cached] for s in active.values()), *(h.tokens for h in self.entries.values())]
         return max((common_prefix(list(h), tokens) for h in held), default=0)
 
-    def _seq_rm(self, seq_id: int, keep: int) -> bool:
+    def seq_rm(self, seq_id: int, keep: int) -> bool:
         """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
-        ok = self._L.llama_memory_seq_rm(self.mem, seq_id, keep, -1)
+        L, mem = self.host.lib, self.host.mem
+        ok = L.llama_memory_seq_rm(mem, seq_id, keep, -1)
         if not ok:  # a partial removal the memory cannot do: drop it all
-            self._L.llama_memory_seq_rm(self.mem, seq_id, -1, -1)
+            L.llama_memory_seq_rm(mem, seq_id, -1, -1)
         self.book.truncate(seq_id, keep if ok else 0)
         return bool(ok)
 
-    def _seq_cp(self, src: int, dst: int, n: int) -> None:
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
         """``dst`` (empty) joins the cells of ``src``'s first ``n`` positions: no data is copied."""
-        self._L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+        self.host.lib.llama_memory_seq_cp(self.host.mem, src, dst, 0, n)
         self.book.copy(src, dst, n)
 
-    def kv_stats(self) -> dict[str, Any] | None:
-        if self.is_embedding or not self.ctx:
-            return None
-        adapt = self.adapt
-        return {"layout": "unified" if self.kv_unified else "streams", "cells": self.kv_cells,
-                "adaptive": adapt is not None, "stream_cells": adapt.cells if adapt is not None else None,
-                "layout_switches": adapt.switches if adapt is not None else 0,
-                "forced_switches": adapt.forced if adapt is not None else 0,
-                "compaction_passes": self.compactions, "entries_moved_to_ram": self.demoted}
-
-    # -- KV pressure -------------------------------------------------------------------------------
-    def kv_room(self) -> int | None:
-        if not self.kv_unified:  # separate streams: every sequence owns n_ctx cells
-            return None
-        return self.kv_cells - self.book.used()
-
-    def kv_drop(self, seq: Sequence) -> None:
-        self._seq_rm(seq.slot.seq_id, 0)
+    # -- KV pressure -------------------------------------------------------------------------------------------
+    def drop(self, seq: Sequence) -> None:
+        self.seq_rm(seq.slot.seq_id, 0)
         seq.n_cached = 0
 
-    def kv_swap_out(self, seq: Sequence) -> KVHandle | None:
-        return self._snapshot(seq)
-
-    def kv_share(self, src: Sequence, dst: Sequence, n_tokens: int) -> None:
-        n = min(n_tokens, src.n_cached, len(dst.tokens) - 1)
-        if not self.kv_unified:  # across streams llama.cpp would copy whole buffers: a snapshot copies less
-            super().kv_share(src, dst, n)
-            return
-        if n > 0:
-            self._seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
-            dst.n_cached = n
-            if self.adapt is not None:
-                self.adapt.reused(n)
+    def share(self, src: Sequence, dst: Sequence, n: int) -> None:
+        """``dst`` joins the cells of ``src``'s first ``n`` positions (the unified pool)."""
+        self.seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
+        dst.n_cached = n
 
     # -- compaction ----------------------------------------------------------------------------------
     # llama.cpp puts a step's new cells in the pool's first free cells, so sequences that decode together interleave:
@@ -95,64 +122,57 @@ class KVCells:
     # placement removes.
     COMPACT_RUNS = 8
 
-    def _reset_compaction(self, on: bool) -> None:
-        self.compact = on
-        self.compactions = 0
-        self._runs: dict[int, int] = {}  # sequence id -> runs of cells written since its cells were last compacted
-        self._solo = -1  # the sequence of the last step when it ran alone (its next cells continue the same run)
-        self._scratch = (ctypes.c_uint8 * 0)()  # compaction's copies, kept between passes
-
-    def _count_runs(self, feeds: list[Any]) -> None:
-        runs = self._runs
+    def count_runs(self, feeds: list[Any]) -> None:
+        """After a step in the unified pool: each fed sequence wrote a new run of cells (a sequence alone continues
+        its last one)."""
+        runs = self.runs
         if len(feeds) == 1:
             sid = feeds[0].seq.slot.seq_id
-            if sid != self._solo:
+            if sid != self.solo:
                 runs[sid] = runs.get(sid, 0) + 1
-            self._solo = sid
+            self.solo = sid
             return
-        self._solo = -1
+        self.solo = -1
         for f in feeds:
             sid = f.seq.slot.seq_id
             runs[sid] = runs.get(sid, 0) + 1
 
-    def _compact_scattered(self) -> None:
-        runs, due = self._runs, self.COMPACT_RUNS
+    def compact_scattered(self) -> None:
+        runs, due = self.runs, self.COMPACT_RUNS
         if not any(r >= due for r in runs.values()):
             return
-        self._compact([s for sid, s in sorted(self.active.items())
-                       if runs.get(sid, 0) >= max(2, due // 2) and s.n_cached > 1])
+        self.compact_seqs([s for sid, s in sorted(self.host.active.items())
+                           if runs.get(sid, 0) >= max(2, due // 2) and s.n_cached > 1])
 
-    def _compact(self, seqs: list[Sequence]) -> None:
+    def compact_seqs(self, seqs: list[Sequence]) -> None:
         """Rewrite the cells of each sequence that shares none of them as one run. All the copies are taken (into one
         scratch buffer, kept between passes) before any cell is freed; one fails to come back only if llama.cpp
         refuses cells it has just freed."""
-        from octo.errors import EngineError
-
-        L = self._L
+        L, ctx = self.host.lib, self.host.ctx
         plan = []
         total = 0
         for seq in seqs:
             sid = seq.slot.seq_id
-            self._runs[sid] = 1
+            self.runs[sid] = 1
             if self.book.shared_prefix(sid):  # shared cells stay where they are (a copy would unshare them)
                 continue
-            size = L.llama_state_seq_get_size(self.ctx, sid)
+            size = L.llama_state_seq_get_size(ctx, sid)
             plan.append((seq, sid, total, size))
             total += size
         if not plan:
             return
-        if len(self._scratch) < total:
-            self._scratch = (ctypes.c_uint8 * (total + total // 4))()
-        base = ctypes.addressof(self._scratch)
+        if len(self.scratch) < total:
+            self.scratch = (ctypes.c_uint8 * (total + total // 4))()
+        base = ctypes.addressof(self.scratch)
         ptr = ctypes.POINTER(ctypes.c_uint8)
         taken = []
         for seq, sid, off, size in plan:
-            if L.llama_state_seq_get_data(self.ctx, ctypes.cast(base + off, ptr), size, sid) == size:
+            if L.llama_state_seq_get_data(ctx, ctypes.cast(base + off, ptr), size, sid) == size:
                 taken.append((seq, sid, off, size))
         for _, sid, _, _ in taken:
-            self._seq_rm(sid, 0)
+            self.seq_rm(sid, 0)
         for seq, sid, off, size in taken:
-            if L.llama_state_seq_set_data(self.ctx, ctypes.cast(base + off, ptr), size, sid) != size:
+            if L.llama_state_seq_set_data(ctx, ctypes.cast(base + off, ptr), size, sid) != size:
                 raise EngineError(f"llama.cpp could not put back the {seq.n_cached} cells of sequence {seq.id} it "
                                   f"had just freed (KV compaction): {LogTap.tail()}")
             self.book.append(sid, seq.n_cached)
@@ -166,134 +186,131 @@ class KVCells:
     # 3% slower than with them moved out (a snapshot of a short entry costs well under a millisecond, once).
     IDLE_SHARE = 0.1
 
-    def kv_save(self, seq: Sequence) -> KVHandle | None:
+    def save(self, seq: Sequence) -> KVHandle | None:
         slot: Slot | None = seq.slot
-        if slot is None or seq.n_cached <= 0 or self.is_embedding:
+        if slot is None or seq.n_cached <= 0 or self.host.is_embedding:
             return None
         if not self.cache_ids:
-            return self._snapshot(seq)
+            return self.snapshot(seq)
         cid = self.cache_ids.pop()
-        self._seq_cp(slot.seq_id, cid, seq.n_cached)
+        self.seq_cp(slot.seq_id, cid, seq.n_cached)
         n = seq.n_cached
-        handle = KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.cell_bytes, data=cid, cells=n)
-        self._entries[cid] = handle
+        handle = KVHandle(tokens=tuple(seq.tokens[:n]), nbytes=n * self.host.cell_bytes, data=cid, cells=n)
+        self.entries[cid] = handle
         return handle
 
-    def _demote_idle(self, bound: int | None = None) -> None:
+    def demote_after_change(self) -> None:
+        """Before a step after sequences came or went: idle entries beyond the bound leave the pool."""
+        self.members_changed = False
+        self.demote_idle()
+
+    def demote_idle(self, bound: int | None = None) -> None:
         """Move the oldest cache entries whose cells no running sequence shares to RAM, down to the idle bound (or
         ``bound`` idle cells)."""
-        if not self._entries:
+        if not self.entries:
             return
-        live = self.book.blocks(s.slot.seq_id for s in self.active.values())
-        idle = {cid: self.book.cells_outside(cid, live) for cid in self._entries}
+        live = self.book.blocks(s.slot.seq_id for s in self.host.active.values())
+        idle = {cid: self.book.cells_outside(cid, live) for cid in self.entries}
         total = sum(idle.values())
         if bound is None:
             bound = int(self.IDLE_SHARE * (self.book.used() - total))
-        for cid in list(self._entries):
+        for cid in list(self.entries):
             if total <= bound:
                 break
             if not idle[cid]:
                 continue
-            handle = self._entries.pop(cid)
-            snap = self._snapshot_id(cid, len(handle.tokens))
-            self._seq_rm(cid, 0)
+            handle = self.entries.pop(cid)
+            snap = self.snapshot_id(cid, len(handle.tokens))
+            self.seq_rm(cid, 0)
             self.cache_ids.append(cid)
             handle.data, handle.cells = (snap.data if snap is not None else None), 0  # nbytes: as the index counted
             total -= idle[cid]
             self.demoted += 1
 
-    def _snapshot(self, seq: Sequence) -> KVHandle | None:
+    def snapshot(self, seq: Sequence) -> KVHandle | None:
+        """A RAM copy of ``seq``'s KV (``llama_state_seq_get_data``), or None."""
         slot: Slot | None = seq.slot
-        if slot is None or seq.n_cached <= 0 or self.is_embedding:
+        if slot is None or seq.n_cached <= 0 or self.host.is_embedding:
             return None
-        snap = self._snapshot_id(slot.seq_id, seq.n_cached)
+        snap = self.snapshot_id(slot.seq_id, seq.n_cached)
         if snap is not None:
             snap.tokens = tuple(seq.tokens[: seq.n_cached])
         return snap
 
-    def _snapshot_id(self, seq_id: int, n: int) -> KVHandle | None:
-        L = self._L
-        size = L.llama_state_seq_get_size(self.ctx, seq_id)
+    def snapshot_id(self, seq_id: int, n: int) -> KVHandle | None:
+        L, ctx = self.host.lib, self.host.ctx
+        size = L.llama_state_seq_get_size(ctx, seq_id)
         buf = (ctypes.c_uint8 * size)()
-        written = L.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
+        written = L.llama_state_seq_get_data(ctx, buf, size, seq_id)
         if written == 0:
             return None
         return KVHandle(tokens=(), nbytes=written, data=(buf, written))
 
-    def kv_restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> None:
+    def restore(self, seq: Sequence, handle: KVHandle, n_tokens: int) -> int:
         """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
-        next step has logits to sample from). On failure ``n_cached`` stays 0."""
+        next step has logits to sample from). Returns the tokens it got (0: a miss, ``n_cached`` stays 0)."""
         slot: Slot = seq.slot
         n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
         if n_tokens <= 0:
-            return
+            return 0
         if isinstance(handle.data, int):  # cells of a cache sequence: join them
-            self._seq_cp(handle.data, slot.seq_id, n_tokens)
+            self.seq_cp(handle.data, slot.seq_id, n_tokens)
             seq.n_cached = n_tokens
-            if self.adapt is not None:
-                self.adapt.reused(n_tokens)
-            return
+            return n_tokens
         if handle.data is None:  # an entry whose RAM copy failed: a miss
-            return
+            return 0
         buf, size = handle.data
-        if not self._set_state(buf, size, slot.seq_id):
+        if not self.set_state(buf, size, slot.seq_id):
             log.warning("prefix cache: restoring %d tokens failed (KV pool full?); recomputing", n_tokens)
-            self._seq_rm(slot.seq_id, 0)
-            return
+            self.seq_rm(slot.seq_id, 0)
+            return 0
         self.book.append(slot.seq_id, len(handle.tokens))
-        if not self._seq_rm(slot.seq_id, n_tokens):
-            return
+        if not self.seq_rm(slot.seq_id, n_tokens):
+            return 0
         seq.n_cached = n_tokens
-        if self.adapt is not None:
-            self.adapt.reused(n_tokens)
+        return n_tokens
 
-    def _set_state(self, buf: Any, size: int, seq_id: int) -> bool:
+    def put_back(self, seq_id: int, snap: KVHandle, n: int) -> bool:
+        """A snapshot of ``n`` positions set into ``seq_id`` of the (new) context, as it was (a layout switch)."""
+        buf, size = snap.data
+        if not self.set_state(buf, size, seq_id):
+            return False
+        self.book.append(seq_id, n)
+        return True
+
+    def set_state(self, buf: Any, size: int, seq_id: int) -> bool:
         """``llama_state_seq_set_data`` of a snapshot taken in either KV layout (:func:`restream`); all of it must be
         read."""
-        n_stream = 1 if self.kv_unified else self._L.llama_n_seq_max(self.ctx)
-        data = restream(buf, size, n_stream) if self.plain_kv else None
+        L, ctx = self.host.lib, self.host.ctx
+        n_stream = 1 if self.host.kv_unified else L.llama_n_seq_max(ctx)
+        data = restream(buf, size, n_stream) if self.host.plain_kv else None
         if data is not None:
             buf, size = data
-        return self._L.llama_state_seq_set_data(self.ctx, buf, size, seq_id) == size
+        return L.llama_state_seq_set_data(ctx, buf, size, seq_id) == size
 
-    def kv_rollback(self, seq: Sequence, n_tokens: int) -> None:
-        """Undo a step that raised (octo.scheduler.step_isolation): its positions from ``n_tokens`` on leave the KV
-        (``llama_memory_seq_rm``, which only drops this sequence from cells it shares). A sampler chain that may have
-        drawn in that step and keeps state (penalties' history, a random draw) is rebuilt from the sequence's tokens:
-        penalties come back exactly, a random draw restarts from its seed; a plain greedy pick keeps no state."""
-        slot: Slot | None = seq.slot
-        if slot is None:
-            seq.n_cached = 0
-            return
-        advanced = seq.n_cached > n_tokens  # the step got to this sequence (its n_cached moves before it samples)
-        seq.n_cached = n_tokens if self._seq_rm(slot.seq_id, n_tokens) else 0
-        if advanced and slot.chain is not None and slot.chain.argmax is None:
-            old, slot.chain = slot.chain, SamplerChain(self.n_vocab, seq.sampling, self.penalty_last_n, seq.tokens)
-            old.close()
-
-    def kv_free(self, handle: KVHandle) -> None:
+    def free(self, handle: KVHandle) -> None:
         if isinstance(handle.data, int):  # the cells stay while a running sequence shares them
-            self._entries.pop(handle.data, None)
-            self._seq_rm(handle.data, 0)
+            self.entries.pop(handle.data, None)
+            self.seq_rm(handle.data, 0)
             self.cache_ids.append(handle.data)
         handle.data = None  # a snapshot's ctypes buffer is released with the last reference
 
     # -- disk tier (octo.scheduler.disk_cache) -----------------------------------------------------------------
-    def kv_export(self, handle: KVHandle) -> bytes | None:
+    def export_bytes(self, handle: KVHandle) -> bytes | None:
         """The llama.cpp sequence state of a cached entry (``llama_state_seq_get_data``): cells or a RAM snapshot."""
         data = handle.data
         if isinstance(data, int):
-            snap = self._snapshot_id(data, len(handle.tokens))
+            snap = self.snapshot_id(data, len(handle.tokens))
             data = snap.data if snap is not None else None
         if data is None:
             return None
         buf, size = data
         return ctypes.string_at(buf, size)
 
-    def kv_import(self, tokens: tuple[int, ...], data: bytes) -> KVHandle | None:
-        """A RAM snapshot from exported bytes; llama.cpp checks them when ``kv_restore`` sets them (a refusal is a
+    def import_bytes(self, tokens: tuple[int, ...], data: bytes) -> KVHandle | None:
+        """A RAM snapshot from exported bytes; llama.cpp checks them when ``restore`` sets them (a refusal is a
         miss there)."""
-        if not tokens or not data or self.is_embedding:
+        if not tokens or not data or self.host.is_embedding:
             return None
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return KVHandle(tokens=tuple(tokens), nbytes=len(data), data=(buf, len(data)))

@@ -63,10 +63,10 @@ def _available_memory() -> int | None:
 
 
 def cache_file(engine: Any, n_ctx: int, cell_bytes: int, kind: str = "layout") -> Path:
-    from .probe import _cpu_flags
+    from .probe import cpu_flags
 
     st = os.stat(engine.artifact_path)
-    parts = [_cpu_flags(), engine._L.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
+    parts = [cpu_flags(), engine.lib.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
              cell_bytes, 5]  # the last: this probe's version
@@ -132,8 +132,8 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 
 def measure(engine: Any, n_ctx: int, cell_bytes: int, attempts: int = 0) -> tuple[bool, dict[str, Any]]:
-    """Time both layouts on the idle engine (switching its context with ``_relayout``, back to the one it serves
-    from after) and record the verdict: cached when undisturbed, else noted with the time of the next try.
+    """Time both layouts on the idle engine (switching its context with ``engine.layout.relayout``, back to the one
+    it serves from after) and record the verdict: cached when undisturbed, else noted with the time of the next try.
     ProbeInterrupted (:mod:`.background`) passes through."""
     from octo.benchload import LoadMonitor
 
@@ -147,7 +147,7 @@ def measure(engine: Any, n_ctx: int, cell_bytes: int, attempts: int = 0) -> tupl
     try:
         shape = None
         for unified in (True, False):
-            engine._relayout(unified, n_ctx)
+            engine.layout.relayout(unified, n_ctx)
             if engine.kv_unified is not unified:
                 raise RuntimeError(f"could not build the {'unified' if unified else 'streams'} context")
             if shape is None:
@@ -160,7 +160,7 @@ def measure(engine: Any, n_ctx: int, cell_bytes: int, attempts: int = 0) -> tupl
         return True, {"source": f"probe failed ({type(exc).__name__}: {exc})"}
     finally:
         drop_leftovers(engine, before)
-        engine._relayout(serving, n_ctx)
+        engine.layout.relayout(serving, n_ctx)
     conditions = mon.stop()
     unified_s, streams_s = min(times[True][0]), min(times[False][0])
     unified_solo, streams_solo = min(times[True][1]), min(times[False][1])

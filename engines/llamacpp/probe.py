@@ -25,7 +25,7 @@ log = logging.getLogger("octo.engines.llamacpp")
 TIMEOUT = 300.0
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -40,7 +40,7 @@ def _cpu_flags() -> str:
 def _cache_file(version: str) -> Path:
     from octo.paths import octo_home
 
-    key = hashlib.sha256(f"{_cpu_flags()}|{version}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{cpu_flags()}|{version}".encode()).hexdigest()[:20]
     return octo_home() / "probe" / f"llamacpp-repack-{key}.json"
 
 

@@ -1,5 +1,5 @@
-"""Speculative decoding on the llama.cpp engine (``-o draft=PATH``, what ``--draft`` passes): a mixin of
-:class:`.engine.LlamaCppEngine`.
+"""Speculative decoding on the llama.cpp engine (``-o draft=PATH``, what ``--draft`` passes): the engine's ``spec``
+part (None without a draft model), which owns the draft model (:class:`.draft.Drafter`) and its settings.
 
 Each step, plain decoding feeds (one token, sampled with the native chain alone: no output constraint, logprobs or
 ``min_tokens``) of a batch no larger than ``draft_max_batch`` get up to ``n_draft`` tokens proposed by the draft
@@ -18,6 +18,8 @@ from typing import Any
 
 from octo.engine import Feed
 
+from .draft import Drafter
+
 log = logging.getLogger("octo.engines.llamacpp")
 
 # drafting stops when the pool has fewer spare cells than this beyond the step's own tokens (never cause a KV-full)
@@ -25,24 +27,40 @@ ROOM_MARGIN = 32
 
 
 class Speculation:
-    drafter: Any = None
-    n_draft: int = 4
-    draft_max_batch: int = 4
+    """The draft model and the per-step drafting and verification (the engine calls :meth:`drafts` before its decode
+    and :meth:`verify` for each drafted row after it)."""
 
-    def _drafts(self, feeds: list[Feed]) -> list[list[int]] | None:
-        """Draft tokens per feed (an empty list where none), or None when this step is not speculated."""
+    def __init__(self, drafter: Drafter, n_draft: int, max_batch: int, eog: frozenset[int]) -> None:
+        self.drafter = drafter
+        self.n_draft = n_draft
+        self.max_batch = max_batch  # the most plain decoding feeds a step may have to be speculated
+        self.eog = eog  # the target's end-of-generation tokens: verification stops at one
+
+    @classmethod
+    def load(cls, L: Any, opts: dict[str, Any], vocab: Any, eog: frozenset[int], *, max_batch: int, n_ctx: int,
+             n_threads: int, repack: bool, n_batch: int) -> Speculation:
+        """The draft model of ``opts["draft"]`` for a target of ``vocab`` (the same vocabulary is checked)."""
+        n_draft = opts.get("n_draft", 4)
+        drafter = Drafter(L, opts["draft"], vocab, n_draft=n_draft, max_batch=max_batch, n_ctx=n_ctx,
+                          n_threads=n_threads, repack=repack, n_batch=n_batch, p_min=opts.get("draft_p_min", 0.75))
+        return cls(drafter, n_draft, opts.get("draft_max_batch", 4), eog)
+
+    def drafts(self, feeds: list[Feed], capacity: int, n_ctx_seq: int,
+               kv_room: Any) -> list[list[int]] | None:
+        """Draft tokens per feed (an empty list where none), or None when this step is not speculated. ``capacity``:
+        the batch's tokens; ``kv_room()``: the pool's free cells (None: streams)."""
         plain = [i for i, f in enumerate(feeds) if f.sample and len(f.tokens) == 1 and f.mask is None
                  and f.logprobs < 0 and f.prompt_logprobs < 0 and not f.no_eos]
-        if not plain or len(plain) > self.draft_max_batch:
+        if not plain or len(plain) > self.max_batch:
             return None
-        spare = self.batch.capacity - sum(len(f.tokens) for f in feeds)
-        room = self.kv_room()
+        spare = capacity - sum(len(f.tokens) for f in feeds)
+        room = kv_room()
         if room is not None:
             spare = min(spare, room - sum(len(f.tokens) for f in feeds) - ROOM_MARGIN)
         want = [0] * len(feeds)
         for i in plain:
             seq = feeds[i].seq
-            k = min(self.n_draft, self.n_ctx_seq - seq.n_cached - 2, spare)
+            k = min(self.n_draft, n_ctx_seq - seq.n_cached - 2, spare)
             if k > 0:
                 want[i] = k
                 spare -= k
@@ -62,37 +80,31 @@ class Speculation:
             drafts[i] = d
         return drafts
 
-    def _verify(self, f: Feed, idx: int, draft: list[int]) -> list[int]:
-        """Sample ``f``'s sequence at batch rows ``idx``, ``idx + 1``, ... (the rows of its last token and of each
-        draft token) until a sample differs from the draft or ends the sequence; every sample is returned."""
-        chain, eog = f.seq.slot.chain, self.info.eos_token_ids
+    def verify(self, f: Feed, ctx: Any, idx: int, draft: list[int]) -> list[int]:
+        """Sample ``f``'s sequence at batch rows ``idx``, ``idx + 1``, ... of ``ctx`` (the rows of its last token and of
+        each draft token) until a sample differs from the draft or ends the sequence; every sample is returned."""
+        chain, eog = f.seq.slot.chain, self.eog
         out = []
         for j in range(len(draft) + 1):
-            tok = chain.sample(self.ctx, idx + j)
+            tok = chain.sample(ctx, idx + j)
             out.append(tok)
             if j == len(draft) or tok != draft[j] or tok in eog:
                 break
         self.drafter.accepted += len(out) - 1
         return out
 
-    def _load_draft(self, L: Any) -> None:
-        from .draft import Drafter
+    def drop(self, seq_id: int) -> None:
+        """The target's sequence ``seq_id`` is gone: so is its draft KV."""
+        self.drafter.drop(seq_id)
 
-        self.n_draft = self.opts.get("n_draft", 4)
-        self.draft_max_batch = self.opts.get("draft_max_batch", 4)
-        self.drafter = Drafter(L, self.opts["draft"], self.vocab, n_draft=self.n_draft,
-                               max_batch=self.config.max_batch, n_ctx=self.n_ctx_seq, n_threads=self.n_threads,
-                               repack=self.repack, n_batch=self.n_batch, p_min=self.opts.get("draft_p_min", 0.75))
+    def set_threads(self, L: Any, n: int) -> None:
+        L.llama_set_n_threads(self.drafter.ctx, n, n)
 
-    def _close_draft(self) -> None:
-        if self.drafter is not None:
-            self.drafter.close()
-            self.drafter = None
+    def close(self) -> None:
+        self.drafter.close()
 
-    def draft_stats(self) -> dict[str, Any] | None:
-        """Draft tokens proposed and accepted so far (None without a draft model)."""
+    def stats(self) -> dict[str, Any]:
+        """Draft tokens proposed and accepted so far."""
         d = self.drafter
-        if d is None:
-            return None
         return {"n_draft": self.n_draft, "p_min": d.p_min, "proposed": d.proposed, "accepted": d.accepted,
                 "acceptance": round(d.accepted / d.proposed, 4) if d.proposed else None}
