@@ -166,3 +166,13 @@ def test_workers_run_queued_requests_in_parallel_instead(clips):
     reqs = requests(clips)[:3]
     for r, b in zip(reqs, eng.transcribe_batch(reqs), strict=True):
         same(b, eng.transcribe(r))
+
+
+def test_a_short_request_is_answered_before_a_long_one_ends(clips):
+    eng = engine(temperature_increment="0")
+    long = np.concatenate([clips["hello"]] * 15)  # ~65 s: three windows
+    order: list[int] = []
+    out = eng.transcribe_batch([TranscriptionRequest(audio=long, language="en"),
+                                TranscriptionRequest(audio=clips["numbers"], language="en")],
+                               lambda i, r: order.append(i))
+    assert order == [1, 0] and max(s.end for s in out[0].segments) > 30.0
