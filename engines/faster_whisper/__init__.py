@@ -11,7 +11,8 @@ fallback: other semantics).
 
 Options (``-o KEY=VALUE``): ``compute_type`` (default: the folder's own type; int8, int8_float32, float32,
 float16 ...), ``device`` (cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: all cores),
-``workers`` (CTranslate2 workers: queued requests transcribed in parallel; default 1), and the common
+``workers`` (default 1: the windows of queued requests go through CTranslate2 in one batch, see ``batch.py``;
+N > 1: queued requests transcribed in parallel on N CTranslate2 workers instead), and the common
 decoding options ``beam_size``, ``best_of``, ``max_new_tokens``, ``condition_on_previous_text``,
 ``temperature_increment``, ``compression_ratio_threshold``, ``logprob_threshold``, ``no_speech_threshold``.
 """
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from octo.engines.faster_whisper.batch import Abandoned, transcribe_together
 from octo.engines.faster_whisper.common import (
     SpeechSegment,
     check_request,
@@ -58,7 +60,7 @@ class FasterWhisperEngine(Engine):
     aliases = ("faster_whisper", "ctranslate2")
     tasks = frozenset({Task.TRANSCRIPTION})
     formats = frozenset({"ct2"})
-    batching = "window"  # queued requests come together (transcribe_batch); `workers` run them in parallel
+    batching = "window"  # queued requests come together (transcribe_batch): one CTranslate2 batch per round
     sampling_params = frozenset({"temperature"})
     supports_word_timestamps = True  # cross-attention alignment, as openai-whisper
 
@@ -123,7 +125,8 @@ class FasterWhisperEngine(Engine):
                 "n_mels": ct2.n_mels,
                 "max_new_tokens": self.opts.get("max_new_tokens") or self.model.max_length // 2,
                 "beam_size": self.opts["beam_size"],
-                "batching": "queued requests run on `workers` CTranslate2 workers",
+                "batching": ("queued requests in parallel on CTranslate2 workers" if self.opts.get("workers", 1) > 1
+                             else "windows of queued requests in one CTranslate2 batch"),
             },
         )
         return self.info
@@ -135,12 +138,18 @@ class FasterWhisperEngine(Engine):
     def transcribe(self, request: TranscriptionRequest) -> Transcription:
         if self.model is None:
             raise EngineError("The faster-whisper model is not loaded.")
+        return self.transcribe_with(self.model, request)
+
+    def transcribe_with(self, model: Any, request: TranscriptionRequest) -> Transcription:
+        """faster-whisper's ``transcribe`` on ``model`` (the loaded one, or a batch's view of it) with OpenAI's
+        decoding; a request whose client went away ends at its next window with what it has."""
         o = self.opts
         language = check_request(request, self.languages, self.model.model.is_multilingual)
         if language is None and not self.model.model.is_multilingual:
             language = "en"
+        out: list[SpeechSegment] = []
         try:
-            segments, info = self.model.transcribe(
+            segments, info = model.transcribe(
                 request.audio, language=language, task=request.task, beam_size=o["beam_size"],
                 best_of=o["best_of"], temperature=list(temperatures(request.temperature, o["temperature_increment"])),
                 compression_ratio_threshold=o["compression_ratio_threshold"],
@@ -149,20 +158,29 @@ class FasterWhisperEngine(Engine):
                 word_timestamps=request.word_timestamps, vad_filter=False, without_timestamps=False,
                 max_new_tokens=o.get("max_new_tokens") or self.model.max_length // 2,
             )
-            out: list[SpeechSegment] = []
+            language = info.language
             for s in segments:  # lazily decoded: one 30-second window per step
                 out.append(_segment(s))
                 if request.cancelled is not None and request.cancelled():
                     break
+        except Abandoned:  # (batched) the client went away: nobody reads what is returned
+            pass
         except OctoError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise EngineError(f"faster-whisper failed: {type(exc).__name__}: {exc}") from exc
-        return finish([s.text for s in out], info.language, len(request.audio), out)
+        return finish([s.text for s in out], language or "", len(request.audio), out)
 
     def transcribe_batch(self, requests: list[TranscriptionRequest],
                          on_done: Callable[[int, Any], None] | None = None) -> list[Transcription | OctoError]:
-        return run_batch(self.transcribe, requests, on_done, self.opts.get("workers", 1))
+        """Queued requests together: one CTranslate2 batch per round of windows (``batch.py``); with
+        ``workers`` > 1, each request on a CTranslate2 worker of its own instead."""
+        if self.model is None:
+            raise EngineError("The faster-whisper model is not loaded.")
+        workers = self.opts.get("workers", 1)
+        if workers > 1 or len(requests) == 1:
+            return run_batch(self.transcribe, requests, on_done, workers)
+        return transcribe_together(self.model, requests, self.transcribe_with, on_done, self.config.max_batch)
 
 
 def _segment(s: Any) -> SpeechSegment:
