@@ -300,9 +300,13 @@ def engine_call(fn: Any, handle: Any, *args: Any) -> Any:
 
 def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
     """``serving.prepare`` through :func:`engine_call`, with the prompt tokens the engine made checked."""
-    gens, n = engine_call(serving.prepare, handle, kind, req)
+    return engine_call(checked_prepare, handle, kind, req)
+
+
+def checked_prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
+    gens, n = serving.prepare(handle, kind, req)
     for g in gens:
-        g.prompt_tokens = engine_call(check_prompt, handle, g.prompt_tokens)
+        g.prompt_tokens = check_prompt(handle, g.prompt_tokens)
     return gens, n
 
 

@@ -27,6 +27,8 @@ BODY_KEY = web.RequestKey("octo_body", bytes)  # the JSON body as read (octo.ser
 
 def content_encoding(request: web.Request, *, allow_compressed: bool = True) -> str:
     """The body's one content coding ("identity" when none); 415 for one octo cannot decode."""
+    if "Content-Encoding" not in request.headers:  # (most requests)
+        return "identity"
     codings = [c.strip().lower() for c in request.headers.getall("Content-Encoding", []) for c in c.split(",")]
     codings = [c for c in codings if c and c != "identity"]
     if not codings:
