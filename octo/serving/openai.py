@@ -103,6 +103,7 @@ def require(handle: Any, task: Task) -> None:
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """OpenAI messages -> plain {role, content[, name, tool_calls, tool_call_id]} dicts for a chat template."""
     out = []
+    tool_turns = False  # any assistant tool_calls or tool message: their pairing is checked
     for i, msg in enumerate(req.messages):
         if msg.role == "function" or msg.function_call:
             raise UnsupportedParameter(f"messages[{i}]", "the deprecated function-call messages are not supported; "
@@ -128,10 +129,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             item["name"] = msg.name
         if msg.tool_calls:
             item["tool_calls"] = [c.model_dump() for c in msg.tool_calls]
+            tool_turns = True
         if msg.tool_call_id is not None:
             item["tool_call_id"] = msg.tool_call_id
+        tool_turns = tool_turns or msg.role == "tool"
         out.append(item)
-    _check_tool_turns(out)
+    if tool_turns:
+        _check_tool_turns(out)
     return out
 
 
@@ -236,16 +240,20 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
                              tools=chatprep.tool_spec(fmt, names, choice, req.parallel_tool_calls) if names else None,
                              min_tokens=min_tokens(engine, req.min_tokens, max_tokens,
                                                    "max_completion_tokens" if req.max_completion_tokens else
-                                                   "max_tokens"),
-                             ignore_eos=ignore_eos(engine, req.ignore_eos), reasoning=reasons,
+                                                   "max_tokens") if req.min_tokens else 0,
+                             ignore_eos=ignore_eos(engine, req.ignore_eos) if req.ignore_eos else False,
+                             reasoning=reasons,
                              reasoning_opened=reasons and prompt_opens_thinking(prompt))
 
 
 def usage(results: list[Result]) -> dict[str, Any]:
     prompt = results[0].prompt_tokens if results else 0
-    completion = sum(r.completion_tokens for r in results)
+    completion = cached = 0
+    for r in results:  # (a loop, not two generators: this runs for every response)
+        completion += r.completion_tokens
+        cached = max(cached, r.cached_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results), default=0)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _token(b: bytes) -> str:
@@ -275,7 +283,8 @@ def chat_response(rid: str, model: str, fingerprint: str, results: list[Result])
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "system_fingerprint": fingerprint,
-        "choices": [{"index": i, "message": chat_message(r), "logprobs": chat_logprobs(r.logprobs),
+        "choices": [{"index": i, "message": chat_message(r),
+                     "logprobs": chat_logprobs(r.logprobs) if r.logprobs is not None else None,
                      "finish_reason": r.finish_reason} for i, r in enumerate(results)],
         "usage": usage(results),
     }
@@ -463,7 +472,8 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[GenerationRequest], 
         gens, n = [ollama.generation(handle, req)], 1
     else:
         raise ValueError(f"unknown generation kind {kind!r}")
-    adapter = lora_adapter(handle, getattr(req, "model", None))
+    model = getattr(req, "model", None)
+    adapter = lora_adapter(handle, model) if model and ":" in model else None
     if adapter is not None:
         for g in gens:
             g.sampling.adapter = adapter
