@@ -3,7 +3,8 @@
 Both servers run as separate processes on loopback and on the same event loop implementation (octo's
 default, uvloop when installed; `--loop asyncio` for both on asyncio's own loop); the load generator (this
 process) alternates the servers' rounds at each concurrency so that machine noise hits them alike. Writes JSON
-with requests/s, p50 and p99 per server and concurrency, and the ratio octo / bare.
+with requests/s, p50 and p99 per server and concurrency, the ratio octo / bare, and each server's CPU per request
+(its processes in all, and its event loop's thread alone: the rest of an octo is its engine thread).
 
 ``--base REV...`` (default ``369e4c5``, the earlier core, 0.92x on a 2-core host) serves octo at those git revisions
 too (bench/revtree.py), in the same rounds: a change that costs the gateway speed shows as a ratio below its
