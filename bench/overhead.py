@@ -61,8 +61,8 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 '''
 
 
-def start(cmd: list[str], port: int, cwd: Path = REPO) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+def start(cmd: list[str], port: int, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
