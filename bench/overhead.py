@@ -3,7 +3,8 @@
 Both servers run as separate processes on loopback and on the same event loop implementation (octo's
 default, uvloop when installed; `--loop asyncio` for both on asyncio's own loop); the load generator (this
 process) alternates the servers' rounds at each concurrency so that machine noise hits them alike. Writes JSON
-with requests/s, p50 and p99 per server and concurrency, and the ratio octo / bare.
+with requests/s, p50 and p99 per server and concurrency, the ratio octo / bare, and each server's CPU per request
+(its processes in all, and its event loop's thread alone: the rest of an octo is its engine thread).
 
 ``--base REV...`` (default ``369e4c5``, the earlier core, 0.92x on a 2-core host) serves octo at those git revisions
 too (bench/revtree.py), in the same rounds: a change that costs the gateway speed shows as a ratio below its
@@ -60,8 +61,8 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 '''
 
 
-def start(cmd: list[str], port: int, cwd: Path = REPO) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+def start(cmd: list[str], port: int, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -100,6 +101,20 @@ async def load(url: str, concurrency: int, total: int) -> dict:
             "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
 
 
+def _stat_seconds(path: str) -> float:
+    try:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid``'s main thread (the gateway's event loop) so far; the rest of a process's CPU is
+    its other threads (the engine thread, thread pools)."""
+    return _stat_seconds(f"/proc/{pid}/task/{pid}/stat")
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) of process ``pid`` and its live child processes (an engine worker) so far."""
     total = 0.0
@@ -109,11 +124,7 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         pass
     for p in pids:
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total += _stat_seconds(f"/proc/{p}/stat")
     return total
 
 
@@ -157,15 +168,17 @@ async def main(args) -> dict:
             runs: dict[str, list[dict]] = {name: [] for name in targets}
             for _ in range(args.rounds):  # alternate A and B
                 for name, url in targets.items():
-                    cpu0 = cpu_seconds(pids[name])
+                    cpu0, loop0 = cpu_seconds(pids[name]), loop_cpu_seconds(pids[name])
                     runs[name].append(await load(url, c, args.requests))
                     runs[name][-1]["cpu_us"] = 1e6 * (cpu_seconds(pids[name]) - cpu0) / args.requests
+                    runs[name][-1]["loop_cpu_us"] = 1e6 * (loop_cpu_seconds(pids[name]) - loop0) / args.requests
             row = {}
             for name, rs in runs.items():
                 row[name] = {"rps": statistics.median(r["rps"] for r in rs),
                              "p50_ms": statistics.median(r["p50_ms"] for r in rs),
                              "p99_ms": statistics.median(r["p99_ms"] for r in rs),
                              "cpu_us_per_request": round(statistics.median(r["cpu_us"] for r in rs), 1),
+                             "loop_cpu_us_per_request": round(statistics.median(r["loop_cpu_us"] for r in rs), 1),
                              "errors": sum(r["errors"] for r in rs)}
             for name, rs in runs.items():  # per-round ratios: their spread is the noise
                 if name != "bare":
@@ -180,7 +193,8 @@ async def main(args) -> dict:
                 if name != "bare":
                     r = row[name]
                     print(f"       {name:14s} {r['rps']:8.0f} req/s p50 {r['p50_ms']:6.2f} ms p99 {r['p99_ms']:6.2f} "
-                          f"ms, {r['cpu_us_per_request']:.0f} us CPU a request | {r['ratio_rps']:.2f}x of bare "
+                          f"ms, {r['cpu_us_per_request']:.0f} us CPU a request ({r['loop_cpu_us_per_request']:.0f} on "
+                          f"the event loop's thread) | {r['ratio_rps']:.2f}x of bare "
                           f"(rounds {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})", flush=True)
     finally:
         for p in procs:

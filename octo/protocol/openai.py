@@ -257,28 +257,39 @@ def parse(model: type[Model], body: bytes) -> Any:
 
 
 _LEAVES = frozenset({str, int, bool, type(None)})
+_KEYS: dict[type, dict[str, str]] = {}  # per model class: field name -> the key a request spells it with
+
+
+def _keys(cls: type[Model]) -> dict[str, str]:
+    keys = _KEYS.get(cls)
+    if keys is None:
+        keys = _KEYS[cls] = {name: f.alias or name for name, f in cls.model_fields.items()}
+    return keys
 
 
 def _check_unknown(value: Any, path: str) -> None:
     """A 400 naming the first key no model declares, at any depth (``stream_options.foo``, ``messages[0].x``), or the
-    first NaN or Infinity literal inside free-form JSON (typed number fields refuse them themselves)."""
+    first NaN or Infinity literal inside free-form JSON (typed number fields refuse them themselves). Runs on every
+    request: it reads pydantic's own attributes (no property calls) and builds a path only where it descends."""
     if isinstance(value, Model):
-        extra = value.unknown_fields()
+        extra = value.__pydantic_extra__
         if extra:
-            key = extra[0]
+            key = next(iter(extra))
             if not path:
                 raise InvalidRequest(f"Unrecognized request argument supplied: {key}", param=key,
                                      code="unknown_parameter")
             raise InvalidRequest(f"Unrecognized argument in {path}: {key}", param=f"{path}.{key}",
                                  code="unknown_parameter")
-        fields = type(value).model_fields
-        for name in value.model_fields_set:
-            item = getattr(value, name)
+        keys = None
+        attrs = value.__dict__
+        for name in value.__pydantic_fields_set__:
+            item = attrs.get(name)
             if item.__class__ in _LEAVES:  # nothing inside (the common case: no path built, no call)
                 continue
-            field = fields.get(name)
-            if field is not None:
-                _check_unknown(item, f"{path}.{field.alias or name}" if path else field.alias or name)
+            keys = keys or _keys(type(value))
+            key = keys.get(name)
+            if key is not None:
+                _check_unknown(item, f"{path}.{key}" if path else key)
     elif isinstance(value, list):
         for i, item in enumerate(value):
             if isinstance(item, (Model, list, dict, float)):

@@ -294,15 +294,25 @@ def engine_call(fn: Any, handle: Any, *args: Any) -> Any:
     except OctoError:
         raise
     except Exception as exc:  # noqa: BLE001
-        log.exception("the %s engine failed in %s", handle.engine_name, getattr(fn, "__name__", fn))
-        raise EngineError(f"The {handle.engine_name} engine failed: {type(exc).__name__}: {exc}") from None
+        raise engine_failed(handle, fn, exc) from None
+
+
+def engine_failed(handle: Any, fn: Any, exc: Exception) -> EngineError:
+    log.exception("the %s engine failed in %s", handle.engine_name, getattr(fn, "__name__", fn))
+    return EngineError(f"The {handle.engine_name} engine failed: {type(exc).__name__}: {exc}")
 
 
 def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
-    """``serving.prepare`` through :func:`engine_call`, with the prompt tokens the engine made checked."""
-    gens, n = engine_call(serving.prepare, handle, kind, req)
-    for g in gens:
-        g.prompt_tokens = engine_call(check_prompt, handle, g.prompt_tokens)
+    """``serving.prepare`` as :func:`engine_call` runs it, with the prompt tokens the engine made checked (inline:
+    this runs for every request)."""
+    try:
+        gens, n = serving.prepare(handle, kind, req)
+        for g in gens:
+            g.prompt_tokens = check_prompt(handle, g.prompt_tokens)
+    except OctoError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise engine_failed(handle, serving.prepare, exc) from None
     return gens, n
 
 

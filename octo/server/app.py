@@ -90,9 +90,10 @@ def _from_http(exc: web.HTTPException) -> OctoError:
 
 @web.middleware
 async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
-    state: AppState = request.app[STATE]
+    app = request.app  # (a property that walks the match info: once)
+    state: AppState = app[STATE]
     started = time.perf_counter()
-    guard = request.app[HOST_GUARD]
+    guard = app[HOST_GUARD]
     if not guard.host_allowed(request.headers.get("Host")):  # DNS rebinding: before anything else, preflights too
         return _refused(request, state, guard, started)
     if request.method == "OPTIONS":
@@ -103,7 +104,7 @@ async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
         return web.Response(status=204)
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
-    endpoint = request.app[V1_OF].get(endpoint, endpoint)  # /chat/completions counts as /v1/chat/completions
+    endpoint = app[V1_OF].get(endpoint, endpoint)  # /chat/completions counts as /v1/chat/completions
     status = 500
     err: OctoError | None = None
     counted = request.path not in _OPEN_PATHS
@@ -179,13 +180,14 @@ async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
     """Headers every response gets just before its headers go out (a stream's too, which the middleware only sees
     after they were sent): the request id, and CORS for an allowed origin."""
     resp.headers.setdefault("X-Request-Id", request.headers.get("X-Request-Id") or new_id("req"))
-    if request.app[STATE].config.cluster:  # the Ray Serve replica that answered (octo.cluster.deploy)
+    config = request.app[STATE].config
+    if config.cluster:  # the Ray Serve replica that answered (octo.cluster.deploy)
         from octo.cluster.deploy import ANSWERED_BY, REPLICA_HEADER
 
         replica = ANSWERED_BY.get()
         if replica:
             resp.headers[REPLICA_HEADER] = replica
-    allowed = request.app[STATE].config.cors_origins
+    allowed = config.cors_origins
     if not allowed:
         return
     resp.headers.add("Vary", "Origin")

@@ -27,6 +27,8 @@ BODY_KEY = web.RequestKey("octo_body", bytes)  # the JSON body as read (octo.ser
 
 def content_encoding(request: web.Request, *, allow_compressed: bool = True) -> str:
     """The body's one content coding ("identity" when none); 415 for one octo cannot decode."""
+    if "Content-Encoding" not in request.headers:  # (most requests)
+        return "identity"
     codings = [c.strip().lower() for c in request.headers.getall("Content-Encoding", []) for c in c.split(",")]
     codings = [c for c in codings if c and c != "identity"]
     if not codings:
@@ -62,7 +64,8 @@ async def read_json_body(request: web.Request, limit: int) -> bytes:
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The whole body, decoded from its Content-Encoding, at most ``limit`` bytes before and after decoding (413)."""
     coding = content_encoding(request)
-    if request.content_length is not None and request.content_length > limit:
+    length = request.content_length  # (a property that parses the header)
+    if length is not None and length > limit:
         raise _too_large(limit)
     stream = request.content
     if coding == "identity" and stream.is_eof():  # the whole body came in with the headers (most requests)

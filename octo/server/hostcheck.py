@@ -59,6 +59,9 @@ def split_host(header: str) -> str:
     return host.rstrip(".")
 
 
+SEEN_HOSTS = 64
+
+
 class HostGuard:
     """The Host and Origin checks of one server (``bind``: the address it listens on)."""
 
@@ -69,18 +72,28 @@ class HostGuard:
         self.suffixes = (".localhost", *(h[1:] for h in allowed_hosts if h.startswith("*.")))
         self.cors_any = "*" in cors_origins
         self.cors_origins = frozenset(cors_origins)
+        self._seen: set[str | None] = set()  # Host header values found allowed (every request sends one): at most
+        # SEEN_HOSTS, the spellings of the allowed names a client may use (a client invents them, the memory is ours)
+
+    def _remember(self, header: str | None) -> None:
+        if len(self._seen) < SEEN_HOSTS:
+            self._seen.add(header)
 
     def host_allowed(self, header: str | None) -> bool:
-        if not self.check_host:
+        if not self.check_host or header in self._seen:
             return True
         host = split_host(header or "")
         if host in self.names or host.endswith(self.suffixes):
+            self._remember(header)
             return True
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
             return False
-        return ip.is_loopback or ip.is_unspecified
+        if ip.is_loopback or ip.is_unspecified:
+            self._remember(header)
+            return True
+        return False
 
     def origin_allowed(self, origin: str, host_header: str | None) -> bool:
         """A request's ``Origin``: the server's own page (same host and port as ``Host``) or a --cors-origins one."""

@@ -131,9 +131,11 @@ def constraint_for(response_format: dict[str, Any] | None, tools: list[dict[str,
                    parallel_tool_calls: bool | None, fmt: ToolFormat, rf_param: str = "response_format") -> Any:
     """The output constraint of a request, or None: a JSON response format, or (``tool_choice`` "required" or a
     named function) a valid call. "auto" is not constrained: a model that answers in text gives a message."""
+    forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
+    if not forced and not response_format:
+        return None
     from octo.text.constrain import Constraint
 
-    forced = bool(tools) and (tool_choice == "required" or isinstance(tool_choice, dict))
     rf = Constraint.from_response_format(response_format, param=rf_param) if response_format else None
     if forced and rf is not None:
         raise InvalidRequest(f"{rf_param} cannot be combined with tool_choice {_choice_text(tool_choice)}: the output "

@@ -103,6 +103,7 @@ def require(handle: Any, task: Task) -> None:
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """OpenAI messages -> plain {role, content[, name, tool_calls, tool_call_id]} dicts for a chat template."""
     out = []
+    tool_turns = False  # any assistant tool_calls or tool message: their pairing is checked
     for i, msg in enumerate(req.messages):
         if msg.role == "function" or msg.function_call:
             raise UnsupportedParameter(f"messages[{i}]", "the deprecated function-call messages are not supported; "
@@ -128,10 +129,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             item["name"] = msg.name
         if msg.tool_calls:
             item["tool_calls"] = [c.model_dump() for c in msg.tool_calls]
+            tool_turns = True
         if msg.tool_call_id is not None:
             item["tool_call_id"] = msg.tool_call_id
+        tool_turns = tool_turns or msg.role == "tool"
         out.append(item)
-    _check_tool_turns(out)
+    if tool_turns:
+        _check_tool_turns(out)
     return out
 
 
@@ -185,8 +189,15 @@ def min_tokens(engine: Any, value: int | None, max_tokens: int | None, max_param
     return value
 
 
-def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationRequest:
-    require(handle, Task.CHAT)
+# every field whose check or feature chat_generation applies beyond sampling and the prompt: a request that sets none
+# of them (most requests) skips those steps, which could neither refuse it nor change what it generates
+_CHAT_FEATURES = frozenset({"audio", "functions", "function_call", "prediction", "web_search_options",
+                            "reasoning_effort", "verbosity", "store", "modalities", "service_tier", "stream_options",
+                            "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                            "response_format"})
+
+
+def _check_chat_options(req: ChatCompletionRequest) -> None:
     _check_stream_options(req)
     unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options",
                           "reasoning_effort", "verbosity", "store"))
@@ -194,8 +205,10 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
         raise UnsupportedParameter("modalities", "only text output is supported")
     if req.service_tier not in (None, "auto", "default"):
         raise UnsupportedParameter("service_tier")
-    engine = handle.engine
-    sampling = sampling_params(req, engine, handle.info.n_vocab)
+
+
+def _chat_features(engine: Any, req: ChatCompletionRequest, fmt: Any) -> tuple[int, list | None, list[str], Any, Any]:
+    """(logprobs, tools, their names, tool_choice, grammar) of a request that sets any of them, checked."""
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     logprobs = chatprep.logprobs_count(engine, (req.top_logprobs or 0) if req.logprobs else None)
@@ -203,28 +216,44 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
     names = chatprep.check_tools(tools) if tools else []
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     chatprep.check_tool_choice(choice, names, bool(tools))
-    fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
     rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
     grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, tools, choice, req.parallel_tool_calls, fmt))
+    return logprobs, tools, names, choice, grammar
+
+
+def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationRequest:
+    require(handle, Task.CHAT)
+    plain = req.model_fields_set.isdisjoint(_CHAT_FEATURES)
+    if not plain:
+        _check_chat_options(req)
+    engine = handle.engine
+    sampling = sampling_params(req, engine, handle.info.n_vocab)
+    fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
+    logprobs, tools, names, choice, grammar = (-1, None, [], None, None) if plain else _chat_features(engine, req, fmt)
     prompt = chatprep.render(engine, chat_messages(req), tools, fmt, choice)
     tokens = engine.tokenize(prompt, special=True)
     max_tokens = req.max_completion_tokens or req.max_tokens
     # --reasoning-format parsed (the default): a reasoning model's <think> text is reasoning_content, not content
     reasons = getattr(handle, "reasoning_format", "parsed") != "none" and supports_thinking(engine)
     return GenerationRequest(tokens, sampling, max_tokens, _stops(req.stop), req.stream, grammar=grammar,
-                             logprobs=logprobs, tools=chatprep.tool_spec(fmt, names, choice, req.parallel_tool_calls),
+                             logprobs=logprobs,
+                             tools=chatprep.tool_spec(fmt, names, choice, req.parallel_tool_calls) if names else None,
                              min_tokens=min_tokens(engine, req.min_tokens, max_tokens,
                                                    "max_completion_tokens" if req.max_completion_tokens else
-                                                   "max_tokens"),
-                             ignore_eos=ignore_eos(engine, req.ignore_eos), reasoning=reasons,
+                                                   "max_tokens") if req.min_tokens else 0,
+                             ignore_eos=ignore_eos(engine, req.ignore_eos) if req.ignore_eos else False,
+                             reasoning=reasons,
                              reasoning_opened=reasons and prompt_opens_thinking(prompt))
 
 
 def usage(results: list[Result]) -> dict[str, Any]:
     prompt = results[0].prompt_tokens if results else 0
-    completion = sum(r.completion_tokens for r in results)
+    completion = cached = 0
+    for r in results:  # (a loop, not two generators: this runs for every response)
+        completion += r.completion_tokens
+        cached = max(cached, r.cached_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max((r.cached_tokens for r in results), default=0)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _token(b: bytes) -> str:
@@ -254,7 +283,8 @@ def chat_response(rid: str, model: str, fingerprint: str, results: list[Result])
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "system_fingerprint": fingerprint,
-        "choices": [{"index": i, "message": chat_message(r), "logprobs": chat_logprobs(r.logprobs),
+        "choices": [{"index": i, "message": chat_message(r),
+                     "logprobs": chat_logprobs(r.logprobs) if r.logprobs is not None else None,
                      "finish_reason": r.finish_reason} for i, r in enumerate(results)],
         "usage": usage(results),
     }
@@ -442,7 +472,8 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[GenerationRequest], 
         gens, n = [ollama.generation(handle, req)], 1
     else:
         raise ValueError(f"unknown generation kind {kind!r}")
-    adapter = lora_adapter(handle, getattr(req, "model", None))
+    model = getattr(req, "model", None)
+    adapter = lora_adapter(handle, model) if model and ":" in model else None
     if adapter is not None:
         for g in gens:
             g.sampling.adapter = adapter

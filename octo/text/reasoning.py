@@ -21,9 +21,20 @@ def prompt_opens_thinking(prompt: str) -> bool:
 
 
 def supports_thinking(engine: Any) -> bool:
-    """Whether the model's chat template has a reasoning mode (it mentions ``enable_thinking`` or ``<think>``)."""
+    """Whether the model's chat template has a reasoning mode (it mentions ``enable_thinking`` or ``<think>``).
+    Cached on the engine for its loaded model (``engine.info``): every chat request asks."""
+    info = getattr(engine, "info", None)
+    cached = getattr(engine, "_octo_thinks", None)
+    if cached is not None and info is not None and cached[0] is info:
+        return cached[1]
     source = template_source(engine)
-    return "enable_thinking" in source or "<think>" in source
+    thinks = "enable_thinking" in source or "<think>" in source
+    if info is not None:
+        try:
+            engine._octo_thinks = (info, thinks)
+        except AttributeError:  # an engine with __slots__: asked every time
+            pass
+    return thinks
 
 
 class ThinkSplitter:

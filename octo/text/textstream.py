@@ -66,9 +66,12 @@ class TextStream:
 
     def __init__(self, stops: list[str] | None = None) -> None:
         self._decoder = None  # an incremental UTF-8 decoder, from the first non-ASCII token on
-        self._stops = list(dict.fromkeys(s for s in (stops or []) if s))
-        self._links = [_links(s) for s in self._stops]
-        self._states = [0] * len(self._stops)
+        if stops:
+            self._stops = list(dict.fromkeys(s for s in stops if s))
+            self._links = [_links(s) for s in self._stops]
+            self._states = [0] * len(self._stops)
+        else:  # most requests (one per sequence): nothing to build
+            self._stops = self._links = self._states = ()
         self._held = ""  # the longest suffix of the text that is a proper prefix of a stop: not emitted yet
         self.matched: str | None = None  # the stop string that ended generation
 
