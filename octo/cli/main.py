@@ -50,7 +50,38 @@ def _is_loopback(host: str) -> bool:
     return is_loopback(host)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Commands(click.Group):
+    """The built-in commands at once; the others (``models``, ``pull``, ``bench``, plugins' ``register_commands``)
+    once a command that is not built in is asked for, or the list of commands: ``octo serve`` imports none of them
+    (the catalog, pydantic, every plugin) before it starts its engine worker."""
+
+    extended = False
+
+    def extend(self) -> None:
+        if not self.extended:
+            self.extended = True
+            _add_optional_commands()
+            _add_bench()
+            from octo.plugins import get_plugin_manager
+
+            try:
+                get_plugin_manager().hook.register_commands(cli=self)
+            except Exception as exc:  # noqa: BLE001
+                click.echo(f"octo: a plugin's register_commands failed: {exc}", err=True)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and not self.extended:
+            self.extend()
+            command = super().get_command(ctx, name)
+        return command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self.extend()
+        return super().list_commands(ctx)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="octo")
 def cli() -> None:
     """octo: an OpenAI-compatible local inference gateway that serves with the fastest engine here."""
@@ -657,14 +688,6 @@ def _add_bench() -> None:
 
 
 def main() -> None:
-    _add_optional_commands()
-    _add_bench()
-    from octo.plugins import get_plugin_manager
-
-    try:
-        get_plugin_manager().hook.register_commands(cli=cli)
-    except Exception as exc:  # noqa: BLE001
-        click.echo(f"octo: a plugin's register_commands failed: {exc}", err=True)
     cli(prog_name="octo")
 
 

@@ -302,7 +302,7 @@ class SpareWorker:
         self.engines[engine] = None
         self.plugins_dir = plugins_dir
 
-    async def enable(self, worker_timeout: float, plugins_dir: str | None, delay: float = 1.0) -> None:
+    async def enable(self, worker_timeout: float, plugins_dir: str | None, delay: float = 5.0) -> None:
         """The gateway serves: keep a spare from now on: the pre-spawned worker if no load took it, else (if a model
         loaded in a worker) a new one after ``delay`` seconds, so that it does not take the cores from the first
         requests; else a new one once a worker is taken."""
