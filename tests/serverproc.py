@@ -51,6 +51,15 @@ def rss_tree(pid: int) -> int:
     return total
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def children(pid: int) -> list[int]:
     """The pids of the direct children of process ``pid`` (a gateway's engine workers)."""
     out = []

@@ -12,22 +12,14 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 from serverproc import REPO, run_octo
+from serverproc import alive as _alive
 from serverproc import children as _children
 
 PLUGINS = str(REPO / "tests" / "plugins")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _wait_gone(pid: int, seconds: float = 10.0) -> bool:
@@ -164,7 +156,8 @@ def test_selection_survives_a_candidate_that_crashes(tmp_path):
     from octo.synth.gguf import build_gguf
 
     gguf = str(build_gguf("tiny", ftype="q8_0"))
-    env = {"OCTO_HOME": str(tmp_path), "OCTO_BENCH_DIR": str(tmp_path / "bench")}
+    # (no spare worker: the only child left must be the winner's)
+    env = {"OCTO_HOME": str(tmp_path), "OCTO_BENCH_DIR": str(tmp_path / "bench"), "OCTO_SPARE_WORKER": "0"}
     with run_octo(gguf, "--plugins-dir", PLUGINS, "--bench-seconds", "0.5", env=env) as server:
         engines = server.get_json("/v1/engines")
         rows = {r["name"]: r for r in engines["data"]}

@@ -16,7 +16,6 @@ import click
 from octo import __version__
 from octo.config import ServerConfig
 from octo.errors import OctoError
-from octo.server.hostcheck import HostGuard, parse_allowed_hosts
 
 
 def serve_options(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -44,12 +43,45 @@ def _lora(ctx, param, pairs) -> dict[str, str]:
 
 
 def _is_loopback(host: str) -> bool:
+    if host in ("127.0.0.1", "localhost", "::1"):  # the usual ones without importing the server (aiohttp)
+        return True
     from octo.server.hostcheck import is_loopback
 
     return is_loopback(host)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Commands(click.Group):
+    """The built-in commands at once; the others (``models``, ``pull``, ``bench``, plugins' ``register_commands``)
+    once a command that is not built in is asked for, or the list of commands: ``octo serve`` imports none of them
+    (the catalog, pydantic, every plugin) before it starts its engine worker."""
+
+    extended = False
+
+    def extend(self) -> None:
+        if not self.extended:
+            self.extended = True
+            _add_optional_commands()
+            _add_bench()
+            from octo.plugins import get_plugin_manager
+
+            try:
+                get_plugin_manager().hook.register_commands(cli=self)
+            except Exception as exc:  # noqa: BLE001
+                click.echo(f"octo: a plugin's register_commands failed: {exc}", err=True)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is None and not self.extended:
+            self.extend()
+            command = super().get_command(ctx, name)
+        return command
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self.extend()
+        return super().list_commands(ctx)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="octo")
 def cli() -> None:
     """octo: an OpenAI-compatible local inference gateway that serves with the fastest engine here."""
@@ -251,8 +283,10 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
     demand. With no model the server starts empty. --engine and -o apply to the models named here."""
-    loop_factory = _loop_factory(loop_name)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # first of all, an engine worker: its start and imports overlap the gateway's (aiohttp, the server, ...)
+    _prespawn(cluster, isolation, engine, worker_timeout, log_level, plugins_dir)
+    loop_factory = _loop_factory(loop_name)
     if not _is_loopback(host) and not api_key and not insecure_no_auth:
         raise click.UsageError(f"refusing to serve on {host} without --api-key (anyone on the network could use "
                                "it); pass --api-key KEY, or --insecure-no-auth to accept that")
@@ -262,7 +296,7 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
                           options=serve_options(options), keep_alive=keep_alive, max_loaded=max_loaded,
                           memory_budget_gb=memory_budget,
                           max_keep_alive=keep_alive if _defaulted("max_keep_alive") else max_keep_alive,
-                          allowed_hosts=parse_allowed_hosts(allowed_hosts),
+                          allowed_hosts=_allowed_hosts(allowed_hosts),
                           models_dirs=tuple(os.path.realpath(d) for d in models_dirs), allow_any_path=allow_any_path,
                           max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
@@ -294,6 +328,28 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
         raise click.ClickException(err.message) from None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(_serve(config, specs))
+
+
+def _allowed_hosts(value: str) -> tuple[str, ...]:
+    if not value:  # the default, without importing the server (aiohttp) before the engine worker starts
+        return ()
+    from octo.server.hostcheck import parse_allowed_hosts
+
+    return parse_allowed_hosts(value)
+
+
+def _prespawn(cluster: str | None, isolation: str | None, engine: str | None, worker_timeout: float,
+              log_level: str, plugins_dir: str | None) -> None:
+    """Start an engine worker now, before the gateway's own imports (octo.runtime.prespawn): its interpreter, imports
+    and engine plugins overlap them, and the first model that loads in a worker takes it (or it stays as the spare
+    for loads on demand). Not with --cluster (Ray runs the engines), --isolation thread, the in-process echo engine,
+    or OCTO_SPARE_WORKER=0."""
+    if cluster or isolation == "thread" or engine == "echo" or os.environ.get("OCTO_SPARE_WORKER", "1") == "0":
+        return
+    from octo.runtime.prespawn import prespawn
+    from octo.runtime.supervision import beat_interval
+
+    prespawn(beat_interval(worker_timeout), log_level, plugins_dir, (engine,) if engine else ())
 
 
 def _duration(value: str, param: click.Parameter) -> float:
@@ -373,23 +429,32 @@ async def _start_registry(config: ServerConfig, specs: list, pm: Any) -> Any:
 
 
 async def _serve(config: ServerConfig, specs: list) -> None:
-    from aiohttp import web
-
     from octo.plugins import load_plugins
-    from octo.server import listen
-    from octo.server.app import create_app, error_response
 
-    try:  # the port first: in use is an error now, not after the load, and nothing started meanwhile takes it
-        socks = listen.open_sockets(config.host, config.port)
-    except OSError as exc:
-        raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
-    names = [] if config.api_key else [s.model for s in specs]  # behind a key, /health says the status only
-    guard = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
-    loading = await listen.loading_responder(socks, error_response, names, guard)  # 503 until serving
-    registry = None
+    registry = loading = starting = None
+    socks: list = []
     try:
         pm = load_plugins(config.plugins_dir)
-        registry = await _start_registry(config, specs, pm)
+        if not config.cluster:  # the models' loads start first; the server's own imports run while they load
+            starting = asyncio.get_running_loop().create_task(_start_registry(config, specs, pm))
+            await _until_loading(starting)
+        from octo.server import listen
+
+        try:  # the port before anything slow: in use is an error now, not after the load, and nothing started
+            socks = listen.open_sockets(config.host, config.port)  # meanwhile (a Ray head's services) takes it
+        except OSError as exc:
+            raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
+        if starting is None:
+            starting = asyncio.get_running_loop().create_task(_start_registry(config, specs, pm))
+        from aiohttp import web
+
+        from octo.server.app import create_app, error_response
+        from octo.server.hostcheck import HostGuard
+
+        names = [] if config.api_key else [s.model for s in specs]  # behind a key, /health says the status only
+        guard = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
+        loading = await listen.loading_responder(socks, error_response, names, guard)  # 503 until serving
+        registry = await starting
         app = create_app(config, registry, plugin_manager=pm)
         await loading.cleanup()  # closes its duplicates of the sockets; the API takes them over, backlog and all
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -397,12 +462,21 @@ async def _serve(config: ServerConfig, specs: list) -> None:
         for sock in socks:
             await web.SockSite(runner, sock).start()
     except BaseException:  # whatever failed, nothing stays running: the process ends instead of hanging
-        await loading.cleanup()
+        if loading is not None:
+            await loading.cleanup()
+        if registry is None and starting is not None:
+            registry = await _cancelled(starting)
         if registry is not None:
             await registry.close()
+        from octo.runtime.prespawn import discard_all
+
+        discard_all()
         for sock in socks:
             sock.close()
         raise
+    from octo.runtime.remote import SPARE
+
+    await SPARE.enable(config.worker_timeout, config.plugins_dir)
     port = socks[0].getsockname()[1]
     # Everything loaded so far (libraries, model, app) lives as long as the server: move it out of the cyclic
     # GC's sight, so full collections stay short (bench/overhead.py: p99 at concurrency 64 went from 45 to 14 ms).
@@ -430,6 +504,27 @@ async def _serve(config: ServerConfig, specs: list) -> None:
     finally:
         click.echo("octo: shutting down", err=True)
         await runner.cleanup()
+
+
+async def _until_loading(starting: asyncio.Task, limit: float = 5.0) -> None:
+    """Wait until the first model's load is handed to its engine (or the start ends, or has no model to load), at
+    most ``limit`` seconds."""
+    from octo.runtime.prespawn import LOADS
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not starting.done() and LOADS[0] == 0 and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+
+
+async def _cancelled(task: asyncio.Task) -> Any:
+    """``task``'s result if it finished, else None once it is cancelled (its own clean-up done)."""
+    if not task.done():
+        task.cancel()
+    try:
+        return await task
+    except BaseException:  # noqa: BLE001 - cancelled, or the failure already being raised
+        return None
 
 
 async def _drain(app, timeout: float) -> None:
@@ -593,14 +688,6 @@ def _add_bench() -> None:
 
 
 def main() -> None:
-    _add_optional_commands()
-    _add_bench()
-    from octo.plugins import get_plugin_manager
-
-    try:
-        get_plugin_manager().hook.register_commands(cli=cli)
-    except Exception as exc:  # noqa: BLE001
-        click.echo(f"octo: a plugin's register_commands failed: {exc}", err=True)
     cli(prog_name="octo")
 
 

@@ -13,6 +13,7 @@ from octo.engine import Engine
 from octo.errors import ConfigError, ModelNotFound, OctoError
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
 from octo.runtime.model import ModelHandle, load_engine
+from octo.runtime.prespawn import LOADS
 from octo.runtime.selection import Candidate
 from octo.scheduler.engine_loop import new_engine_thread
 
@@ -86,6 +87,7 @@ class LocalCandidate(Candidate):
 
     async def open(self, bench):
         t = time.perf_counter()
+        LOADS[0] += 1
         self.engine = await self._on_thread(load_engine, self.cls, self.config, self.artifact, self.name)
         load_s = time.perf_counter() - t
         if bench is None:
@@ -251,7 +253,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         say(f"octo: {resolved.name}: loading with {engine_name} ({artifact.uri})")
         path = await asyncio.to_thread(fetch, artifact, offline=offline)
         cand = candidate(registry[engine_name], str(path), resolved.name, config, say)
-        await _open_or_fail(cand)
+        await _open_or_fail(cand, registry)
         handle = cand.handle(tuple(resolved.aliases),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, engine_rows(registry, engine_name, engine=_engine_view(handle))
@@ -269,7 +271,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     cands = {n: candidate(registry[n], paths[n], resolved.name, config, say) for n in paths}
     if len(cands) == 1:
         (chosen, cand), = cands.items()
-        await _open_or_fail(cand)
+        await _open_or_fail(cand, registry)
         reason, results = "only candidate engine", {}
     else:
         from octo.runtime.selection import select
@@ -288,11 +290,15 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     return handle, engine_rows(registry, chosen, results, engine=_engine_view(handle))
 
 
-async def _open_or_fail(cand: Candidate) -> None:
+async def _open_or_fail(cand: Candidate, registry: dict[str, type[Engine]]) -> None:
+    """Load ``cand``; meanwhile a thread detects every installed engine (``engine_rows``: each one's library is
+    imported into this process the first time), so the rows made once the model is loaded cost nothing."""
+    detecting = asyncio.ensure_future(asyncio.to_thread(engine_rows, registry))
     try:
         await cand.open(None)
     except OctoError as err:
         raise ConfigError(err.message) from None
+    await detecting
 
 
 class _EngineView:

@@ -32,6 +32,7 @@ from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, O
 from octo.runtime.memguard import DEFAULT_MAX_LOADED, no_room
 
 log = logging.getLogger("octo.runtime.registry")
+CATALOG_SCAN_DELAY_S = 3.0  # the first scan of the catalog's servable models, after the server starts
 MAX_SPELLINGS = 256  # requests' spellings of model names remembered (the most recent)
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
 
@@ -252,16 +253,23 @@ class Registry:
         for slot in self.loaded():
             await slot.handle.activate(self.config_for(slot.spec) if slot.spec.declared else self.config)
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-            self._scan_catalog()  # /v1/models answers from it
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.create_task(self._sweep())
+            # /v1/models answers from it; a few seconds later, so that its imports (huggingface_hub) and file scans
+            # do not compete with the first requests (a /v1/models before then starts it at once)
+            self._scan_timer = loop.call_later(CATALOG_SCAN_DELAY_S, self._scan_catalog)
 
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+            self._scan_timer.cancel()
         for slot in self.slots:
             if slot.loading is not None:
                 slot.loading.cancel()
         await asyncio.gather(*(self._unload(s) for s in self.slots if s.handle is not None), return_exceptions=True)
+        from octo.runtime.remote import SPARE
+
+        await SPARE.close()
         if self.cluster is not None:
             await self.cluster.close()
 

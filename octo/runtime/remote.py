@@ -23,7 +23,6 @@ import math
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Engine, ModelInfo
 from octo.errors import EngineCrashed, ModelFailed, OctoError, QueueTimeout
-from octo.runtime import ipc, supervision
+from octo.runtime import ipc, prespawn, supervision
 from octo.runtime.arbiter import ARBITER
 from octo.runtime.handle import Forwarder, WireTicket, consume_exception
 from octo.runtime.supervision import configs_for, describe_exit, remember, remembered  # noqa: F401 - remembered: loader
@@ -54,8 +53,10 @@ class WorkerProcess:
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: Any = None  # asyncio.subprocess.Process, or PopenProcess for the pre-spawned worker
         self.pid = 0
+        self.beat = supervision.beat_interval(supervision.WORKER_TIMEOUT_S)
+        self.member: Any = None
         self._down: ipc.FrameReader | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self.on_events: Callable[[list], None] = lambda events: None
@@ -74,31 +75,62 @@ class WorkerProcess:
 
     @classmethod
     async def spawn(cls, label: str, worker_timeout: float = supervision.WORKER_TIMEOUT_S) -> WorkerProcess:
-        self = cls(label)
-        self.silence_limit = supervision.silence_limit(worker_timeout, serving=False)
-        loop = asyncio.get_running_loop()
-        self.exited = loop.create_future()
+        """A worker for ``label``: the spare one if there is one (started ahead, its imports done or under way),
+        else a new process."""
+        worker = await SPARE.take(worker_timeout)
+        if worker is not None:
+            worker.relabel(label)
+            log.debug("%s: the spare worker (pid %d) takes it", label, worker.pid)
+            return worker
+        return await cls.start(label, worker_timeout)
+
+    @classmethod
+    async def start(cls, label: str, worker_timeout: float = supervision.WORKER_TIMEOUT_S,
+                    preload: tuple[str | None, tuple[str, ...]] | None = None) -> WorkerProcess:
+        """A new worker process (``preload``: (plugins_dir, engines) it prepares while it waits for a model)."""
         down_g, down_w = socket.socketpair()
         up_g, up_w = socket.socketpair()
         arb_g, arb_w = socket.socketpair()
+        beat = supervision.beat_interval(worker_timeout)
         try:
             fds = (down_w.fileno(), up_w.fileno(), arb_w.fileno())
-            env = {**os.environ, "OCTO_LOG_LEVEL": logging.getLevelName(logging.getLogger().level)}
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "octo.runtime.worker", *map(str, fds), str(os.getpid()),
-                str(supervision.beat_interval(worker_timeout)), pass_fds=fds, stdin=asyncio.subprocess.DEVNULL,
-                env=env)
+            env = prespawn.worker_env(logging.getLogger().level, *(preload or (None, None)))
+            proc = await asyncio.create_subprocess_exec(*prespawn.worker_argv(fds, beat), pass_fds=fds,
+                                                        stdin=asyncio.subprocess.DEVNULL, env=env)
+        except BaseException:
+            for sock in (down_g, up_g, arb_g):
+                sock.close()
+            raise
         finally:
             down_w.close()
             up_w.close()
             arb_w.close()
-        self.pid = self.proc.pid
+        return await cls(label)._attach(proc, down_g, up_g, arb_g, worker_timeout)
+
+    @classmethod
+    async def adopt(cls, pre: prespawn.Prespawned, label: str, worker_timeout: float) -> WorkerProcess:
+        """The worker ``octo serve`` started before its imports (``octo.runtime.prespawn``), on this event loop."""
+        return await cls(label)._attach(PopenProcess(pre.popen), pre.down, pre.up, pre.arbiter, worker_timeout)
+
+    async def _attach(self, proc: Any, down_g: socket.socket, up_g: socket.socket, arb_g: socket.socket,
+                      worker_timeout: float) -> WorkerProcess:
+        loop = asyncio.get_running_loop()
+        self.silence_limit = supervision.silence_limit(worker_timeout, serving=False)
+        self.beat = supervision.beat_interval(worker_timeout)
+        self.exited = loop.create_future()
+        self.proc = proc
+        self.pid = proc.pid
         self._down = await ipc.open_reader(down_g, lambda msg: None, self._lost)
         await ipc.open_reader(up_g, self._on_message, self._lost)
-        self.member = await ARBITER.attach(arb_g, label)
+        self.member = await ARBITER.attach(arb_g, self.label)
         self.heard = time.monotonic()
         self._watch = loop.create_task(supervision.watch(self))
         return self
+
+    def relabel(self, label: str) -> None:
+        self.label = label
+        if self.member is not None:
+            self.member.label = label
 
     @property
     def alive(self) -> bool:
@@ -205,6 +237,121 @@ class WorkerProcess:
             self.proc.kill()
 
 
+class PopenProcess:
+    """What ``WorkerProcess`` uses of ``asyncio.subprocess.Process``, for a worker started with ``subprocess.Popen``
+    before the event loop ran (``octo.runtime.prespawn``). ``wait`` polls: it is awaited only once the worker's
+    sockets closed, when it is exiting."""
+
+    def __init__(self, popen: Any) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    def kill(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.kill()
+
+    async def wait(self) -> int:
+        while self._popen.poll() is None:
+            await asyncio.sleep(0.01)
+        return self._popen.returncode
+
+
+class SpareWorker:
+    """One idle worker process kept ready (Python started, octo and the engines' plugins imported, the native
+    library of the engines the gateway has used loaded, no model), so that a load on demand, a switch under
+    ``--max-loaded`` or a restart skips the interpreter's start and imports. One at a time: it costs one idle
+    interpreter. It is supervised like any worker (heartbeats; a silent one is killed), replaced as soon as it is taken
+    once the gateway serves, and stopped with the gateway (``close``; it also dies with the gateway's process).
+    ``OCTO_SPARE_WORKER=0`` turns it off (the worker ``octo serve`` starts before its imports is still used once)."""
+
+    def __init__(self) -> None:
+        self.worker: WorkerProcess | None = None
+        self.enabled = False
+        self.worker_timeout = supervision.WORKER_TIMEOUT_S
+        self.plugins_dir: str | None = None
+        self.engines: dict[str, None] = {}  # engines loaded in workers so far: a new spare prepares them
+        self._starting: asyncio.Task | None = None
+
+    async def take(self, worker_timeout: float) -> WorkerProcess | None:
+        """The spare (the pre-spawned worker first), if one is alive and beats as ``worker_timeout`` wants; a new
+        spare is started behind it."""
+        beat = supervision.beat_interval(worker_timeout)
+        pre = prespawn.take()
+        if pre is not None:
+            if pre.beat == beat:
+                self._replenish()
+                return await WorkerProcess.adopt(pre, "engine worker", worker_timeout)
+            prespawn.discard(pre)
+        if self._starting is not None and not self._starting.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._starting)
+        worker, self.worker = self.worker, None
+        self._replenish()
+        if worker is None or not worker.alive or worker.beat != beat:
+            if worker is not None:
+                worker.kill()
+            return None
+        return worker
+
+    def note(self, engine: str, plugins_dir: str | None) -> None:
+        """A model loads with ``engine``: the next spare prepares it."""
+        self.engines[engine] = None
+        self.plugins_dir = plugins_dir
+
+    async def enable(self, worker_timeout: float, plugins_dir: str | None, delay: float = 5.0) -> None:
+        """The gateway serves: keep a spare from now on: the pre-spawned worker if no load took it, else (if a model
+        loaded in a worker) a new one after ``delay`` seconds, so that it does not take the cores from the first
+        requests; else a new one once a worker is taken."""
+        if os.environ.get("OCTO_SPARE_WORKER", "1") == "0":
+            return
+        self.enabled, self.worker_timeout, self.plugins_dir = True, worker_timeout, plugins_dir
+        pre = prespawn.take()
+        if pre is not None and self.worker is None:
+            self.worker = await WorkerProcess.adopt(pre, "spare engine worker", worker_timeout)
+        elif pre is not None:
+            prespawn.discard(pre)
+        if self.engines:  # a gateway whose models all run in-process starts one only once a worker is needed
+            self._replenish(delay)
+
+    def _replenish(self, delay: float = 0.0) -> None:
+        if self.enabled and self.worker is None and (self._starting is None or self._starting.done()):
+            self._starting = asyncio.get_running_loop().create_task(self._start(delay))
+            self._starting.add_done_callback(consume_exception)
+
+    async def _start(self, delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        worker = await WorkerProcess.start("spare engine worker", self.worker_timeout,
+                                           preload=(self.plugins_dir, tuple(self.engines)))
+        if self.enabled and self.worker is None:
+            self.worker = worker
+        else:
+            await worker.stop()
+
+    async def close(self) -> None:
+        """The gateway stops: so does the spare (and a pre-spawned worker nothing took)."""
+        self.enabled = False
+        prespawn.discard_all()
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+            with contextlib.suppress(BaseException):
+                await self._starting
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            await worker.stop()
+
+    def info(self) -> dict[str, Any] | None:
+        worker = self.worker
+        return {"pid": worker.pid, "alive": worker.alive} if worker is not None else None
+
+
+SPARE = SpareWorker()
+
+
 # -- starting a worker with fallbacks ------------------------------------------------------------------------
 async def start_worker(cls: type[Engine], artifact: str, name: str, config: ServerConfig, *, first: int = 0,
                        bench: tuple[float, float | None] | None = None,
@@ -222,11 +369,13 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
     while True:
         overlay, _ = configs[i]
         label = f"{cls.name} worker for '{name}'"
+        SPARE.note(cls.name, config.plugins_dir)
         worker = await WorkerProcess.spawn(label, config.worker_timeout)
         cfg = ServerConfig(**{**config.__dict__, "options": {**config.options, **overlay}})
         spec = {"engine": cls.name, "artifact": artifact, "name": name, "config": cfg,
                 "plugins_dir": config.plugins_dir, "warmup": bench is None}
         phase = "loading"
+        prespawn.LOADS[0] += 1  # (the request goes out before the first await below)
         try:
             loaded = await worker.request("load", spec, timeout=config.load_timeout)
             if bench is not None:

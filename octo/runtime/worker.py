@@ -40,6 +40,7 @@ from octo.engine import Engine, Task
 from octo.errors import OctoError
 from octo.runtime import ipc
 from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, run_call
+from octo.runtime.prespawn import PLUGINS_ENV, PRELOAD_ENV
 from octo.runtime.supervision import FAULT_EXIT
 from octo.scheduler.admission import Scheduler
 from octo.scheduler.engine_loop import as_octo_error, new_engine_thread
@@ -191,6 +192,7 @@ class Worker:
         self.spec: dict[str, Any] = {}
         self.closed = asyncio.Event()
         self._ops: dict[int, asyncio.Task] = {}  # operations running as tasks, by call id ("cancel_op" ends them)
+        self._engines: dict[str | None, dict[str, type[Engine]]] = {}  # plugins_dir -> engine registry
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def on_message(self, msg: tuple) -> None:
@@ -264,11 +266,8 @@ class Worker:
 
     def _load(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
-        from octo.plugins import engine_registry, load_plugins
-
         self.spec = spec
-        registry = engine_registry(load_plugins(spec.get("plugins_dir")))
-        cls = registry[spec["engine"]]
+        cls = self.engine_classes(spec.get("plugins_dir"))[spec["engine"]]
         t0 = time.perf_counter()
         self.engine = load_engine(cls, spec["config"], spec["artifact"], spec["name"])
         load_s = time.perf_counter() - t0
@@ -276,6 +275,28 @@ class Worker:
             warm_up(self.engine)
         return {"info": self.engine.info, "batching": self.engine.batching, "load_seconds": round(load_s, 3),
                 "pid": os.getpid()}
+
+    def engine_classes(self, plugins_dir: str | None) -> dict[str, type[Engine]]:
+        """(engine thread) The engine registry of ``plugins_dir``'s plugins, made once."""
+        registry = self._engines.get(plugins_dir)
+        if registry is None:
+            from octo.plugins import engine_registry, load_plugins
+
+            registry = self._engines[plugins_dir] = engine_registry(load_plugins(plugins_dir))
+        return registry
+
+    def preload(self, plugins_dir: str | None, engines: list[str]) -> None:
+        """(engine thread, while the worker waits for its model) Load the plugins and import the native libraries of
+        ``engines`` (``detect``), so that the model's load starts with them done (``OCTO_WORKER_PRELOAD``)."""
+        t0 = time.perf_counter()
+        try:
+            registry = self.engine_classes(plugins_dir)
+            for name in engines:
+                if name in registry:
+                    registry[name].detect()
+        except Exception:  # noqa: BLE001 - the load itself reports what is wrong
+            log.debug("worker: preloading %s failed", engines, exc_info=True)
+        log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
 
     async def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
         from octo.runtime.selection import micro_benchmark
@@ -406,6 +427,10 @@ async def _main(down_fd: int, up_fd: int, arb_fd: int, beat: float) -> None:
     sender = ipc.BlockingSender(socket.socket(fileno=up_fd))
     ipc.start_heartbeat(sender, beat)
     worker = Worker(sender, loop, ComputeGate(socket.socket(fileno=arb_fd)))
+    preload = os.environ.get(PRELOAD_ENV)
+    if preload is not None:  # a load message that comes meanwhile waits for it on the engine thread
+        loop.run_in_executor(worker.engine_thread, worker.preload, os.environ.get(PLUGINS_ENV) or None,
+                             [e for e in preload.split(",") if e])
     await ipc.open_reader(socket.socket(fileno=down_fd), worker.on_message, lambda: os._exit(0))
     await worker.closed.wait()
     sender.send(("bye",))

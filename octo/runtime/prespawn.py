@@ -1,0 +1,113 @@
+"""An engine worker started before the gateway's own imports: ``octo serve`` calls :func:`prespawn` right after
+parsing its flags, so the worker's interpreter start and imports (and its engine plugins') overlap the gateway's,
+and the first model load (or a load on demand) skips them. Standard library only: importing this module must cost
+nothing.
+
+The worker is the ordinary ``python -m octo.runtime.worker`` (``octo.runtime.remote.WorkerProcess``), started with
+``subprocess.Popen`` because no event loop runs yet; ``octo.runtime.remote`` adopts it (:func:`take`) the first time
+it needs a worker, or keeps it as its spare. It is a child of the thread that runs the gateway's event loop (the
+main thread), so it dies with the gateway (``PR_SET_PDEATHSIG``, and EOF on its sockets).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("octo.runtime.prespawn")
+PRELOAD_ENV = "OCTO_WORKER_PRELOAD"  # "ENGINE,ENGINE" (maybe empty): what a worker prepares while it waits ...
+PLUGINS_ENV = "OCTO_WORKER_PLUGINS_DIR"  # ... with the plugins of this folder (octo.runtime.worker.Worker.preload)
+
+
+@dataclass
+class Prespawned:
+    """A worker process started with ``Popen`` and the gateway's ends of its three sockets (down, up, arbiter)."""
+
+    popen: subprocess.Popen
+    down: socket.socket
+    up: socket.socket
+    arbiter: socket.socket
+    beat: float
+    started: float  # time.monotonic() of the spawn
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+_slot: list[Prespawned] = []
+LOADS = [0]  # model loads handed to an engine so far (a worker's load request sent, or an in-process load begun)
+
+
+def worker_argv(fds: tuple[int, int, int], beat: float) -> list[str]:
+    """The command line of a worker whose ends of the down, up and arbiter sockets are ``fds``."""
+    return [sys.executable, "-m", "octo.runtime.worker", *map(str, fds), str(os.getpid()), str(beat)]
+
+
+def worker_env(level: int | str, plugins_dir: str | None = None, engines: tuple[str, ...] | None = None
+               ) -> dict[str, str]:
+    """A worker's environment: the gateway's log level and, for a worker started ahead of its model (``engines`` not
+    None), what to prepare while it waits: the plugins of ``plugins_dir`` and the libraries of ``engines``."""
+    name = level if isinstance(level, str) else logging.getLevelName(level)
+    env = {k: v for k, v in os.environ.items() if k not in (PRELOAD_ENV, PLUGINS_ENV)}
+    env["OCTO_LOG_LEVEL"] = name.upper()
+    if engines is not None:
+        env[PRELOAD_ENV] = ",".join(engines)
+        if plugins_dir:
+            env[PLUGINS_ENV] = plugins_dir
+    return env
+
+
+def prespawn(beat: float, log_level: str, plugins_dir: str | None = None,
+             engines: tuple[str, ...] = ()) -> Prespawned | None:
+    """Start one worker now (waiting for a model to load) and keep it for :func:`take`; None if it cannot start
+    (the gateway then spawns its workers as they are needed)."""
+    pairs = [socket.socketpair() for _ in range(3)]
+    fds = tuple(w.fileno() for _, w in pairs)
+    try:
+        popen = subprocess.Popen(worker_argv(fds, beat), pass_fds=fds, stdin=subprocess.DEVNULL,
+                                 env=worker_env(log_level, plugins_dir, engines))
+    except OSError as exc:
+        for g, w in pairs:
+            g.close()
+            w.close()
+        log.debug("no pre-spawned worker: %s", exc)
+        return None
+    for _, w in pairs:
+        w.close()
+    pre = Prespawned(popen, pairs[0][0], pairs[1][0], pairs[2][0], beat, time.monotonic())
+    _slot.append(pre)
+    log.debug("pre-spawned an engine worker (pid %d) before the gateway's imports", popen.pid)
+    return pre
+
+
+def take() -> Prespawned | None:
+    """The pre-spawned worker, once (None: none, or it already exited)."""
+    while _slot:
+        pre = _slot.pop()
+        if pre.popen.poll() is None:
+            return pre
+        discard(pre)
+    return None
+
+
+def discard(pre: Prespawned) -> None:
+    """Close the sockets (the worker exits at their EOF) and reap it."""
+    for sock in (pre.down, pre.up, pre.arbiter):
+        sock.close()
+    if pre.popen.poll() is None:
+        pre.popen.kill()
+    try:
+        pre.popen.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def discard_all() -> None:
+    while _slot:
+        discard(_slot.pop())
