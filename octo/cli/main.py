@@ -474,7 +474,7 @@ async def _serve(config: ServerConfig, specs: list) -> None:
         for sock in socks:
             sock.close()
         raise
-    from octo.runtime.remote import SPARE
+    from octo.runtime.process import SPARE
 
     await SPARE.enable(config.worker_timeout, config.plugins_dir)
     port = socks[0].getsockname()[1]

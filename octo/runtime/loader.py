@@ -129,7 +129,7 @@ class WorkerCandidate(Candidate):
         self.worker = self.loaded = None
 
     async def open(self, bench):
-        from octo.runtime.remote import remembered, start_worker
+        from octo.runtime.process import remembered, start_worker
 
         first = remembered(self.cls, self.artifact, self.config.options)
         self.worker, self.loaded = await start_worker(self.cls, self.artifact, self.name, self.config, first=first,

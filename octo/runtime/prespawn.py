@@ -3,8 +3,8 @@ parsing its flags, so the worker's interpreter start and imports (and its engine
 and the first model load (or a load on demand) skips them. Standard library only: importing this module must cost
 nothing.
 
-The worker is the ordinary ``python -m octo.runtime.worker`` (``octo.runtime.remote.WorkerProcess``), started with
-``subprocess.Popen`` because no event loop runs yet; ``octo.runtime.remote`` adopts it (:func:`take`) the first time
+The worker is the ordinary ``python -m octo.runtime.worker`` (``octo.runtime.process.WorkerProcess``), started with
+``subprocess.Popen`` because no event loop runs yet; ``octo.runtime.process`` adopts it (:func:`take`) the first time
 it needs a worker, or keeps it as its spare. It is a child of the thread that runs the gateway's event loop (the
 main thread), so it dies with the gateway (``PR_SET_PDEATHSIG``, and EOF on its sockets).
 """

@@ -267,7 +267,7 @@ class Registry:
             if slot.loading is not None:
                 slot.loading.cancel()
         await asyncio.gather(*(self._unload(s) for s in self.slots if s.handle is not None), return_exceptions=True)
-        from octo.runtime.remote import SPARE
+        from octo.runtime.process import SPARE
 
         await SPARE.close()
         if self.cluster is not None:
