@@ -244,9 +244,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], port: int, ready_path: str, name: str, timeout: float = 300, env: dict | None = None):
+def server(cmd: list[str], port: int, ready_path: str, name: str, timeout: float = 300, env: dict | None = None,
+           cwd: Path = REPO):
+    """``cmd`` running in ``cwd`` until the block ends, once ``ready_path`` answers 200 (its output: a temp log)."""
     log = tempfile.NamedTemporaryFile("wb", prefix=f"bench-{name}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + timeout
         while True:

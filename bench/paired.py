@@ -8,6 +8,8 @@ end to end is ``N x long / wall_long`` (``bench/llamacpp.py``'s ``decode_rate``,
 
 ``--variant NAME="-o kv_unified=false"`` adds an octo server with those extra arguments to every round (its ratios to
 llama-server are paired the same way), e.g. the per-sequence KV streams beside the default unified pool.
+``--rev REV...`` adds octo served at those git revisions (bench/revtree.py) to every round, e.g. the commit before a
+refactoring beside the checkout: a change that costs speed shows as a ratio below the revision's in the same rounds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from llamacpp import cpp_cmd, decode_rate, free_port, load, octo_cmd, run_levels, server  # noqa: E402
+from revtree import short_sha, worktree  # noqa: E402
 
 
 def level(path: str, n: int, rounds: int, args) -> dict:
@@ -31,7 +34,10 @@ def level(path: str, n: int, rounds: int, args) -> dict:
         bases = {}
         for name, extra in octos.items():
             p = free_port()
-            bases[name] = st.enter_context(server(octo_cmd(path, p, args, max(8, n)) + extra, p, "/health", name))
+            cmd, cwd = octo_cmd(path, p, args, max(8, n)) + extra, REPO
+            if name in args.rev:  # that revision's octo: `python -m octo.cli` in its worktree (older ones lack .main)
+                cmd, cwd = [*cmd[:2], "octo.cli", *cmd[3:]], args.rev[name]
+            bases[name] = st.enter_context(server(cmd, p, "/health", name, cwd=cwd))
         p = free_port()
         bases["llama-server"] = st.enter_context(server(cpp_cmd(path, p, args, n), p, "/health", "llama-server"))
         for base in bases.values():
@@ -65,9 +71,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", nargs="*", default=[], metavar='NAME="ARGS"',
                     help="another octo server with extra arguments, e.g. streams=\"-o kv_unified=false\"")
+    ap.add_argument("--rev", nargs="*", default=[], metavar="REV", help="octo at these git revisions, beside")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "paired.json"))
     args = ap.parse_args()
     args.variant = dict(v.split("=", 1) for v in args.variant)
+    args.rev = {f"octo@{short_sha(r)}": str(worktree(r)) for r in args.rev}
+    args.variant.update(dict.fromkeys(args.rev, ""))
     if {"octo", "llama-server"} & set(args.variant):
         ap.error("a variant needs a name of its own")
     run_levels(args, level, args.rounds, "runs")
