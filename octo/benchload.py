@@ -96,14 +96,20 @@ class LoadMonitor:
                 "steal": round(steal, 3), "disturbed": disturbed}
 
 
+def quiet_now(window: float = 0.2) -> bool:
+    """Whether other processes left the cores mostly idle over the next ``window`` seconds (True where /proc/stat
+    cannot tell)."""
+    mon = LoadMonitor().start()
+    time.sleep(window)
+    cond = mon.stop()
+    return cond["foreign_load"] is None or (cond["foreign_load"] < QUIET_FOREIGN and cond["steal"] < DISTURBED_STEAL)
+
+
 def wait_quiet(limit: float, window: float = 0.2) -> bool:
     """Wait (at most ``limit`` seconds) until other processes leave the cores mostly idle; True when they did."""
     end = time.perf_counter() + limit
     while time.perf_counter() < end:
-        mon = LoadMonitor().start()
-        time.sleep(window)
-        cond = mon.stop()
-        if cond["foreign_load"] is None or (cond["foreign_load"] < QUIET_FOREIGN and cond["steal"] < DISTURBED_STEAL):
+        if quiet_now(window):
             return True
     return False
 

@@ -37,6 +37,7 @@ def auto(monkeypatch, tmp_path):
     monkeypatch.setenv("OCTO_HOME", str(tmp_path))
     real = LoadMonitor.stop
     monkeypatch.setattr(LoadMonitor, "stop", lambda self: {**real(self), "disturbed": False})
+    monkeypatch.setattr(background, "quiet_now", lambda: True)
     return tmp_path
 
 
@@ -309,3 +310,40 @@ def test_streams_decode_a_step_as_one_micro_batch_in_any_feed_order(gguf_path, m
         finally:
             e.unload()
     assert runs["false"] == runs["true"]
+
+
+def test_a_busy_host_postpones_the_probe_without_running_it(gguf_path, auto, monkeypatch, forbid):
+    """Other processes keep the cores busy: the due probe does not start (its measurement would be thrown away) and
+    no attempt is counted; it looks again in BUSY_RETRY_S."""
+    looks = []
+    monkeypatch.setattr(background, "quiet_now", lambda: looks.append(1) or False)
+    e = _load(gguf_path)
+    try:
+        forbid(layout, "_workload")
+        assert e.idle_work(lambda: False) == background.BUSY_RETRY_S and looks == [1]
+        assert e.layout.verdicts["pending"] and not e.layout.verdicts.get("attempts")
+    finally:
+        e.unload()
+
+
+def test_a_probe_that_others_disturb_stops_and_leaves_the_engine_as_it_serves(gguf_path, auto, monkeypatch):
+    """A competitor starts while the probe runs: it stops at its next look (no wasted minutes of probing), counts no
+    attempt, leaves the pool as it serves, and runs to its end at a later quiet moment."""
+    looks = []
+    monkeypatch.setattr(background, "disturbed", lambda monitor: looks.append(1) or len(looks) >= 2)
+    monkeypatch.setattr(background, "LOOK_AFTER_S", 0.0)
+    monkeypatch.setattr(background, "LOOK_EVERY_S", 0.0)
+    e = _load(gguf_path)
+    try:
+        assert e.idle_work(lambda: False) == background.BUSY_RETRY_S and len(looks) == 2
+        assert e.layout.verdicts["pending"] and not e.layout.verdicts.get("attempts")
+        assert e.kv_unified and not e.active and e.cells.book.used() == 0
+        assert not list((auto / "probe").glob("llamacpp-layout-*.json")), "nothing concluded, nothing cached"
+        assert _greedy(e, [e.tokenize("served meanwhile")], 3)[0]
+        monkeypatch.setattr(background, "disturbed", lambda monitor: False)
+        while (wait := e.idle_work(lambda: False)) is not None and e.layout.verdicts.get("pending"):
+            assert wait == background.INTERRUPTED_RETRY_S or wait < 60, wait
+            e.layout.verdicts["retry_at"] = 0.0
+        assert e.layout.verdicts["source"] == "measured" and cached_verdict(auto, "layout", False)
+    finally:
+        e.unload()

@@ -13,6 +13,13 @@ changes anything:
   context than the pool, and the context a model announced stays what it serves);
 * a disturbed one is not followed: it is recorded (attempts, next try) so that the next try comes later, in this
   process or a later one (``DISTURBED_RETRY_S``), never on every start.
+
+A probe measures, so it only starts on a quiet host, and it stops as soon as other processes disturb it: a due probe
+first looks at the cores for ``QUIET_WINDOW_S`` (``octo.benchload.quiet_now``) and, if others keep them busy, waits
+``BUSY_RETRY_S`` without counting an attempt; while it runs, :func:`check` looks at what competed since it started
+(every ``LOOK_EVERY_S``, from ``LOOK_AFTER_S`` on) and stops it (:class:`ProbeDisturbed`) once that is a disturbance.
+An idle octo on a busy machine (another server being benchmarked, a build) thus costs nothing but a look every half
+minute, instead of minutes of probing that would be thrown away.
 """
 
 from __future__ import annotations
@@ -22,26 +29,54 @@ import threading
 import time
 from typing import Any, Protocol
 
+from octo import benchload
+
 log = logging.getLogger("octo.engines.llamacpp")
 
 INTERRUPTED_RETRY_S = 2.0  # idleness before a probe that a request interrupted starts again
 DISTURBED_RETRY_S = (600.0, 3600.0, 6 * 3600.0, 86400.0)  # after the 1st, 2nd, 3rd, 4th+ disturbed measurement
 
-_state = threading.local()  # the engine thread's interruption test while one of its probes runs
+BUSY_RETRY_S = 30.0  # a due probe on a host others keep busy waits this long (not an attempt)
+QUIET_WINDOW_S = 0.3  # how long a due probe looks at the cores before it starts
+LOOK_AFTER_S, LOOK_EVERY_S = 1.0, 0.5  # a running probe looks for disturbance from 1 s on, every half second
+
+_state = threading.local()  # the engine thread's interruption test (and load monitor) while one of its probes runs
 
 
 class ProbeInterrupted(Exception):
     """A request arrived while a probe ran: the probe stops and leaves the engine as it serves."""
 
 
+class ProbeDisturbed(ProbeInterrupted):
+    """Other processes competed for the cores while a probe ran: its measurement would be thrown away; it stops."""
+
+
+def quiet_now() -> bool:
+    """Whether the host is quiet enough to start a probe (``octo.benchload.quiet_now``)."""
+    return benchload.quiet_now(QUIET_WINDOW_S)
+
+
+def disturbed(monitor: benchload.LoadMonitor) -> bool:
+    """Whether what competed since ``monitor`` started disturbs a measurement."""
+    return bool(monitor.stop()["disturbed"])
+
+
 def check(outs: list[Any]) -> list[Any]:
-    """A probe's engine step results, with any per-sequence error raised; ProbeInterrupted once a request waits."""
+    """A probe's engine step results, with any per-sequence error raised; ProbeInterrupted once a request waits,
+    ProbeDisturbed once other processes disturbed the probe."""
     for out in outs:
         if isinstance(out, BaseException):
             raise out
     interrupted = getattr(_state, "interrupted", None)
     if interrupted is not None and interrupted():
         raise ProbeInterrupted
+    monitor = getattr(_state, "monitor", None)
+    if monitor is not None:
+        now = time.perf_counter()
+        if now >= _state.next_look:
+            _state.next_look = now + LOOK_EVERY_S
+            if disturbed(monitor):
+                raise ProbeDisturbed
     return outs
 
 
@@ -71,9 +106,10 @@ class Probed(Protocol):
     def conclude_probe(self, kind: str) -> None: ...
 
 
-def run(part: Probed, interrupted: Any) -> float | None:
+def run(part: Probed, interrupted: Any, watch_load: bool = True) -> float | None:
     """``Engine.idle_work`` of the llama.cpp engine: the due probes of its layout ``part``, in order (the layout, then
-    short traffic). Returns None when none is left, else the idleness to wait before the next call."""
+    short traffic). Returns None when none is left, else the idleness to wait before the next call. With
+    ``watch_load``, a probe starts only on a quiet host and stops once others disturb it (see the module's text)."""
     lay = part.verdicts
     waits = []
     for kind in ("layout", "adapt"):
@@ -84,14 +120,22 @@ def run(part: Probed, interrupted: Any) -> float | None:
         if wait > 0:
             waits.append(wait)
             continue
+        if watch_load and not quiet_now():
+            log.debug("llamacpp: the %s probe waits: other processes keep the cores busy", kind)
+            return BUSY_RETRY_S
         _state.interrupted = interrupted
+        if watch_load:
+            _state.monitor, _state.next_look = benchload.LoadMonitor().start(), time.perf_counter() + LOOK_AFTER_S
         try:
             part.conclude_probe(kind)
+        except ProbeDisturbed:
+            log.debug("llamacpp: the %s probe stopped: other processes competed for the cores", kind)
+            return BUSY_RETRY_S
         except ProbeInterrupted:
             log.debug("llamacpp: the %s probe stopped for a request; it goes on at the next idle moment", kind)
             return INTERRUPTED_RETRY_S
         finally:
-            _state.interrupted = None
+            _state.interrupted = _state.monitor = None
         if pending(lay if kind == "layout" else lay.get("adapt")):
             waits.append(lay["retry_at"] - time.time() if kind == "layout" else lay["adapt"]["retry_at"] - time.time())
     return max(1.0, min(waits)) if waits else None
@@ -102,7 +146,7 @@ def settle(part: Probed) -> None:
     for verdict in (part.verdicts, part.verdicts.get("adapt")):
         if pending(verdict):
             verdict["retry_at"] = 0.0
-    while run(part, lambda: False) is not None:
+    while run(part, lambda: False, watch_load=False) is not None:
         for verdict in (part.verdicts, part.verdicts.get("adapt")):
             if pending(verdict):
                 return  # disturbed: recorded for later
