@@ -34,7 +34,7 @@ from octo.engine import Engine, Feed, common_prefix
 from octo.errors import EngineError, KVCacheFull, Overloaded
 from octo.scheduler.disk_cache import DiskPrefixCache, DiskTier
 from octo.scheduler.emission import Emission, put_event, token_id
-from octo.scheduler.events import Cached, Done, Failed
+from octo.scheduler.events import Cached, Done, Failed, Text
 from octo.scheduler.jobs import Call, Job, Ticket
 from octo.scheduler.kv_pressure import KVPressure
 from octo.scheduler.pacer import Pacer, work_left
@@ -501,10 +501,11 @@ class EngineLoop:
     def _take(self, f: Feed, t: Ticket, tok: Any, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any,
               n_vocab: int) -> bool:
         """A sampled token of ``t``: constraint, text, stop strings, limits; False when the sequence ended."""
-        tok = token_id(tok, n_vocab)
-        if isinstance(tok, EngineError):
-            self._fail(t, tok, posts)
-            return False
+        if tok.__class__ is not int or tok < 0 or (n_vocab and tok >= n_vocab):  # (a plain valid id: no call)
+            tok = token_id(tok, n_vocab)
+            if isinstance(tok, EngineError):
+                self._fail(t, tok, posts)
+                return False
         if t.extra:
             err = self._accept(f, t, tok, eos, posts)
             if err is not None:
@@ -526,7 +527,12 @@ class EngineLoop:
             self._fail(t, exc, posts)
             return False
         if piece:
-            self._emit(t, piece, posts)
+            if t.thinker is None and t.parser is None:  # plain text: Emission.emit's work for it, inline
+                t.text.append(piece)
+                if t.req.stream:
+                    posts.append((put_event, t.events, Text(t.index, piece)))
+            else:
+                self._emit(t, piece, posts)
         if stopped:
             self._finish(t, "stop", posts, flush=False)
         elif t.matcher is not None and t.matcher.is_done():  # nothing but the end can follow
