@@ -1,6 +1,8 @@
 """The shared scheduler in-process: admission waits, queue timeouts, shutdown and a misbehaving engine step."""
 
 import asyncio
+import dataclasses
+import re
 
 import pytest
 from octo.engines.echo import EchoEngine
@@ -197,6 +199,45 @@ async def test_engine_failure_of_one_sequence_fails_only_it():
             await boom.result
         assert (await s.submit(request(e, "still serving"))[0].result).text == "still serving"
         assert s.stats()["engine_thread"] == "ok" and s.stats()["active"] == 0
+    finally:
+        s.stop()
+
+
+class TokenKindEcho(EchoEngine):
+    """Samples the echo token as ``as_token(token)`` makes it: a numpy integer, a float, an id out of range."""
+
+    as_token = staticmethod(int)
+
+    def step(self, feeds):
+        return [tok if tok is None else self.as_token(tok) for tok in super().step(feeds)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_what_an_engine_samples_is_checked_as_a_token_id_on_every_path(stream):
+    import numpy as np
+
+    e = TokenKindEcho(EngineConfig())
+    e.load("x", "m")
+    n_vocab = 1000  # (the echo engine declares none: its words get ids as they come)
+    e.info = dataclasses.replace(e.info, n_vocab=n_vocab)
+    s = Scheduler(e, max_batch=2)
+    s.start()
+    try:
+        for kind in (int, np.int64, np.uint16):  # plain ids (the inline check) and numpy ones (operator.index)
+            e.as_token = kind
+            t = s.submit(request(e, "a b c", stream=stream))[0]
+            if stream:
+                assert [d async for d in t.deltas()] == ["a", " b", " c"]
+            assert (await asyncio.wait_for(t.result, 5)).text == "a b c"
+        for kind, says in ((lambda tok: n_vocab, f"token id {n_vocab}, which is outside its vocabulary (0..999)."),
+                           (lambda tok: -1, "token id -1, which is outside"), (float, "which is not a token id"),
+                           (lambda tok: np.int64(n_vocab), f"token id {n_vocab}, which is outside")):
+            e.as_token = kind
+            t = s.submit(request(e, "a b c", stream=stream))[0]
+            with pytest.raises(EngineError, match=re.escape(says)):
+                await asyncio.wait_for(t.result, 5)
+        e.as_token = int
+        assert (await s.submit(request(e, "still serving"))[0].result).text == "still serving"
     finally:
         s.stop()
 

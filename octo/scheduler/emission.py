@@ -125,6 +125,7 @@ class Emission:
                 self._answer(t, text, posts)
 
     def _answer(self, t: Ticket, piece: str, posts: list) -> None:
+        # (EngineLoop._take does the same inline for a ticket without thinker and parser, the common case: keep alike)
         if t.parser is None:
             t.text.append(piece)
             if t.req.stream:

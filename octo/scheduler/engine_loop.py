@@ -34,7 +34,7 @@ from octo.engine import Engine, Feed, common_prefix
 from octo.errors import EngineError, KVCacheFull, Overloaded
 from octo.scheduler.disk_cache import DiskPrefixCache, DiskTier
 from octo.scheduler.emission import Emission, put_event, token_id
-from octo.scheduler.events import Cached, Done, Failed
+from octo.scheduler.events import Cached, Done, Failed, Text
 from octo.scheduler.jobs import Call, Job, Ticket
 from octo.scheduler.kv_pressure import KVPressure
 from octo.scheduler.pacer import Pacer, work_left
@@ -345,11 +345,14 @@ class EngineLoop:
         for f, t in zip(feeds, owners, strict=True):
             if t.extra:
                 dress(f, t)
-        n_decode = sum(1 for f in feeds if len(f.tokens) == 1 and f.sample)
-        n_fed = sum(len(f.tokens) for f in feeds)
-        starts = [f.seq.n_cached for f in feeds]
+        n_decode = n_fed = 0
+        starts = []
+        for f in feeds:  # (one loop, no generators: this runs every step)
+            n_fed += (k := len(f.tokens))
+            n_decode += k == 1 and f.sample  # (a bool: the planner makes the feeds)
+            starts.append(f.seq.n_cached)
         started = time.perf_counter()
-        out = self._call_step(feeds, owners, starts, posts)
+        out = self._call_step(feeds, owners, starts, posts, n_fed)
         if out is None:
             return
         self.steps += 1
@@ -451,11 +454,11 @@ class EngineLoop:
                 if t.state == "active":
                     self._fail(t, exc, posts)
 
-    def _engine_step(self, feeds: list[Feed]) -> list:
-        """``Engine.step(feeds)`` as the loop runs it: watched by the watchdog, in the compute gate's turn where several
-        models share the cores (octo.runtime.arbiter), one output per feed; raises what the engine raised."""
+    def _engine_step(self, feeds: list[Feed], n_fed: int = -1) -> list:
+        """``Engine.step(feeds)`` (``n_fed`` tokens) as the loop runs it: watched by the watchdog, in the compute gate's
+        turn where several models share the cores (octo.runtime.arbiter), one output per feed; raises what it raised."""
         gate = self.gate
-        self.watchdog.busy(sum(len(f.tokens) for f in feeds))
+        self.watchdog.busy(n_fed if n_fed >= 0 else sum(len(f.tokens) for f in feeds))
         try:
             if gate is not None:
                 gate.enter()
@@ -470,13 +473,14 @@ class EngineLoop:
             self.watchdog.idle(between=True)
         return out
 
-    def _call_step(self, feeds: list[Feed], owners: list[Ticket], starts: list[int], posts: list) -> list | None:
-        """``Engine.step(feeds)`` (``starts``: each sequence's ``n_cached`` before it): its outputs, or None when the
-        step is over (failed, or to run again)."""
+    def _call_step(self, feeds: list[Feed], owners: list[Ticket], starts: list[int], posts: list,
+                   n_fed: int) -> list | None:
+        """``Engine.step(feeds)`` (``starts``: each sequence's ``n_cached`` before it; ``n_fed``: their tokens): its
+        outputs, or None when the step is over (failed, or to run again)."""
         try:
-            return self._engine_step(feeds)
+            return self._engine_step(feeds, n_fed)
         except KVCacheFull as exc:  # nothing was consumed: make room and run the step again
-            if self.kv.reclaim(sum(len(f.tokens) for f in feeds)):
+            if self.kv.reclaim(n_fed):
                 return None
             if len(self._active) > 1 and self.engine.kv_room() is not None:  # (no shared pool: preempting frees none)
                 log.info("%s; preempting the youngest sequence", exc.message)
@@ -497,10 +501,11 @@ class EngineLoop:
     def _take(self, f: Feed, t: Ticket, tok: Any, eos: frozenset, posts: list, n_ctx: int, token_bytes: Any,
               n_vocab: int) -> bool:
         """A sampled token of ``t``: constraint, text, stop strings, limits; False when the sequence ended."""
-        tok = token_id(tok, n_vocab)
-        if isinstance(tok, EngineError):
-            self._fail(t, tok, posts)
-            return False
+        if tok.__class__ is not int or tok < 0 or (n_vocab and tok >= n_vocab):  # (a plain valid id: no call)
+            tok = token_id(tok, n_vocab)
+            if isinstance(tok, EngineError):
+                self._fail(t, tok, posts)
+                return False
         if t.extra:
             err = self._accept(f, t, tok, eos, posts)
             if err is not None:
@@ -522,7 +527,12 @@ class EngineLoop:
             self._fail(t, exc, posts)
             return False
         if piece:
-            self._emit(t, piece, posts)
+            if t.thinker is None and t.parser is None:  # plain text: Emission.emit's work for it, inline
+                t.text.append(piece)
+                if t.req.stream:
+                    posts.append((put_event, t.events, Text(t.index, piece)))
+            else:
+                self._emit(t, piece, posts)
         if stopped:
             self._finish(t, "stop", posts, flush=False)
         elif t.matcher is not None and t.matcher.is_done():  # nothing but the end can follow

@@ -46,6 +46,8 @@ class PrefixSharing:
         seq = t.seq
         limit = len(seq.tokens) - 1  # the last prompt token is always fed, for the logits
         best, best_n = None, seq.n_cached + MIN_SHARE - 1
+        if limit <= best_n:  # a prompt this short shares too little with anyone to follow (and most prompts are)
+            return
         for a in self.active:
             if a is t or a.lead is not None or a.seq.sampling.adapter != seq.sampling.adapter:
                 continue  # (KV computed with another LoRA adapter is not shared)

@@ -62,37 +62,45 @@ class Watchdog:
         self.min_step_s = MIN_STEP_S
         self.restarts = 0
         self._since = 0.0  # monotonic start of the engine call in progress; 0.0 when none
-        self._limit = 0.0
-        self._tokens = 0
+        self._tokens: int | None = 0  # what it is: a step's fed tokens, 0 between steps, None a call
         self._per_token = 0.0  # the slowest seconds per fed token seen
         self._slowest = 0.0  # the slowest step seen, in seconds
-        self._what = "a step"
         self._wedged_at = 0.0  # the _since of the call that was declared wedged
 
     # -- engine thread ---------------------------------------------------------------------------------
+    # (a few calls a step: two writes each; the limit of the call in progress is worked out by check, which only
+    # the event loop's sweeper calls, from what it is and what the steps before it took)
     def busy(self, tokens: int | None) -> None:
         """An engine call starts: a step feeding ``tokens`` tokens, a call (None), or (0) the engine calls between
         two steps."""
-        if tokens is None:
-            limit, self._what = CALL_S, "a call"
-        elif not self._per_token:
-            limit, self._what = max(self.min_step_s, FIRST_STEP_S), "a step" if tokens else "an engine call"
-        elif tokens:
-            limit, self._what = max(self.min_step_s, STEP_MARGIN * self._per_token * tokens), "a step"
-        else:
-            limit, self._what = max(self.min_step_s, STEP_MARGIN * self._slowest), "an engine call between steps"
-        self._tokens, self._limit = tokens or 0, limit
+        self._tokens = tokens
         self._since = time.monotonic()
 
     def idle(self, between: bool = False) -> None:
         """The engine call ended; ``between``: the engine thread goes on with the calls between two steps."""
-        since, self._since = self._since, 0.0
-        if since and self._tokens:
-            took = time.monotonic() - since
-            self._per_token = max(self._per_token, took / self._tokens)
-            self._slowest = max(self._slowest, took)
-        if between:
-            self.busy(0)
+        since, tokens = self._since, self._tokens
+        now = time.monotonic()
+        if since and tokens:
+            took = now - since
+            if took / tokens > self._per_token:
+                self._per_token = took / tokens
+            if took > self._slowest:
+                self._slowest = took
+        if between:  # busy(0), without the call
+            self._tokens = 0
+            self._since = now
+        else:
+            self._since = 0.0
+
+    def _limit(self, tokens: int | None) -> tuple[float, str]:
+        """How long the engine call in progress (``tokens`` as given to ``busy``) may take, and what it is."""
+        if tokens is None:
+            return CALL_S, "a call"
+        if not self._per_token:
+            return max(self.min_step_s, FIRST_STEP_S), "a step" if tokens else "an engine call"
+        if tokens:
+            return max(self.min_step_s, STEP_MARGIN * self._per_token * tokens), "a step"
+        return max(self.min_step_s, STEP_MARGIN * self._slowest), "an engine call between steps"
 
     def thread_exited(self, done: Any) -> None:
         """Done-callback of the engine loop's future (runs on the engine thread)."""
@@ -110,10 +118,16 @@ class Watchdog:
                 log.warning("the engine thread is responsive again (%s)", self.reason)
                 self.state, self.reason = "ok", None
             return
-        if self.state == "ok" and since and time.monotonic() - since > self._limit:
+        if self.state != "ok" or not since:
+            return
+        tokens = self._tokens
+        if self._since != since:  # a new call started meanwhile: look again at the next sweep
+            return
+        limit, what = self._limit(tokens)
+        took = time.monotonic() - since
+        if took > limit:
             self._wedged_at = since
-            took = time.monotonic() - since
-            self._fault("wedged", f"the engine thread has been stuck in {self._what} for {took:.1f} s")
+            self._fault("wedged", f"the engine thread has been stuck in {what} for {took:.1f} s")
 
     def check_open(self) -> None:
         if self.state != "ok":
