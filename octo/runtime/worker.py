@@ -6,7 +6,7 @@ PARENT_PID BEAT_S``
 which the gateway knows it is alive: ``octo.runtime.supervision``). Its event loop reads the gateway's messages; its
 engine
 thread runs the ordinary :class:`octo.scheduler.admission.Scheduler` and sends one message per engine step with every
-sequence's new text (``WorkerScheduler._post``), straight from that thread.
+sequence's new text (``WorkerScheduler.post``), straight from that thread.
 The engine sees one model in one process, exactly as in-process.
 
 The worker ignores SIGINT/SIGTERM (the gateway drains and then stops it), dies with its parent
@@ -161,13 +161,13 @@ class WorkerScheduler(Scheduler):
         self.outbox = outbox
         self.gate = gate
 
-    def _ticket(self, req, sampling, events, index) -> Ticket:
-        t = super()._ticket(req, sampling, events, index)
+    def make_ticket(self, req, sampling, events, index) -> Ticket:
+        t = super().make_ticket(req, sampling, events, index)
         t.result = WireFuture(self.outbox, events.rid, index, False, t)
         t.admitted = WireFuture(self.outbox, events.rid, index, True, t)  # the gateway times out what stays queued
         return t
 
-    def _post(self, posts: list) -> None:
+    def post(self, posts: list) -> None:
         rest = []
         for post in posts:
             if isinstance(post[1], _WIRE):
@@ -176,7 +176,7 @@ class WorkerScheduler(Scheduler):
                 rest.append(post)  # calls' futures live on this process's loop
         self.outbox.flush()
         if rest:
-            super()._post(rest)
+            super().post(rest)
 
 
 class Worker:

@@ -137,7 +137,7 @@ class Scheduler(EngineLoop):
             sampling = req.sampling
             if n > 1 and sampling.seed is not None:
                 sampling = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + i})
-            tickets.append(self._ticket(req, sampling, events, first_index + i))
+            tickets.append(self.make_ticket(req, sampling, events, first_index + i))
         self._enqueue(tickets)
         return tickets
 
@@ -159,7 +159,7 @@ class Scheduler(EngineLoop):
             raise
         return tickets
 
-    def _ticket(self, req: GenerationRequest, sampling: SamplingParams, events: Any, index: int) -> Ticket:
+    def make_ticket(self, req: GenerationRequest, sampling: SamplingParams, events: Any, index: int) -> Ticket:
         return Ticket(self._loop, req, sampling, events, index)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:

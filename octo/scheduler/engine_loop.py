@@ -149,12 +149,12 @@ class EngineLoop:
                     self._idle()
                     continue
                 if self._preempted:
-                    for t in [t for t in self._preempted if t._cancel]:
+                    for t in [t for t in self._preempted if t.cancel_requested]:
                         self._finish(t, "cancelled", posts)
                     self.kv.resume()
                 self._admit(admitted, posts)
                 if admitted and posts:  # their answers' headers (and a chat stream's role chunk) go before the step
-                    self._post(posts)
+                    self.post(posts)
                     posts = []
                 if self._active:
                     self._step(posts)
@@ -166,11 +166,11 @@ class EngineLoop:
                         self._fail(t, exc, posts)
                 failures += 1
                 if failures >= MAX_LOOP_FAILURES:  # it fails whatever it runs (kv_room raises): the loop is dead
-                    self._post(posts)  # and the watchdog fails what waits, and restarts it or the worker
+                    self.post(posts)  # and the watchdog fails what waits, and restarts it or the worker
                     self._settling.clear()  # (answered just now)
                     raise
             if posts:
-                self._post(posts)
+                self.post(posts)
                 posts = []
             self._settling.clear()
         self._shutdown()
@@ -214,7 +214,7 @@ class EngineLoop:
     def _interrupted(self) -> bool:
         return bool(self._pending or self._between or self._stopping)
 
-    def _post(self, posts: list) -> None:
+    def post(self, posts: list) -> None:
         """Hand results to the event loop; one wake-up covers everything posted until the loop drains."""
         with self._out_lock:
             self._outbox.extend(posts)
@@ -269,11 +269,11 @@ class EngineLoop:
         return calls, admitted
 
     def _run_batch(self, jobs: list[Call], posts: list) -> None:
-        self._post(posts[:])  # admissions now: an item answered early (below) must not wait for them
+        self.post(posts[:])  # admissions now: an item answered early (below) must not wait for them
         posts.clear()
 
         def done(i: int, result: Any) -> None:  # the engine answers one item before the batch ends
-            self._post([outcome(jobs[i].future, result)])
+            self.post([outcome(jobs[i].future, result)])
 
         self.watchdog.busy(None)
         self.calls_running = len(jobs)
@@ -333,7 +333,7 @@ class EngineLoop:
         pressure is settled, then the feeds are planned, stepped, and their outputs taken."""
         eng = self.engine
         n_ctx = eng.info.n_ctx if eng.info else 1 << 30
-        for t in [t for t in self._active if t._cancel]:
+        for t in [t for t in self._active if t.cancel_requested]:
             self._finish(t, "cancelled", posts)
         self.sharing.join_leads()
         room = eng.kv_room()
@@ -557,7 +557,7 @@ class EngineLoop:
             self.total_cancelled += 1
         else:
             self.total_processed += 1
-        result = t._result()
+        result = t.build_result()
         if t.req.stream:
             posts.append((put_event, t.events, Done(t.index, result)))
         posts.append((set_result, t.result, result))

@@ -83,7 +83,7 @@ class Ticket(Job):
     """The event-loop side of one generated sequence."""
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
-                 "finish", "hit_eos", "_cancel", "swap", "preemptions", "lead", "lead_n", "matcher", "parser",
+                 "finish", "hit_eos", "cancel_requested", "swap", "preemptions", "lead", "lead_n", "matcher", "parser",
                  "calls", "lps", "prompt_lps", "extra", "thinker", "reasoning", "t_admit", "t_first")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
@@ -102,7 +102,7 @@ class Ticket(Job):
         self.cached = 0
         self.finish: str | None = None
         self.hit_eos = False
-        self._cancel = False
+        self.cancel_requested = False
         self.swap: Any = None  # the KVHandle of a sequence preempted in "swap" mode, until it resumes
         self.preemptions = 0
         self.lead: Ticket | None = None  # the running sequence computing a prefix this one waits to share
@@ -125,7 +125,7 @@ class Ticket(Job):
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""
-        self._cancel = True
+        self.cancel_requested = True
 
     async def deltas(self):
         """Text pieces as they are generated (streaming, one ticket per queue); ends when it finishes."""
@@ -136,7 +136,7 @@ class Ticket(Job):
             if isinstance(ev, Text):
                 yield ev.text
 
-    def _result(self) -> Result:
+    def build_result(self) -> Result:
         gen = self.seq.tokens[self.n_prompt:len(self.seq.tokens) - self.hit_eos]
         text, calls = "".join(self.text), self.calls
         tools = self.req.tools
