@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -97,6 +98,11 @@ def _vocab(hf: Path, vocab_size: int) -> tuple[list[str], list[int], list[str], 
     return tokens, types, merges, special
 
 
+def quiet_gguf_writer() -> None:
+    """The gguf package logs its writer's file list at INFO: a synthetic model's build is not news to a user."""
+    logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
+
+
 def convert_hf(hf: Path, spec: ModelSpec, out: Path, ftype: str, pooling: str | None = None) -> None:
     import gguf
     from safetensors import safe_open
@@ -105,6 +111,7 @@ def convert_hf(hf: Path, spec: ModelSpec, out: Path, ftype: str, pooling: str | 
     tok_cfg = json.loads((hf / "tokenizer_config.json").read_text())
     arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[spec.arch]
     name_map = gguf.get_tensor_name_map(arch, spec.num_hidden_layers)
+    quiet_gguf_writer()
     w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(f"octo synthetic {spec.name}{' embedding' if pooling else ''}")
     w.add_type("model")

@@ -29,6 +29,7 @@ import numpy as np
 
 from octo.atomic import build_file
 from octo.synth.folder import build_folder
+from octo.synth.gguf import quiet_gguf_writer
 from octo.synth.spec import ModelSpec, get_spec
 
 VERSION = 1
@@ -113,6 +114,7 @@ def _write_gguf_lora(spec: ModelSpec, lora: LoraSpec, out: Path) -> None:
     from octo.synth.gguf import permute
 
     arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}[spec.arch]
+    quiet_gguf_writer()
     w = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     w.add_name(f"octo synthetic LoRA for {spec.name}")
     w.add_type(gguf.GGUFType.ADAPTER)
