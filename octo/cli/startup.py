@@ -83,7 +83,7 @@ async def _start(config: ServerConfig, specs: list) -> tuple[Any, Any, int]:
         pm = load_plugins(config.plugins_dir)
         if not config.cluster:  # the models' loads start first; the server's own imports run while they load
             starting = asyncio.get_running_loop().create_task(_start_registry(config, specs, pm))
-            await _until_loading(starting)
+            await until_loading(starting)
         from octo.server import listen
 
         try:  # the port before anything slow: in use is an error now, not after the load, and nothing started
@@ -149,15 +149,23 @@ def _served(registry: Any) -> str:
                      for s in registry.loaded()) or "no model yet (loaded on demand)"
 
 
-async def _until_loading(starting: asyncio.Task, limit: float = 5.0) -> None:
+async def until_loading(starting: asyncio.Task, limit: float = 5.0) -> None:
     """Wait until the first model's load is handed to its engine (or the start ends, or has no model to load), at
-    most ``limit`` seconds."""
-    from octo.runtime.prespawn import LOADS
+    most ``limit`` seconds; the hand-off itself wakes it (``prespawn.LOAD_HANDED_OVER``)."""
+    from octo.runtime.prespawn import LOAD_HANDED_OVER
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not starting.done() and LOADS[0] == 0 and loop.time() < deadline:
-        await asyncio.sleep(0.005)
+    handed = loop.create_future()
+
+    def wake() -> None:  # on the thread that hands the load over
+        loop.call_soon_threadsafe(lambda: handed.done() or handed.set_result(None))
+
+    LOAD_HANDED_OVER.add_callback(wake)
+    try:
+        await asyncio.wait((starting, handed), timeout=limit, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        LOAD_HANDED_OVER.remove_callback(wake)
+        handed.cancel()
 
 
 async def _cancelled(task: asyncio.Task) -> Any:
