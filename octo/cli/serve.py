@@ -75,7 +75,7 @@ def _defaulted(param: str) -> bool:
 def _keep_alive(ctx, param, value):
     if value is None:
         return None
-    from octo.runtime.registry import parse_keep_alive
+    from octo.runtime.specs import parse_keep_alive
 
     try:
         return parse_keep_alive(value, "--keep-alive")
@@ -271,7 +271,7 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
         _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
-    from octo.runtime.registry import ModelSpec, load_models_file
+    from octo.runtime.specs import ModelSpec, load_models_file
 
     try:
         opts = dict(config.options)
