@@ -32,7 +32,7 @@ def run_worker(engine_name: str, artifact: str, batches: list[int], seconds: flo
     """Measure one engine in this process (called in a child process)."""
     from octo.engine import EngineConfig
     from octo.plugins import engine_registry
-    from octo.runtime.selection import bench_prompt, decode_steps, free_sequences, start_sequences
+    from octo.runtime.benchmark import bench_prompt, decode_steps, free_sequences, start_sequences
 
     cls = engine_registry()[engine_name]
     engine = cls(EngineConfig(max_batch=max(batches), options=options))

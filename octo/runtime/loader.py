@@ -92,7 +92,7 @@ class LocalCandidate(Candidate):
         load_s = time.perf_counter() - t
         if bench is None:
             return load_s, None
-        from octo.runtime.selection import micro_benchmark
+        from octo.runtime.benchmark import micro_benchmark
 
         self.wait_prepare()
         return load_s, await self._on_thread(micro_benchmark, self.engine, bench[0], bench[1])

@@ -299,7 +299,7 @@ class Worker:
         log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
 
     async def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
-        from octo.runtime.selection import micro_benchmark
+        from octo.runtime.benchmark import micro_benchmark
 
         return await self._on_engine_thread(micro_benchmark, self.engine, seconds, beat)
 
@@ -395,7 +395,7 @@ class Worker:
 def warm_up(engine: Engine) -> None:
     """Run the engine once right after its load, so a crash in its first computation happens now (where a
     fallback configuration can take over), not on the first request."""
-    from octo.runtime.selection import bench_prompt, decode_steps, free_sequences, start_sequences
+    from octo.runtime.benchmark import bench_prompt, decode_steps, free_sequences, start_sequences
 
     tasks = engine.info.tasks or engine.tasks
     if tasks & {Task.CHAT, Task.COMPLETION}:
