@@ -15,7 +15,7 @@ from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
 from octo.runtime.model import ModelHandle, load_engine
 from octo.runtime.prespawn import LOAD_HANDED_OVER
 from octo.runtime.selection import Candidate
-from octo.scheduler.engine_loop import new_engine_thread
+from octo.scheduler.posting import new_engine_thread
 
 log = logging.getLogger("octo.runtime.loader")
 ENGINE_EXTRAS = ("llamacpp", "mlx", "onnx", "whisper")  # built-in engines with a pip extra of the same name

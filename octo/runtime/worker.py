@@ -43,9 +43,9 @@ from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, r
 from octo.runtime.prespawn import PLUGINS_ENV, PRELOAD_ENV
 from octo.runtime.supervision import FAULT_EXIT
 from octo.scheduler.admission import Scheduler
-from octo.scheduler.engine_loop import as_octo_error, new_engine_thread
 from octo.scheduler.events import DONE, STREAM_CODES, Admitted, Done, Event, Failed, encode
 from octo.scheduler.jobs import Ticket
+from octo.scheduler.posting import as_octo_error, new_engine_thread
 from octo.serving import openai as serving
 
 log = logging.getLogger("octo.runtime.worker")
