@@ -213,44 +213,9 @@ def _measure(engine: Engine, seconds: float, beat: float | None, hard: float) ->
         live.append(warm)
         _prefill_until(engine, warm, hard)
         decode_steps(engine, [warm], hard, 2)
-        fed, spent, k = 0, 0.0, 0
-        while fed < MIN_PREFILL_TOKENS or (time.perf_counter() < t_start + 0.2 * seconds and fed < MAX_PREFILL_TOKENS):
-            if time.perf_counter() >= hard:
-                break
-            prompt = Sequence(900_200 + k, bench_prompt(engine, PROMPT_TOKENS, 2 + k), SamplingParams(temperature=0.0))
-            engine.add_sequence(prompt)
-            t0 = time.perf_counter()
-            n = _prefill_until(engine, prompt, hard)
-            spent += time.perf_counter() - t0
-            free_sequences(engine, [prompt])
-            if not n:
-                break
-            fed, k = fed + n, k + 1
-        if fed:
-            result["prefill_tok_s"] = round(fed / spent, 2)
-        work["prefill_tokens"] = fed
-        threads = engine.thread_counts()
-        best = None
-        phase_end = t_start + 0.55 * seconds
-
-        def hopeless(tok_s: float) -> bool:
-            return beat is not None and upper_bound({**result, "decode_tok_s": tok_s}) < beat
-
-        for k, n in enumerate(threads or [None]):
-            if n is not None:
-                engine.set_threads(n)
-            decode_steps(engine, [warm], hard, 1)  # a new thread count's first step may be slow: untimed
-            now = time.perf_counter()
-            toks, dt = decode_steps(engine, [warm], now + (phase_end - now) / (len(threads or [1]) - k), 256,
-                                    hopeless, SETTLE, MIN_DECODE_STEPS, hard)
-            work["decode_tokens"] += toks
-            rate = toks / dt if toks and dt > 0 else 0.0
-            if best is None or rate > best[1]:
-                best = (n, rate)
-        if best[0] is not None:
-            engine.set_threads(best[0])
-        result["threads"] = best[0]
-        result["decode_tok_s"] = round(best[1], 2) if best[1] else None
+        result["prefill_tok_s"] = _prefill_phase(engine, t_start + 0.2 * seconds, hard, work)
+        result["threads"], rate = _decode_phase(engine, warm, result, beat, t_start + 0.55 * seconds, hard, work)
+        result["decode_tok_s"] = round(rate, 2) if rate else None
         free_sequences(engine, live)
         if beat is not None and upper_bound(result) < beat:
             result["stopped"] = (f"cannot win: at most {upper_bound(result):.2f} with perfect batching, "
@@ -266,6 +231,53 @@ def _measure(engine: Engine, seconds: float, beat: float | None, hard: float) ->
     result["seconds"] = round(time.perf_counter() - t_start, 3)
     result["conditions"]["budget_too_small"] = result["seconds"] > 1.25 * seconds + 0.05
     return result
+
+
+def _prefill_phase(engine: Engine, until: float, hard: float, work: dict[str, int]) -> float | None:
+    """Prefill tok/s of 64-token prompts: at least MIN_PREFILL_TOKENS, more while before ``until`` (up to
+    MAX_PREFILL_TOKENS), never past ``hard``."""
+    fed, spent, k = 0, 0.0, 0
+    while fed < MIN_PREFILL_TOKENS or (time.perf_counter() < until and fed < MAX_PREFILL_TOKENS):
+        if time.perf_counter() >= hard:
+            break
+        prompt = Sequence(900_200 + k, bench_prompt(engine, PROMPT_TOKENS, 2 + k), SamplingParams(temperature=0.0))
+        engine.add_sequence(prompt)
+        t0 = time.perf_counter()
+        n = _prefill_until(engine, prompt, hard)
+        spent += time.perf_counter() - t0
+        free_sequences(engine, [prompt])
+        if not n:
+            break
+        fed, k = fed + n, k + 1
+    work["prefill_tokens"] = fed
+    return round(fed / spent, 2) if fed else None
+
+
+def _decode_phase(engine: Engine, warm: Sequence, result: dict[str, Any], beat: float | None, phase_end: float,
+                  hard: float, work: dict[str, int]) -> tuple[int | None, float]:
+    """Single-stream decode of ``warm`` for each thread count the engine offers, until ``phase_end`` (at least
+    MIN_DECODE_STEPS each, after an untimed step; a count stops once ``result`` with its rate cannot reach
+    ``beat``): the best (thread count, tok/s), that count set."""
+    threads = engine.thread_counts()
+    best = None
+
+    def hopeless(tok_s: float) -> bool:
+        return beat is not None and upper_bound({**result, "decode_tok_s": tok_s}) < beat
+
+    for k, n in enumerate(threads or [None]):
+        if n is not None:
+            engine.set_threads(n)
+        decode_steps(engine, [warm], hard, 1)  # a new thread count's first step may be slow: untimed
+        now = time.perf_counter()
+        toks, dt = decode_steps(engine, [warm], now + (phase_end - now) / (len(threads or [1]) - k), 256,
+                                hopeless, SETTLE, MIN_DECODE_STEPS, hard)
+        work["decode_tokens"] += toks
+        rate = toks / dt if toks and dt > 0 else 0.0
+        if best is None or rate > best[1]:
+            best = (n, rate)
+    if best[0] is not None:
+        engine.set_threads(best[0])
+    return best
 
 
 def _batch_decode(engine: Engine, live: list[Sequence], deadline: float, hard: float,

@@ -175,26 +175,9 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
                 f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
                 if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
         else:
-            say(f"octo: bench {name:9s} loading and measuring (at most {seconds:g} s after the load) ...")
             cand.wait_prepare = prep.join
-            t_load = time.perf_counter()
-            try:
-                load_s, res = await cand.open((seconds, best[3] if best is not None else None))
-                res["load_seconds"] = round(load_s, 3)
-                loaded = True
-            except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason
-                res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
-                       "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
-                       "error": _failure(exc), "conditions": {"budget_s": seconds, "disturbed": False}}
+            res, loaded = await _bench_one(name, cand, key, seconds, best[3] if best is not None else None, say)
             results[name] = res
-            cond = res.setdefault("conditions", {"budget_s": seconds, "disturbed": False})
-            if not cond.get("disturbed"):
-                store_result(key, {k: v for k, v in res.items() if k != "cached"})
-            say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
-                f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
-                f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
-                + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "") + _notes(cond, seconds)
-                if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
         if res.get("error"):
             if loaded:
                 await cand.discard()
@@ -210,10 +193,7 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
         raise RuntimeError(f"no candidate engine could be benchmarked ({errors})")
     name, cand, loaded, _ = best
     if not loaded:  # the winner's result came from the cache: load it now (its only load)
-        await cand.open(None)
-        thr = results[name].get("threads")
-        if thr is not None:
-            await cand.set_threads(thr)
+        await _load(cand, results[name].get("threads"))
     ranked = sorted(results, key=lambda n: -results[n]["score"])
     _table(results, ranked, name, say)
     why = choice.reason(name, kept, results)
@@ -221,6 +201,39 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
     reason = why + f"; selection took {time.perf_counter() - t0:.2f} s"
     choice.keep(keys, name, results[name])
     return name, cand, results, reason
+
+
+async def _bench_one(name: str, cand: Candidate, key: dict[str, Any], seconds: float, beat: float | None,
+                     say: Callable[[str], None]) -> tuple[dict[str, Any], bool]:
+    """Load and measure ``cand`` (``beat``: the leader's score), cache an undisturbed result and say it; returns
+    (the result, whether the candidate is loaded). A candidate that fails, crashes or hangs gets ``error``."""
+    say(f"octo: bench {name:9s} loading and measuring (at most {seconds:g} s after the load) ...")
+    loaded = False
+    t_load = time.perf_counter()
+    try:
+        load_s, res = await cand.open((seconds, beat))
+        res["load_seconds"] = round(load_s, 3)
+        loaded = True
+    except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason
+        res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
+               "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
+               "error": _failure(exc), "conditions": {"budget_s": seconds, "disturbed": False}}
+    cond = res.setdefault("conditions", {"budget_s": seconds, "disturbed": False})
+    if not cond.get("disturbed"):
+        store_result(key, {k: v for k, v in res.items() if k != "cached"})
+    say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
+        f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
+        f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
+        + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "") + _notes(cond, seconds)
+        if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
+    return res, loaded
+
+
+async def _load(cand: Candidate, threads: int | None) -> None:
+    """Load a winner whose result came from the cache, with the thread count it was measured best with."""
+    await cand.open(None)
+    if threads is not None:
+        await cand.set_threads(threads)
 
 
 def _notes(cond: dict[str, Any], seconds: float) -> str:
