@@ -105,7 +105,7 @@ def test_serve_without_cluster_never_imports_ray():
 
 def test_models_file_cluster_keys_are_checked(tmp_path):
     from octo.errors import ConfigError
-    from octo.runtime.registry import load_models_file
+    from octo.runtime.specs import load_models_file
 
     mf = _models_file(tmp_path, [{"model": "a", "engine": "echo", "replicas": 2,
                                   "resources": {"num_cpus": 0.5, "memory_gb": 1}},

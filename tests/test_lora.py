@@ -228,7 +228,7 @@ def test_engines_without_lora_refuse_the_option():
 
 # -- models file, --lora and routing ---------------------------------------------------------------------------------
 def test_models_file_lora(tmp_path):
-    from octo.runtime.registry import load_models_file
+    from octo.runtime.specs import load_models_file
 
     f = tmp_path / "models.yaml"
     f.write_text("models:\n  - model: demo\n    engine: llamacpp\n    lora: {x: /a/x.gguf, y: /a/y.gguf}\n  - tiny\n")
@@ -244,7 +244,8 @@ def test_models_file_lora(tmp_path):
 
 async def test_registry_routes_base_colon_adapter():
     from octo.config import ServerConfig
-    from octo.runtime.registry import ModelSpec, Registry
+    from octo.runtime.registry import Registry
+    from octo.runtime.specs import ModelSpec
 
     reg = Registry(ServerConfig(), {})
 

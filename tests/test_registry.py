@@ -9,7 +9,8 @@ import pytest
 
 from octo.config import ServerConfig
 from octo.errors import ConfigError, InvalidRequest
-from octo.runtime.registry import ModelSpec, Registry, load_models_file, parse_keep_alive
+from octo.runtime.registry import Registry
+from octo.runtime.specs import ModelSpec, load_models_file, parse_keep_alive
 
 
 @pytest.mark.parametrize("value,seconds", [(0, 0.0), (30, 30.0), ("90", 90.0), ("10m", 600.0), ("1h30m", 5400.0),

@@ -265,7 +265,7 @@ async def test_a_long_embeddings_request_runs_in_chunks_between_decode_steps():
 
 
 def test_pacer_budgets_follow_measured_costs():
-    from octo.scheduler.engine_loop import Pacer
+    from octo.scheduler.pacer import Pacer
 
     p = Pacer(stretch=2.0, max_step_s=0.25)
     assert p.budgets(256, decoding=True) == (256, 256)  # nothing measured yet: whole chunks

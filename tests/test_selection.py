@@ -12,20 +12,17 @@ import pytest
 
 from octo.config import ServerConfig
 from octo.engine import Engine, Feed, ModelInfo, Task
-from octo.runtime.loader import LocalCandidate
-from octo.runtime.selection import (
+from octo.runtime.benchmark import (
     BATCH,
     MIN_BATCH_STEPS,
     MIN_DECODE_STEPS,
     MIN_PREFILL_TOKENS,
-    artifact_digest,
-    distrust,
-    host_fingerprint,
     micro_benchmark,
     score,
-    select,
     upper_bound,
 )
+from octo.runtime.loader import LocalCandidate
+from octo.runtime.selection import artifact_digest, distrust, host_fingerprint, select
 
 LOADS: list[str] = []
 UNLOADS: list[str] = []
@@ -273,7 +270,7 @@ class _Quiet:
 
 @pytest.fixture
 def monitor(monkeypatch):
-    import octo.runtime.selection as sel
+    import octo.runtime.benchmark as sel
 
     waits: list[float] = []
     monkeypatch.setattr(sel, "LoadMonitor", _Quiet)
@@ -471,7 +468,7 @@ def test_the_chosen_engine_stays_unless_a_challenger_wins_clearly_and_quietly():
 
 
 def test_two_starts_under_contention_pick_the_same_engine(home, monkeypatch):
-    import octo.runtime.selection as sel
+    import octo.runtime.benchmark as sel
 
     cands = {"fast": (BusyFast, str(home)), "close": (Close, str(home))}
     with monkeypatch.context() as m:  # a quiet start chooses (its measurements reported undisturbed)

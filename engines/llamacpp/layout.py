@@ -217,64 +217,84 @@ def _workload(engine: Any, seqs: int, prefix: int, own: int, decode: int,
     alone. Its sequences are removed after."""
     vocab = max(2, engine.n_vocab - 1)
     shared = [(13 * i + 7) % vocab for i in range(prefix)]
-    lead = Sequence(800_000, shared + [1], SamplingParams(temperature=0.0))
-    chunk = max(1, engine.prefill_chunk)
-    untimed = min(chunk, PREFIX_STEP)  # the shared prefix in small steps: a request interrupts the probe soon
+    cached = _cache_prefix(engine, shared)
     times: list[float] = []
     solo: list[float] = []
+    try:
+        for r in range(reps):
+            run = [Sequence(800_001 + k, shared + [(31 * i + 17 * k + 5 * r + 3) % vocab for i in range(own)],
+                            SamplingParams(temperature=0.0)) for k in range(seqs)]
+            times.append(_agent(engine, run, cached, prefix, decode))
+            one = Sequence(800_100 + r, shared + [(7 * r + 11) % vocab], SamplingParams(temperature=0.0))
+            solo.append(_solo(engine, one, cached, prefix))
+        return times, solo
+    finally:
+        engine.kv_free(cached)
+
+
+def _cache_prefix(engine: Any, shared: list[int]) -> Any:
+    """The prefix ``shared`` computed once (untimed, in small steps: a request interrupts the probe soon) and kept as
+    a prefix-cache entry: cells of a cache sequence (unified) or a RAM snapshot."""
+    prefix = len(shared)
+    lead = Sequence(800_000, shared + [1], SamplingParams(temperature=0.0))
+    untimed = min(max(1, engine.prefill_chunk), PREFIX_STEP)
     engine.add_sequence(lead)
     try:
         while lead.n_cached < prefix:
             part = lead.tokens[lead.n_cached:min(prefix, lead.n_cached + untimed)]
             _check(engine.step([Feed(lead, part, False)]))
-        cached = engine.kv_save(lead)  # a prefix-cache entry: cells of a cache sequence (unified) or a RAM snapshot
+        cached = engine.kv_save(lead)
     finally:
         engine.remove_sequence(lead)
     if cached is None:
         raise RuntimeError("the engine kept no prefix-cache entry")
+    return cached
+
+
+def _agent(engine: Any, run: list[Sequence], cached: Any, prefix: int, decode: int) -> float:
+    """Seconds for the sequences of ``run`` to take the cached prefix, add their own history (packed into steps as
+    the scheduler does) and decode ``decode`` steps together; they are removed after."""
+    chunk = max(1, engine.prefill_chunk)
+    t0 = time.perf_counter()
     try:
-        for r in range(reps):
-            run = [Sequence(800_001 + k, shared + [(31 * i + 17 * k + 5 * r + 3) % vocab for i in range(own)],
-                            SamplingParams(temperature=0.0)) for k in range(seqs)]
-            t0 = time.perf_counter()
-            try:
-                for s in run:  # they take the prefix: shared cells (unified) or a copy (streams)
-                    engine.add_sequence(s)
-                    engine.kv_restore(s, cached, prefix)
-                    if s.n_cached != prefix:
-                        raise RuntimeError(f"the cached prefix was not restored ({s.n_cached} of {prefix} tokens)")
-                pending = list(run)
-                while pending:  # each one's own history, packed into steps as the scheduler does
-                    feeds, budget = [], chunk
-                    for s in pending:
-                        if budget <= 0:
-                            break
-                        part = s.tokens[s.n_cached:s.n_cached + budget]
-                        feeds.append(Feed(s, part, s.n_cached + len(part) >= len(s.tokens)))
-                        budget -= len(part)
-                    for f, out in zip(feeds, _check(engine.step(feeds)), strict=True):
-                        if f.sample:
-                            f.seq.tokens.append(out)
-                            pending.remove(f.seq)
-                for _ in range(decode):
-                    outs = _check(engine.step([Feed(s, s.tokens[-1:], True) for s in run]))
-                    for s, out in zip(run, outs, strict=True):
-                        s.tokens.append(out)
-                times.append(time.perf_counter() - t0)
-            finally:
-                for s in run:
-                    engine.remove_sequence(s)
-            one = Sequence(800_100 + r, shared + [(7 * r + 11) % vocab], SamplingParams(temperature=0.0))
-            engine.add_sequence(one)
-            try:
-                engine.kv_restore(one, cached, prefix)
-                one.tokens.append(_check(engine.step([Feed(one, one.tokens[one.n_cached:], True)]))[0])
-                t0 = time.perf_counter()
-                for _ in range(SOLO):
-                    one.tokens.append(_check(engine.step([Feed(one, one.tokens[-1:], True)]))[0])
-                solo.append(time.perf_counter() - t0)
-            finally:
-                engine.remove_sequence(one)
-        return times, solo
+        for s in run:  # they take the prefix: shared cells (unified) or a copy (streams)
+            engine.add_sequence(s)
+            engine.kv_restore(s, cached, prefix)
+            if s.n_cached != prefix:
+                raise RuntimeError(f"the cached prefix was not restored ({s.n_cached} of {prefix} tokens)")
+        pending = list(run)
+        while pending:  # each one's own history, packed into steps as the scheduler does
+            feeds, budget = [], chunk
+            for s in pending:
+                if budget <= 0:
+                    break
+                part = s.tokens[s.n_cached:s.n_cached + budget]
+                feeds.append(Feed(s, part, s.n_cached + len(part) >= len(s.tokens)))
+                budget -= len(part)
+            for f, out in zip(feeds, _check(engine.step(feeds)), strict=True):
+                if f.sample:
+                    f.seq.tokens.append(out)
+                    pending.remove(f.seq)
+        for _ in range(decode):
+            outs = _check(engine.step([Feed(s, s.tokens[-1:], True) for s in run]))
+            for s, out in zip(run, outs, strict=True):
+                s.tokens.append(out)
+        return time.perf_counter() - t0
     finally:
-        engine.kv_free(cached)
+        for s in run:
+            engine.remove_sequence(s)
+
+
+def _solo(engine: Any, one: Sequence, cached: Any, prefix: int) -> float:
+    """Seconds for ``one`` (after taking the cached prefix and its first token, untimed) to decode ``SOLO`` steps
+    alone; it is removed after."""
+    engine.add_sequence(one)
+    try:
+        engine.kv_restore(one, cached, prefix)
+        one.tokens.append(_check(engine.step([Feed(one, one.tokens[one.n_cached:], True)]))[0])
+        t0 = time.perf_counter()
+        for _ in range(SOLO):
+            one.tokens.append(_check(engine.step([Feed(one, one.tokens[-1:], True)]))[0])
+        return time.perf_counter() - t0
+    finally:
+        engine.remove_sequence(one)

@@ -286,9 +286,8 @@ class MLXEngine(Engine):
 
     def step(self, feeds: list[Feed]) -> list[int | None]:
         import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
 
-        batch, model = self.batch, self.model
+        batch = self.batch
         for f in feeds:
             if f.seq.slot is None or f.seq.slot.broken:
                 raise EngineError(f"Sequence {f.seq.id} has no usable KV state (a previous step failed).")
@@ -311,6 +310,34 @@ class MLXEngine(Engine):
             for i in idx:
                 if feeds[i].prompt_logprobs >= 0:
                     feeds[i].prompt_out = []  # a decode feed: its next token is not known yet
+        # prompt chunks (none in a decode-only step: no call, no loop)
+        joining = self._prefill(feeds, decoding, pending, prompts) if len(decoding) < len(feeds) else ()
+        out: list[int | None] = [None] * len(feeds)
+        if pending:
+            mx.eval([t for _, t, _ in pending])
+            for idx, tokens, kept in pending:
+                toks = tokens.tolist()
+                for i, tok in zip(idx, toks, strict=True):
+                    out[i] = int(tok)
+                if kept:
+                    set_logprobs([feeds[i] for i in idx], kept, toks)
+        else:
+            mx.eval([[c.state for c in f.seq.slot.cache] for f in feeds if f.seq.slot.cache])
+        for f, first, rows in prompts:
+            f.prompt_out = prompt_entries(f, first, rows)
+        for seq in joining:
+            batch.join(seq, seq.slot.cache)
+            seq.slot.cache = None
+        return out
+
+    def _prefill(self, feeds: list[Feed], decoding: dict[int, int], pending: list, prompts: list) -> list[Sequence]:
+        """The feeds that are not batch decodes, one at a time on their own caches (a prompt chunk, or a sequence's
+        first decode): their sampled tokens into ``pending``, prompt logprobs' raw rows into ``prompts``; returns the
+        sequences that join the batch once the step is evaluated."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = self.model
         joining: list[Sequence] = []
         for i, f in enumerate(feeds):
             if f.seq.id in decoding:
@@ -338,23 +365,7 @@ class MLXEngine(Engine):
             mx.async_eval(tok)
             pending.append(([i], tok, kept))
             joining.append(f.seq)
-        out: list[int | None] = [None] * len(feeds)
-        if pending:
-            mx.eval([t for _, t, _ in pending])
-            for idx, tokens, kept in pending:
-                toks = tokens.tolist()
-                for i, tok in zip(idx, toks, strict=True):
-                    out[i] = int(tok)
-                if kept:
-                    set_logprobs([feeds[i] for i in idx], kept, toks)
-        else:
-            mx.eval([[c.state for c in f.seq.slot.cache] for f in feeds if f.seq.slot.cache])
-        for f, first, rows in prompts:
-            f.prompt_out = prompt_entries(f, first, rows)
-        for seq in joining:
-            batch.join(seq, seq.slot.cache)
-            seq.slot.cache = None
-        return out
+        return joining
 
     # -- prefix cache ----------------------------------------------------------------------------
     def kv_save(self, seq: Sequence) -> KVHandle | None:

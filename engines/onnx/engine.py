@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from octo.engine import Detection, Engine, EngineConfig, Feed, KVHandle, ModelInfo, Sequence, Task
 from octo.errors import ConfigError
 
-from .folder import TextCodec, read_config
+from .folder import DecoderSpec, TextCodec, read_config
 from .options import parse_options
 from .sampler import SAMPLING_PARAMS
 
@@ -114,23 +114,7 @@ class OnnxEngine(Engine):
             else:
                 choice = "session" if spec.share_buffer else "generator"
         self.codec = TextCodec(folder, spec.vocab_size)
-        if choice == "session":
-            from .session import SessionBackend, SessionRunner
-
-            runner = SessionRunner(str(folder / spec.filename), spec, self.config.max_batch, n_ctx, threads)
-            self.backend = SessionBackend(runner, spec.vocab_size, penalty_last_n)
-            kv = {"kv_dtype": runner.kv_dtype.__name__, "kv_bytes_per_token": runner.bytes_per_token,
-                  "prefix_cache": "KV copies of any shared prefix (session rows)"}
-        elif choice == "engine":
-            from .ogengine import EngineBackend
-
-            self.backend = EngineBackend(folder, spec, self.config.max_batch, n_ctx, threads)
-            kv = {"prefix_cache": "none claimed (the library's KV is not octo's to copy; kv_save returns None)"}
-        else:
-            from .generator import GeneratorBackend
-
-            self.backend = GeneratorBackend(folder, spec, self.config.max_batch, n_ctx, threads, penalty_last_n)
-            kv = {"prefix_cache": "none (og.Generator KV cannot be copied; kv_save returns None)"}
+        kv = self._open_backend(choice, folder, spec, n_ctx, threads, penalty_last_n)
         self.batching = self.backend.batching
         self.sampling_params = self.backend.sampling_params
         self.supports_masks = self.backend.supports_masks
@@ -158,6 +142,28 @@ class OnnxEngine(Engine):
             },
         )
         return self.info
+
+    def _open_backend(self, choice: str, folder: Path, spec: DecoderSpec, n_ctx: int, threads: int,
+                      penalty_last_n: int) -> dict[str, Any]:
+        """``self.backend`` for ``choice`` ("session", "engine" or "generator"); what /v1/engines says of its KV."""
+        if choice == "session":
+            from .session import SessionBackend, SessionRunner
+
+            runner = SessionRunner(str(folder / spec.filename), spec, self.config.max_batch, n_ctx, threads)
+            self.backend = SessionBackend(runner, spec.vocab_size, penalty_last_n)
+            kv = {"kv_dtype": runner.kv_dtype.__name__, "kv_bytes_per_token": runner.bytes_per_token,
+                  "prefix_cache": "KV copies of any shared prefix (session rows)"}
+        elif choice == "engine":
+            from .ogengine import EngineBackend
+
+            self.backend = EngineBackend(folder, spec, self.config.max_batch, n_ctx, threads)
+            kv = {"prefix_cache": "none claimed (the library's KV is not octo's to copy; kv_save returns None)"}
+        else:
+            from .generator import GeneratorBackend
+
+            self.backend = GeneratorBackend(folder, spec, self.config.max_batch, n_ctx, threads, penalty_last_n)
+            kv = {"prefix_cache": "none (og.Generator KV cannot be copied; kv_save returns None)"}
+        return kv
 
     def unload(self) -> None:
         if self.backend is not None:

@@ -211,14 +211,7 @@ def _needs_fallback(r: DecodingResult, s: Settings) -> bool:
 
 def _consume(model, job: Job, result: DecodingResult, s: Settings) -> None:
     """Turn one window's decoding into segments and advance ``seek`` (``whisper.transcribe``'s loop body)."""
-    tokenizer = job.tokenizer
     seek, segment_size = job.seek, job.segment_size
-    input_stride = N_FRAMES // model.dims.n_audio_ctx  # mel frames per output token: 2
-    time_precision = input_stride * HOP_LENGTH / SAMPLE_RATE  # seconds per output token: 0.02
-    time_offset = float(seek * HOP_LENGTH / SAMPLE_RATE)
-    segment_duration = segment_size * HOP_LENGTH / SAMPLE_RATE
-    tokens = torch.tensor(result.tokens)
-
     if s.no_speech_threshold is not None:
         should_skip = result.no_speech_prob > s.no_speech_threshold
         if s.logprob_threshold is not None and result.avg_logprob > s.logprob_threshold:
@@ -226,6 +219,35 @@ def _consume(model, job: Job, result: DecodingResult, s: Settings) -> None:
         if should_skip:
             job.seek += segment_size
             return
+    time_offset = float(seek * HOP_LENGTH / SAMPLE_RATE)
+    current, single_timestamp_ending = _segments(model, job, result, time_offset)
+    if job.word_timestamps:
+        _word_timestamps(model, job, current, single_timestamp_ending, time_offset)
+
+    for segment in current:  # an instantaneous segment or one without text is cleared
+        if segment["start"] == segment["end"] or segment["text"].strip() == "":
+            segment["text"] = ""
+            segment["tokens"] = []
+            segment["words"] = []
+    job.segments.extend({"id": i, **seg} for i, seg in enumerate(current, start=len(job.segments)))
+    job.all_tokens.extend(t for seg in current for t in seg["tokens"])
+    if not s.condition_on_previous_text or result.temperature > 0.5:
+        job.prompt_reset_since = len(job.all_tokens)  # no prompt after a high temperature
+    if job.seek <= seek:
+        # A window that ends in a segment starting at its own first timestamp would be decoded again
+        # forever (random weights do this); whisper.transcribe has no guard. Move on to the next window.
+        job.seek = seek + segment_size
+
+
+def _segments(model, job: Job, result: DecodingResult, time_offset: float) -> tuple[list[dict], bool]:
+    """The window's segments, cut at its timestamp tokens, with ``seek`` advanced past them; and whether the window
+    ends with a single timestamp (no speech after it)."""
+    tokenizer = job.tokenizer
+    seek, segment_size = job.seek, job.segment_size
+    input_stride = N_FRAMES // model.dims.n_audio_ctx  # mel frames per output token: 2
+    time_precision = input_stride * HOP_LENGTH / SAMPLE_RATE  # seconds per output token: 0.02
+    segment_duration = segment_size * HOP_LENGTH / SAMPLE_RATE
+    tokens = torch.tensor(result.tokens)
 
     def new_segment(start: float, end: float, toks: torch.Tensor) -> dict:
         toks = toks.tolist()
@@ -271,34 +293,23 @@ def _consume(model, job: Job, result: DecodingResult, s: Settings) -> None:
             duration = (timestamps[-1].item() - tokenizer.timestamp_begin) * time_precision
         current.append(new_segment(time_offset, time_offset + duration, tokens))
         job.seek += segment_size
+    return current, single_timestamp_ending
 
-    if job.word_timestamps:
-        add_word_timestamps(
-            segments=current,
-            model=model,
-            tokenizer=tokenizer,
-            mel=job.mel_segment,
-            num_frames=segment_size,
-            last_speech_timestamp=job.last_speech_timestamp,
-        )
-        if not single_timestamp_ending:
-            last_word_end = get_end(current)
-            if last_word_end is not None and last_word_end > time_offset:
-                job.seek = round(last_word_end * FRAMES_PER_SECOND)
+
+def _word_timestamps(model, job: Job, current: list[dict], single_timestamp_ending: bool, time_offset: float) -> None:
+    """Words and their times in ``current``; ``seek`` moves to the last word's end when the window was cut."""
+    add_word_timestamps(
+        segments=current,
+        model=model,
+        tokenizer=job.tokenizer,
+        mel=job.mel_segment,
+        num_frames=job.segment_size,
+        last_speech_timestamp=job.last_speech_timestamp,
+    )
+    if not single_timestamp_ending:
         last_word_end = get_end(current)
-        if last_word_end is not None:
-            job.last_speech_timestamp = last_word_end
-
-    for segment in current:  # an instantaneous segment or one without text is cleared
-        if segment["start"] == segment["end"] or segment["text"].strip() == "":
-            segment["text"] = ""
-            segment["tokens"] = []
-            segment["words"] = []
-    job.segments.extend({"id": i, **seg} for i, seg in enumerate(current, start=len(job.segments)))
-    job.all_tokens.extend(t for seg in current for t in seg["tokens"])
-    if not s.condition_on_previous_text or result.temperature > 0.5:
-        job.prompt_reset_since = len(job.all_tokens)  # no prompt after a high temperature
-    if job.seek <= seek:
-        # A window that ends in a segment starting at its own first timestamp would be decoded again
-        # forever (random weights do this); whisper.transcribe has no guard. Move on to the next window.
-        job.seek = seek + segment_size
+        if last_word_end is not None and last_word_end > time_offset:
+            job.seek = round(last_word_end * FRAMES_PER_SECOND)
+    last_word_end = get_end(current)
+    if last_word_end is not None:
+        job.last_speech_timestamp = last_word_end

@@ -32,7 +32,7 @@ def run_worker(engine_name: str, artifact: str, batches: list[int], seconds: flo
     """Measure one engine in this process (called in a child process)."""
     from octo.engine import EngineConfig
     from octo.plugins import engine_registry
-    from octo.runtime.selection import bench_prompt, decode_steps, free_sequences, start_sequences
+    from octo.runtime.benchmark import bench_prompt, decode_steps, free_sequences, start_sequences
 
     cls = engine_registry()[engine_name]
     engine = cls(EngineConfig(max_batch=max(batches), options=options))
@@ -116,7 +116,8 @@ def chart(report: dict, path: Path) -> None:
 @click.option("--out", default="bench/results", show_default=True, type=click.Path(file_okay=False))
 def bench(model, shape, engines_opt, batch_opt, quant, seconds, options, out):
     """Long benchmark of every engine x batch size: prefill/decode tok/s, time to first token, peak memory."""
-    from octo.cli.main import print_table, serve_options
+    from octo.cli.common import print_table
+    from octo.cli.serve import serve_options
     from octo.plugins import engine_registry
     from octo.runtime.selection import host_fingerprint
 

@@ -195,64 +195,14 @@ def gguf_tag(filename: str) -> str | None:
 def detect_repo(repo: str, files: list[str], variant: str | None) -> dict[str, dict]:
     """Artifacts (format -> Artifact fields) a repository's file list offers for ``variant``."""
     found: dict[str, dict] = {}
-    known: list[str] = []
+    known: list[str] = []  # the variants the repository offers, for the error
     want = variant.lower() if variant else None
-    ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in posixpath.basename(f).lower()]
-    if ggufs:
-        tags = {f: (gguf_tag(f) or "").lower() for f in ggufs}
-        known += sorted({gguf_tag(f) for f in ggufs if gguf_tag(f)}, key=str.lower)
-        order = _GGUF_TAGS.get(want, (want,)) if want else _GGUF_DEFAULT
-        picked = next(([f for f in ggufs if tags[f] == t] for t in order if any(tags[f] == t for f in ggufs)), [])
-        if not picked and not want and len(ggufs) == 1:
-            picked = ggufs
-        if not picked and not want:
-            raise ModelNotFound(
-                f"Repository '{repo}' holds several GGUF files; choose one with '{repo}:VARIANT'. "
-                f"Known variants: {', '.join(known) or ', '.join(ggufs)}.",
-                param="model",
-            )
-        if len(picked) > 1:
-            shards = all(re.search(r"-\d{5}-of-\d{5}\.gguf$", f) for f in picked)
-            raise ModelNotFound(
-                f"Repository '{repo}': "
-                + (
-                    "split GGUF files are not supported (merge them with llama-gguf-split --merge): "
-                    if shards
-                    else "several files match: "
-                )
-                + ", ".join(picked),
-                param="model",
-            )
-        if picked:
-            found["gguf"] = {"uri": f"hf://{repo}/{picked[0]}"}
-    onnx_dirs = sorted({posixpath.dirname(f) for f in files if posixpath.basename(f) == "genai_config.json"})
-    if onnx_dirs:
-        known += [d for d in onnx_dirs if d]
-        token = _ONNX_TAGS.get(want, want) if want else None
-        dirs = sorted(
-            (d for d in onnx_dirs if not want or token in d.lower() or token in repo.lower()),
-            key=lambda d: ("cpu" not in d.lower(), d),
-        )
-        if dirs:
-            sub = dirs[0]
-            patterns = (f"{sub}/*",) if sub else ONNX_PATTERNS
-            found["onnx"] = {"uri": f"hf://{repo}", "subfolder": sub or None, "allow_patterns": patterns}
+    ggufs = _gguf_repo(repo, files, want, found, known)
+    onnx_dirs = _onnx_repo(repo, files, want, found, known)
     if "config.json" in files and any("/" not in f and f.endswith(".safetensors") for f in files):
         if not want or want in repo.lower():
             found["mlx"] = {"uri": f"hf://{repo}", "allow_patterns": MLX_PATTERNS}
-    pts = [  # whisper checkpoints, not any pickled tensor file (optimizer.pt, training_args.pt, ...)
-        f
-        for f in files
-        if "/" not in f
-        and f.lower().endswith(".pt")
-        and ("whisper" in repo.lower() or re.match(r"(?i)(tiny|base|small|medium|large|turbo)\b", f))
-    ]
-    if pts:
-        picked = [f for f in pts if want in f.lower()] if want else pts
-        if len(picked) == 1:
-            found["whisper"] = {"uri": f"hf://{repo}/{picked[0]}"}
-        elif len(picked) > 1:
-            known += pts
+    pts = _whisper_repo(repo, files, want, found, known)
     speech = _speech_repo(repo, files, want)
     found.update(speech)
     if not found:
@@ -266,6 +216,77 @@ def detect_repo(repo: str, files: list[str], variant: str | None) -> dict[str, d
             param="model",
         )
     return found
+
+
+def _gguf_repo(repo: str, files: list[str], want: str | None, found: dict[str, dict], known: list[str]) -> list[str]:
+    """The repository's GGUF file for ``want`` into ``found`` (its quantisation tags into ``known``); its GGUF files.
+    Several files and no variant, several matching files or a split model: an error that says so."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in posixpath.basename(f).lower()]
+    if not ggufs:
+        return ggufs
+    tags = {f: (gguf_tag(f) or "").lower() for f in ggufs}
+    known += sorted({gguf_tag(f) for f in ggufs if gguf_tag(f)}, key=str.lower)
+    order = _GGUF_TAGS.get(want, (want,)) if want else _GGUF_DEFAULT
+    picked = next(([f for f in ggufs if tags[f] == t] for t in order if any(tags[f] == t for f in ggufs)), [])
+    if not picked and not want and len(ggufs) == 1:
+        picked = ggufs
+    if not picked and not want:
+        raise ModelNotFound(
+            f"Repository '{repo}' holds several GGUF files; choose one with '{repo}:VARIANT'. "
+            f"Known variants: {', '.join(known) or ', '.join(ggufs)}.",
+            param="model",
+        )
+    if len(picked) > 1:
+        shards = all(re.search(r"-\d{5}-of-\d{5}\.gguf$", f) for f in picked)
+        raise ModelNotFound(
+            f"Repository '{repo}': "
+            + (
+                "split GGUF files are not supported (merge them with llama-gguf-split --merge): "
+                if shards
+                else "several files match: "
+            )
+            + ", ".join(picked),
+            param="model",
+        )
+    if picked:
+        found["gguf"] = {"uri": f"hf://{repo}/{picked[0]}"}
+    return ggufs
+
+
+def _onnx_repo(repo: str, files: list[str], want: str | None, found: dict[str, dict], known: list[str]) -> list[str]:
+    """The repository's ONNX Runtime GenAI folder for ``want`` (a CPU one first) into ``found``; its folders."""
+    onnx_dirs = sorted({posixpath.dirname(f) for f in files if posixpath.basename(f) == "genai_config.json"})
+    if onnx_dirs:
+        known += [d for d in onnx_dirs if d]
+        token = _ONNX_TAGS.get(want, want) if want else None
+        dirs = sorted(
+            (d for d in onnx_dirs if not want or token in d.lower() or token in repo.lower()),
+            key=lambda d: ("cpu" not in d.lower(), d),
+        )
+        if dirs:
+            sub = dirs[0]
+            patterns = (f"{sub}/*",) if sub else ONNX_PATTERNS
+            found["onnx"] = {"uri": f"hf://{repo}", "subfolder": sub or None, "allow_patterns": patterns}
+    return onnx_dirs
+
+
+def _whisper_repo(repo: str, files: list[str], want: str | None, found: dict[str, dict], known: list[str]
+                  ) -> list[str]:
+    """The repository's whisper checkpoint (``.pt``) for ``want`` into ``found``; its checkpoints."""
+    pts = [  # whisper checkpoints, not any pickled tensor file (optimizer.pt, training_args.pt, ...)
+        f
+        for f in files
+        if "/" not in f
+        and f.lower().endswith(".pt")
+        and ("whisper" in repo.lower() or re.match(r"(?i)(tiny|base|small|medium|large|turbo)\b", f))
+    ]
+    if pts:
+        picked = [f for f in pts if want in f.lower()] if want else pts
+        if len(picked) == 1:
+            found["whisper"] = {"uri": f"hf://{repo}/{picked[0]}"}
+        elif len(picked) > 1:
+            known += pts
+    return pts
 
 
 def _speech_repo(repo: str, files: list[str], want: str | None) -> dict[str, dict]:

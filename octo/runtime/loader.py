@@ -13,9 +13,9 @@ from octo.engine import Engine
 from octo.errors import ConfigError, ModelNotFound, OctoError
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
 from octo.runtime.model import ModelHandle, load_engine
-from octo.runtime.prespawn import LOADS
+from octo.runtime.prespawn import LOAD_HANDED_OVER
 from octo.runtime.selection import Candidate
-from octo.scheduler.engine_loop import new_engine_thread
+from octo.scheduler.posting import new_engine_thread
 
 log = logging.getLogger("octo.runtime.loader")
 ENGINE_EXTRAS = ("llamacpp", "mlx", "onnx", "whisper")  # built-in engines with a pip extra of the same name
@@ -87,12 +87,12 @@ class LocalCandidate(Candidate):
 
     async def open(self, bench):
         t = time.perf_counter()
-        LOADS[0] += 1
+        LOAD_HANDED_OVER.set()
         self.engine = await self._on_thread(load_engine, self.cls, self.config, self.artifact, self.name)
         load_s = time.perf_counter() - t
         if bench is None:
             return load_s, None
-        from octo.runtime.selection import micro_benchmark
+        from octo.runtime.benchmark import micro_benchmark
 
         self.wait_prepare()
         return load_s, await self._on_thread(micro_benchmark, self.engine, bench[0], bench[1])

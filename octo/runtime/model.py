@@ -21,8 +21,8 @@ from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
 from octo.errors import ConfigError, EngineError, InvalidRequest, ModelFailed, OctoError
 from octo.scheduler.admission import Scheduler
-from octo.scheduler.engine_loop import safe_free, set_exception, set_result
 from octo.scheduler.jobs import Ticket
+from octo.scheduler.posting import safe_free, set_exception, set_result
 from octo.scheduler.prefix_cache import PrefixCache
 from octo.serving import openai as serving
 

@@ -16,7 +16,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("octo.runtime.prespawn")
@@ -40,8 +42,40 @@ class Prespawned:
         return self.popen.pid
 
 
+class Signal(threading.Event):
+    """A ``threading.Event`` that also calls back when it is set, so that an event loop waits for it without polling
+    and without a thread (its callback hands the wake-up to the loop with ``loop.call_soon_threadsafe``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls_lock = threading.Lock()
+        self._calls: list[Callable[[], object]] = []
+
+    def set(self) -> None:
+        with self._calls_lock:
+            super().set()
+            calls, self._calls = self._calls, []
+        for fn in calls:
+            fn()
+
+    def add_callback(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once this is set: now if it is, else from the thread that sets it."""
+        with self._calls_lock:
+            if not self.is_set():
+                self._calls.append(fn)
+                return
+        fn()
+
+    def remove_callback(self, fn: Callable[[], object]) -> None:
+        with self._calls_lock:
+            if fn in self._calls:
+                self._calls.remove(fn)
+
+
 _slot: list[Prespawned] = []
-LOADS = [0]  # model loads handed to an engine so far (a worker's load request sent, or an in-process load begun)
+# set once a model load is handed to an engine (a worker's load request sent, or an in-process load begun): `octo
+# serve` lets that happen before its own imports (octo.cli.startup)
+LOAD_HANDED_OVER = Signal()
 
 
 def worker_argv(fds: tuple[int, int, int], beat: float) -> list[str]:

@@ -373,7 +373,7 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
         spec = {"engine": cls.name, "artifact": artifact, "name": name, "config": cfg,
                 "plugins_dir": config.plugins_dir, "warmup": bench is None}
         phase = "loading"
-        prespawn.LOADS[0] += 1  # (the request goes out before the first await below)
+        prespawn.LOAD_HANDED_OVER.set()  # (the request goes out before the first await below)
         try:
             loaded = await worker.request("load", spec, timeout=config.load_timeout)
             if bench is not None:

@@ -1,10 +1,16 @@
-"""The --cluster settings of a model (replicas, autoscaling, resources), parsed without importing Ray."""
+"""What the server is told about a model: a :class:`ModelSpec` from the command line or a ``--models-file`` entry
+(engine, options, ``keep_alive``, LoRA adapters) and its --cluster settings (replicas, autoscaling, resources), parsed
+without importing Ray or the registry."""
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from octo.errors import ConfigError
+from octo.errors import ConfigError, InvalidRequest
 
 _AUTOSCALING_KEYS = {"min", "max", "target", "min_replicas", "max_replicas", "target_ongoing_requests",
                      "upscale_delay_s", "downscale_delay_s", "metrics_interval_s", "look_back_period_s"}
@@ -90,3 +96,114 @@ def cluster_keys(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: give replicas or autoscaling, not both.")
     return {"replicas": replicas, "autoscaling": autoscaling,
             "resources": parse_resources(item.get("resources"), where)}
+
+
+# -- models named at start-up ------------------------------------------------------------------------------
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)")
+
+
+def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
+    """Seconds, as Ollama takes it: a number of seconds or a duration ("10m", "1h30m", "500ms"); a negative value
+    keeps the model loaded for good (None); 0 unloads it right after the request."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m'.", param=param)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if not parts or "".join(a + u for a, u in parts) != text.replace(" ", ""):
+                raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m' or '1h30m', "
+                                     f"got {value!r}.", param=param) from None
+            unit = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+            seconds = sum(float(a) * unit[u] for a, u in parts)
+    else:
+        raise InvalidRequest(f"{param} must be a number of seconds or a duration such as '10m'.", param=param)
+    if not math.isfinite(seconds):  # "nan", "inf", "1e400"
+        raise InvalidRequest(f"{param} must be a finite number of seconds (-1 keeps the model loaded), got {value!r}.",
+                             param=param)
+    return None if seconds < 0 else seconds
+
+
+@dataclass
+class ModelSpec:
+    """A model the server was told about (command line or models file)."""
+
+    model: str
+    engine: str | None = None
+    options: dict[str, str] = field(default_factory=dict)
+    max_batch: int | None = None
+    pinned: bool = False
+    keep_alive: float | None = None  # seconds idle before unloading; None: never
+    declared: bool = True  # named at start-up (False: loaded on demand by a request)
+    lora: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path; requests name them base:adapter
+    replicas: int | None = None  # --cluster: replicas of this model (None: the --replicas/--autoscaling flags)
+    autoscaling: dict | None = None  # --cluster: Ray Serve autoscaling_config (octo.cluster.deploy.parse_autoscaling)
+    resources: dict = field(default_factory=dict)  # --cluster: num_cpus, num_gpus, memory_gb per replica
+
+
+_SPEC_KEYS = {"model", "name", "path", "engine", "options", "max_batch", "pinned", "keep_alive", "lora", "replicas",
+              "autoscaling", "resources"}
+
+
+def check_lora(lora: Any, where: str) -> dict[str, str]:
+    """A ``lora`` mapping (adapter name -> path) as the models file or ``--lora`` gives it."""
+    if not isinstance(lora, dict):
+        raise ConfigError(f"{where}: lora must be a mapping of adapter name -> path.")
+    out = {}
+    for name, path in lora.items():
+        name = str(name)
+        if not name or ":" in name or "/" in name or not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}: lora entry {name!r}: the name must be non-empty without ':' or '/', and the "
+                              "value a path.")
+        out[name] = path
+    return out
+
+
+def load_models_file(path: str) -> list[ModelSpec]:
+    """The models of a ``--models-file``: a YAML list (or ``models:`` list) of names/paths or mappings with
+    ``model`` (or ``name``/``path``), ``engine``, ``options``, ``max_batch``, ``pinned``, ``keep_alive``, ``lora``
+    (adapter name -> path, requested as ``model:adapter``)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--models-file {path}: {exc}") from None
+    items = data.get("models") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise ConfigError(f"--models-file {path}: expected a list of models (or a 'models:' list).")
+    specs = []
+    for i, item in enumerate(items):
+        where = f"--models-file {path}: models[{i}]"
+        if isinstance(item, str):
+            specs.append(ModelSpec(item))
+            continue
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where} must be a name or a mapping.")
+        unknown = set(item) - _SPEC_KEYS
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                              f"{', '.join(sorted(_SPEC_KEYS))}.")
+        model = item.get("model") or item.get("path") or item.get("name")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{where} needs 'model' (a name or a path).")
+        options = item.get("options") or {}
+        if not isinstance(options, dict):
+            raise ConfigError(f"{where}: options must be a mapping.")
+        try:
+            keep_alive = parse_keep_alive(item.get("keep_alive"), "keep_alive")
+        except InvalidRequest as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
+        max_batch = item.get("max_batch")
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ConfigError(f"{where}: max_batch must be a positive integer.")
+        lora = check_lora(item.get("lora") or {}, where)
+        specs.append(ModelSpec(model, item.get("engine"), {str(k): str(v) for k, v in options.items()}, max_batch,
+                               bool(item.get("pinned", False)), keep_alive, lora=lora, **cluster_keys(item, where)))
+    return specs

@@ -43,9 +43,9 @@ from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, r
 from octo.runtime.prespawn import PLUGINS_ENV, PRELOAD_ENV
 from octo.runtime.supervision import FAULT_EXIT
 from octo.scheduler.admission import Scheduler
-from octo.scheduler.engine_loop import as_octo_error, new_engine_thread
 from octo.scheduler.events import DONE, STREAM_CODES, Admitted, Done, Event, Failed, encode
 from octo.scheduler.jobs import Ticket
+from octo.scheduler.posting import as_octo_error, new_engine_thread
 from octo.serving import openai as serving
 
 log = logging.getLogger("octo.runtime.worker")
@@ -299,7 +299,7 @@ class Worker:
         log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
 
     async def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
-        from octo.runtime.selection import micro_benchmark
+        from octo.runtime.benchmark import micro_benchmark
 
         return await self._on_engine_thread(micro_benchmark, self.engine, seconds, beat)
 
@@ -395,7 +395,7 @@ class Worker:
 def warm_up(engine: Engine) -> None:
     """Run the engine once right after its load, so a crash in its first computation happens now (where a
     fallback configuration can take over), not on the first request."""
-    from octo.runtime.selection import bench_prompt, decode_steps, free_sequences, start_sequences
+    from octo.runtime.benchmark import bench_prompt, decode_steps, free_sequences, start_sequences
 
     tasks = engine.info.tasks or engine.tasks
     if tasks & {Task.CHAT, Task.COMPLETION}:

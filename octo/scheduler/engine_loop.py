@@ -42,7 +42,6 @@ from octo.scheduler.posting import (
     as_octo_error,
     deliver,
     fail_job,
-    new_engine_thread,
     outcome,
     safe_free,
     set_exception,
@@ -53,10 +52,6 @@ from octo.scheduler.reuse import PrefixReuse
 from octo.scheduler.sharing import PrefixSharing
 from octo.scheduler.step_isolation import StepIsolation
 from octo.scheduler.watchdog import Watchdog
-
-# names other packages import from here (octo.runtime); they live in octo.scheduler.posting
-__all__ = ["EngineLoop", "Pacer", "as_octo_error", "fail_job", "new_engine_thread", "safe_free", "set_exception",
-           "set_result"]
 
 log = logging.getLogger("octo.scheduler.admission")
 # iterations in a row failing outside a step: the loop gives up (octo.scheduler.watchdog takes over)
@@ -379,7 +374,7 @@ class EngineLoop:
         if prefilling and eng.batching != "window":
             leads = {id(t.lead) for t in self._active if t.lead is not None}
             prefilling.sort(key=lambda t: (id(t) not in leads, work_left(t, n_ctx)))  # a shared prefix first
-            budget, paced, least = self._pace(budget, owners, prefilling, n_ctx)
+            budget, paced, least = self.pacer.plan(budget, owners, prefilling, n_ctx, self._pending)
         budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
         for t in prefilling:
             if budget <= 0:
@@ -399,25 +394,6 @@ class EngineLoop:
             feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
             owners.append(t)
         return feeds, owners
-
-    def _pace(self, budget: int, decoding: list[Ticket], prefilling: list[Ticket], n_ctx: int) -> tuple[int, int, int]:
-        """The prompt budget of a step beside the ``decoding`` sequences, the share of it a long prompt gets (``paced``)
-        and the most work a prompt may have to go in whole (``least``).
-
-        Shortest remaining work first. A long prompt (see ``least``) gets at most the pacer's step time per step (so
-        that a request arriving waits one short step), and beside decoding requests only what stretches the step to
-        --step-stretch decode steps: a long prompt never stalls a short request. Short prompts go in whole (many
-        streams arriving together join the batch at once, as llama-server's would)."""
-        alone = not decoding and len(prefilling) == 1 and not self._pending
-        urgent = any(work_left(t, n_ctx) <= Pacer.SHORT_WORK for t in (*decoding, *prefilling))
-        budget, paced = self.pacer.budgets(budget, decoding=bool(decoding), alone=alone, urgent=urgent)
-        # short: a prompt that fits one chunk while nothing decodes (nobody waits on it), or beside decoders one no
-        # longer than one step's worth of prompt work (the pacer's `short`, never less than its share `paced`) or
-        # the least work a decoding request has left (so streams that arrive just after a first one join it
-        # together at its next step, instead of one by one behind it: 8 short streams took 1.9 s to all start,
-        # against 0.8 s with llama-server)
-        least = max(self.pacer.short(budget), min(work_left(t, n_ctx) for t in decoding)) if decoding else budget
-        return budget, paced, least
 
     def _take_outputs(self, feeds: list[Feed], owners: list[Ticket], out: list, starts: list[int], n_ctx: int,
                       posts: list) -> None:

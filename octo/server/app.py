@@ -443,25 +443,9 @@ def _add_unprefixed(router: web.UrlDispatcher) -> dict[str, str]:
     return aliases
 
 
-def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, Any]] | None = None,
-               plugin_manager: Any = None) -> web.Application:
-    """The application. ``models`` is a started ``Registry``, or one loaded handle (with its /v1/engines rows),
-    which the app activates on start-up."""
-    from octo.runtime.registry import Registry
-
-    server_log = logging.getLogger("aiohttp.server")
-    if _MALFORMED_REQUEST_LOG not in server_log.filters:
-        server_log.addFilter(_MALFORMED_REQUEST_LOG)
-    app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20),
-                          handler_args=HANDLER_ARGS)
-    if isinstance(models, Registry):
-        registry = models
-    else:
-        registry = Registry(config, {})
-        registry.adopt(models, engine_rows)
-    state = AppState(config=config, registry=registry, started=time.time())
-    state.metrics = Metrics(state)
-    app[STATE] = state
+def _add_routes(app: web.Application) -> None:
+    """octo's own routes (health, metrics, models, engines, stats), the OpenAI and Anthropic ones, audio, the
+    Responses API (its store opened at start), tokenization, Ollama's API and the dashboard."""
     transcriptions, translations = _audio_handlers()
     r = app.router
     r.add_get("/health", health)
@@ -489,6 +473,29 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     api_ollama.add_routes(r)  # Ollama's API under /api/
     # GET / (the web dashboard; "Ollama is running" for a client that probes Ollama), /dashboard/{file}, the feed
     api_dashboard.add_routes(r, root=api_ollama.root)
+
+
+def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, Any]] | None = None,
+               plugin_manager: Any = None) -> web.Application:
+    """The application. ``models`` is a started ``Registry``, or one loaded handle (with its /v1/engines rows),
+    which the app activates on start-up."""
+    from octo.runtime.registry import Registry
+
+    server_log = logging.getLogger("aiohttp.server")
+    if _MALFORMED_REQUEST_LOG not in server_log.filters:
+        server_log.addFilter(_MALFORMED_REQUEST_LOG)
+    app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20),
+                          handler_args=HANDLER_ARGS)
+    if isinstance(models, Registry):
+        registry = models
+    else:
+        registry = Registry(config, {})
+        registry.adopt(models, engine_rows)
+    state = AppState(config=config, registry=registry, started=time.time())
+    state.metrics = Metrics(state)
+    app[STATE] = state
+    r = app.router
+    _add_routes(app)
     if plugin_manager is not None:
         plugin_manager.hook.register_routes(app=app)
     app[HOST_GUARD] = HostGuard(config.host, config.allowed_hosts, config.cors_origins)

@@ -49,6 +49,12 @@ class _Collector:
         return []
 
     def collect(self):
+        yield from self._http()
+        yield from self._models()
+        yield from self._queues()
+
+    def _http(self):
+        """Requests and their latency, by endpoint and status."""
         requests = CounterMetricFamily("octo_requests", "HTTP requests by endpoint and status",
                                        labels=["endpoint", "status"])
         latency = HistogramMetricFamily("octo_request_duration_seconds",
@@ -63,6 +69,9 @@ class _Collector:
             latency.add_metric(labels, cumulative, total)
         yield requests
         yield latency
+
+    def _models(self):
+        """The models: loaded, ready, loading, and their workers' crashes, hangs, restarts and silence."""
         registry = self.state.registry
         crashes = CounterMetricFamily("octo_worker_crashes", "Engine worker processes that died",
                                       labels=["model", "engine"])
@@ -88,6 +97,9 @@ class _Collector:
         yield CounterMetricFamily("octo_model_loads", "Model loads (start-up and on demand)", value=registry.loads)
         yield CounterMetricFamily("octo_model_unloads", "Model unloads (keep_alive, LRU, admin)",
                                   value=registry.unloads)
+
+    def _queues(self):
+        """Each model's queue and prefix cache, from the latest stats snapshot."""
         snap = getattr(self.metrics, "snapshot", None) or {}
         families = {
             "generated_tokens": CounterMetricFamily("octo_generated_tokens", "Tokens generated", labels=["model"]),

@@ -129,65 +129,77 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
                 out.append({"role": "system", "content": text})
             continue
         if m.role == "assistant":
-            if open_calls:
-                raise _unanswered(open_calls)
-            texts, calls = [], []
-            for j, b in enumerate(blocks):
-                if isinstance(b, TextBlock):
-                    texts.append(b.text)
-                elif isinstance(b, ToolUseBlock):
-                    if b.id in open_calls:
-                        raise InvalidRequest(f"messages.{i}.content.{j}: `tool_use` ids must be unique: {b.id}.",
-                                             param=f"messages[{i}].content[{j}].id")
-                    calls.append({"id": b.id, "type": "function",
-                                  "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
-                    open_calls[b.id] = i
-                elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
-                    continue  # earlier reasoning is not shown to the model again (as chat templates drop it)
-                elif isinstance(b, ToolResultBlock):
-                    raise InvalidRequest(f"messages.{i}.content.{j}: `tool_result` blocks can only be in `user` "
-                                         "messages.", param=f"messages[{i}].content[{j}]")
-                else:
-                    raise UnsupportedParameter(f"messages[{i}].content[{j}]",
-                                               f"content blocks of type '{b.type}' are not supported")
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-            if calls:
-                msg["tool_calls"] = calls
-            _append(out, msg)
-            continue
-        texts, answered = [], 0
-        for j, b in enumerate(blocks):
-            where = f"messages[{i}].content[{j}]"
-            if isinstance(b, TextBlock):
-                texts.append(b.text)
-            elif isinstance(b, ToolResultBlock):
-                if b.tool_use_id not in open_calls:
-                    raise InvalidRequest(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
-                                         f"blocks: {b.tool_use_id}. Each `tool_result` block must have a corresponding "
-                                         "`tool_use` block in the previous message.", param=f"{where}.tool_use_id")
-                del open_calls[b.tool_use_id]
-                if texts:  # text before the result keeps its place
-                    _append(out, {"role": "user", "content": "".join(texts)})
-                    texts = []
-                result = _text(b.content, f"{where}.content")
-                if b.is_error:
-                    result = f"Error: {result}" if result else "Error"
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
-                answered += 1
-            elif isinstance(b, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock):
-                raise InvalidRequest(f"messages.{i}.content.{j}: `{b.type}` blocks can only be in `assistant` "
-                                     "messages.", param=where)
-            else:
-                raise UnsupportedParameter(where, f"content blocks of type '{b.type}' are not supported")
-        if open_calls:
-            raise _unanswered(open_calls)
-        if texts or not answered:
-            _append(out, {"role": "user", "content": "".join(texts)})
+            _assistant_turn(i, blocks, open_calls, out)
+        else:
+            _user_turn(i, blocks, open_calls, out)
     if open_calls:
         raise _unanswered(open_calls)
     if out and out[-1]["role"] == "assistant" and not out[-1]["content"] and not out[-1].get("tool_calls"):
         out.pop()  # an empty final assistant message prefills nothing
     return out
+
+
+def _assistant_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]]) -> None:
+    """An assistant turn (``messages[i]``): its text and tool calls as one chat message; its calls are open until a
+    user turn answers them."""
+    if open_calls:
+        raise _unanswered(open_calls)
+    texts, calls = [], []
+    for j, b in enumerate(blocks):
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolUseBlock):
+            if b.id in open_calls:
+                raise InvalidRequest(f"messages.{i}.content.{j}: `tool_use` ids must be unique: {b.id}.",
+                                     param=f"messages[{i}].content[{j}].id")
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+            open_calls[b.id] = i
+        elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
+            continue  # earlier reasoning is not shown to the model again (as chat templates drop it)
+        elif isinstance(b, ToolResultBlock):
+            raise InvalidRequest(f"messages.{i}.content.{j}: `tool_result` blocks can only be in `user` "
+                                 "messages.", param=f"messages[{i}].content[{j}]")
+        else:
+            raise UnsupportedParameter(f"messages[{i}].content[{j}]",
+                                       f"content blocks of type '{b.type}' are not supported")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    _append(out, msg)
+
+
+def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]]) -> None:
+    """A user turn (``messages[i]``): its text, and its tool results as tool messages in place; each must answer
+    one of the previous turn's calls, and all of them must be answered."""
+    texts, answered = [], 0
+    for j, b in enumerate(blocks):
+        where = f"messages[{i}].content[{j}]"
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolResultBlock):
+            if b.tool_use_id not in open_calls:
+                raise InvalidRequest(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
+                                     f"blocks: {b.tool_use_id}. Each `tool_result` block must have a corresponding "
+                                     "`tool_use` block in the previous message.", param=f"{where}.tool_use_id")
+            del open_calls[b.tool_use_id]
+            if texts:  # text before the result keeps its place
+                _append(out, {"role": "user", "content": "".join(texts)})
+                texts = []
+            result = _text(b.content, f"{where}.content")
+            if b.is_error:
+                result = f"Error: {result}" if result else "Error"
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
+            answered += 1
+        elif isinstance(b, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock):
+            raise InvalidRequest(f"messages.{i}.content.{j}: `{b.type}` blocks can only be in `assistant` "
+                                 "messages.", param=where)
+        else:
+            raise UnsupportedParameter(where, f"content blocks of type '{b.type}' are not supported")
+    if open_calls:
+        raise _unanswered(open_calls)
+    if texts or not answered:
+        _append(out, {"role": "user", "content": "".join(texts)})
 
 
 def anthropic_paths(err: InvalidRequest) -> InvalidRequest:

@@ -235,26 +235,7 @@ async def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
         else:
             source = "pipe:0"
         proc = await asyncio.create_subprocess_exec(
-            ffmpeg,
-            "-nostdin",
-            "-hide_banner",
-            "-loglevel",
-            "error",
-            "-threads",
-            "0",
-            "-i",
-            source,
-            "-map",
-            "0:a:0",
-            "-f",
-            "s16le",
-            "-ac",
-            "1",
-            "-acodec",
-            "pcm_s16le",
-            "-ar",
-            str(SAMPLE_RATE),
-            "pipe:1",
+            *_ffmpeg_argv(ffmpeg, source),
             stdin=asyncio.subprocess.PIPE if source == "pipe:0" else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -283,6 +264,13 @@ async def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
     if len(pcm) < 2:
         raise InvalidRequest("The file contains no audio samples.", param="file")
     return np.frombuffer(pcm[: len(pcm) // 2 * 2], np.int16).astype(np.float32) / 32768.0
+
+
+def _ffmpeg_argv(ffmpeg: str, source: str) -> list[str]:
+    """ffmpeg reading ``source`` (a file, or ``pipe:0``) and writing its first audio stream to stdout as mono 16-bit
+    PCM at ``SAMPLE_RATE``."""
+    return [ffmpeg, "-nostdin", "-hide_banner", "-loglevel", "error", "-threads", "0", "-i", source,
+            "-map", "0:a:0", "-f", "s16le", "-ac", "1", "-acodec", "pcm_s16le", "-ar", str(SAMPLE_RATE), "pipe:1"]
 
 
 def _write_and_close(fd: int, data: bytes) -> None:

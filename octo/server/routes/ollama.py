@@ -22,7 +22,7 @@ from aiohttp import web
 from octo.engine import Task
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
 from octo.protocol.ollama import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, parse
-from octo.runtime.registry import parse_keep_alive
+from octo.runtime.specs import parse_keep_alive
 from octo.scheduler.events import Done, Failed, Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
