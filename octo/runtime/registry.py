@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from octo.config import ServerConfig
@@ -282,28 +282,23 @@ class Registry:
             self._remember(typed, slot)
         return slot
 
-    @contextlib.asynccontextmanager
-    async def use(self, model: str | None, keep_alive: Any = None) -> AsyncIterator[Any]:
-        """The ready handle serving ``model`` for the length of one request (loaded on demand; the model is not
-        unloaded while a request uses it). ``keep_alive`` (Ollama's) sets how long it stays loaded afterwards."""
-        slot = await self.route(model)
-        ka = self._capped(slot, parse_keep_alive(keep_alive)) if keep_alive is not None else ...
-        slot.inflight += 1
-        if slot.inflight == 1:
+    def use(self, model: str | None, keep_alive: Any = None) -> Use:
+        """``async with registry.use(model) as handle``: the ready handle serving ``model`` for the length of one
+        request (loaded on demand; the model is not unloaded while a request uses it). ``keep_alive`` (Ollama's)
+        sets how long it stays loaded afterwards."""
+        return Use(self, model, keep_alive)
+
+    def leave(self, slot: Slot, keep_alive: Any) -> None:
+        """A request is done with ``slot``; ``keep_alive`` (``...``: none given) is how long it stays loaded now."""
+        slot.inflight -= 1
+        slot.last_used = time.monotonic()
+        if slot.inflight == 0:
             self._busy_changed()
-        try:
-            handle = await self._ready(slot)
-            yield handle
-        finally:
-            slot.inflight -= 1
-            slot.last_used = time.monotonic()
-            if slot.inflight == 0:
-                self._busy_changed()
-                self._freed.set()
-            if ka is not ...:
-                slot.keep_alive = ka
-            if slot.keep_alive == 0 and slot.inflight == 0 and slot.handle is not None and not slot.spec.pinned:
-                asyncio.get_running_loop().create_task(self._unload(slot))
+            self._freed.set()
+        if keep_alive is not ...:
+            slot.keep_alive = keep_alive
+        if slot.keep_alive == 0 and slot.inflight == 0 and slot.handle is not None and not slot.spec.pinned:
+            asyncio.get_running_loop().create_task(self._unload(slot))
 
     def _capped(self, slot: Slot, seconds: float | None) -> float | None:
         """A request's keep_alive (None: forever) held to the longest this model may get: --max-keep-alive, or the
@@ -532,3 +527,34 @@ def _consume(fut: asyncio.Future) -> None:
     """A load nobody waits for any more (its requests timed out) leaves no 'exception never retrieved' warning."""
     if not fut.cancelled():
         fut.exception()
+
+
+class Use:
+    """One request's use of a model (``Registry.use``): a plain async context manager, not a generator one, because
+    every request enters one (three calls instead of about a dozen)."""
+
+    __slots__ = ("registry", "model", "keep_alive", "slot", "ka")
+
+    def __init__(self, registry: Registry, model: str | None, keep_alive: Any) -> None:
+        self.registry, self.model, self.keep_alive = registry, model, keep_alive
+        self.slot: Slot | None = None
+
+    async def __aenter__(self) -> Any:
+        registry = self.registry
+        slot = await registry.route(self.model)
+        ka = self.keep_alive
+        self.ka = registry._capped(slot, parse_keep_alive(ka)) if ka is not None else ...
+        slot.inflight += 1
+        if slot.inflight == 1:
+            registry._busy_changed()
+        self.slot = slot
+        try:
+            return await registry._ready(slot)
+        except BaseException:
+            self.slot = None
+            registry.leave(slot, self.ka)
+            raise
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.slot is not None:
+            self.registry.leave(self.slot, self.ka)
