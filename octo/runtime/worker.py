@@ -39,6 +39,7 @@ from octo.config import ServerConfig
 from octo.engine import Engine, Task
 from octo.errors import OctoError
 from octo.runtime import ipc
+from octo.runtime.loader import check_available
 from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, run_call
 from octo.runtime.prespawn import PLUGINS_ENV, PRELOAD_ENV
 from octo.runtime.supervision import FAULT_EXIT
@@ -268,13 +269,14 @@ class Worker:
         """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
         self.spec = spec
         cls = self.engine_classes(spec.get("plugins_dir"))[spec["engine"]]
+        check_available(cls)  # (checked here, not in the gateway: octo.runtime.loader.canonical_engine)
         t0 = time.perf_counter()
         self.engine = load_engine(cls, spec["config"], spec["artifact"], spec["name"])
         load_s = time.perf_counter() - t0
         if spec.get("warmup"):
             warm_up(self.engine)
         return {"info": self.engine.info, "batching": self.engine.batching, "load_seconds": round(load_s, 3),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "version": cls.version()}
 
     def engine_classes(self, plugins_dir: str | None) -> dict[str, type[Engine]]:
         """(engine thread) The engine registry of ``plugins_dir``'s plugins, made once."""

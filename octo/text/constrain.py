@@ -142,6 +142,12 @@ def build_vocab(token_bytes: Callable[[int], bytes] | Sequence[bytes], n_vocab: 
         return vocab
 
 
+def vocab_built(engine: Any) -> bool:
+    """Whether :func:`vocab_for` has the vocabulary of ``engine``'s loaded model already."""
+    cached = _ENGINE_VOCABS.get(engine)
+    return cached is not None and cached[0] is engine.info
+
+
 def vocab_for(engine: Any) -> Vocab:
     """The :class:`Vocab` of a loaded engine (cached on the engine until it loads another model). Uses
     ``engine.token_bytes``, ``engine.info.n_vocab`` and ``eos_token_ids``, and ``engine.special_tokens()`` (name ->
