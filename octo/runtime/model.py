@@ -400,8 +400,8 @@ class DeferredVocab:
     once the engine has been idle for ``VOCAB_AFTER_FIRST_S`` after its first request (``VOCAB_UNUSED_S`` if none
     came; ``VOCAB_LATEST_S`` at the latest), so that it never competes with the first requests (at a start it
     doubled the first token's time on 2 cores). A constrained request before then builds it itself (``vocab_for``
-    has a lock: one build, the other waits for it). :meth:`cancel` (the model unloads) stops the wait, and waits for
-    a build under way, which reads the engine's tokens."""
+    has a lock: one build, the other waits for it). :meth:`cancel` (the model unloads) stops the wait, or a build
+    while it still reads the engine's tokens (it waits for that to stop: the engine is freed next)."""
 
     def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
@@ -424,24 +424,44 @@ class DeferredVocab:
         from octo.text.constrain import vocab_built, vocab_for
 
         self._lull()
-        with self._lock:
-            if self._cancelled.is_set():
-                return
-            if vocab_built(self.engine):
-                log.debug("constrained-decoding vocabulary: a request built it before the first lull")
-                return
-            t0 = time.perf_counter()
-            try:
-                vocab_for(self.engine)
-            except Exception:  # noqa: BLE001 - the first constrained request builds it again and reports the error
-                log.exception("building the constrained-decoding vocabulary failed")
-                return
+        if self._cancelled.is_set():
+            return
+        if vocab_built(self.engine):
+            log.debug("constrained-decoding vocabulary: a request built it before the first lull")
+            return
+        t0 = time.perf_counter()
+        try:
+            tokens = self._tokens()
+            if tokens is not None:
+                vocab_for(self.engine, tokens.__getitem__)
+        except Exception:  # noqa: BLE001 - the first constrained request builds it again and reports the error
+            log.exception("building the constrained-decoding vocabulary failed")
+            return
+        if tokens is not None:
             log.debug("constrained-decoding vocabulary built in a lull after the start (%.2f s)",
                       time.perf_counter() - t0)
 
+    def _tokens(self, chunk: int = 4096) -> list[bytes] | None:
+        """Every token's bytes, read from the engine a chunk at a time under the lock :meth:`cancel` takes, and its
+        special tokens (the engine keeps them: ``vocab_for`` then reads nothing more from it); None: cancelled."""
+        tokens: list[bytes] = []
+        engine = self.engine
+        n, token_bytes = engine.info.n_vocab, engine.token_bytes
+        for start in range(0, n, chunk):
+            with self._lock:
+                if self._cancelled.is_set():
+                    return None
+                tokens += [token_bytes(i) for i in range(start, min(n, start + chunk))]
+        with self._lock:
+            if self._cancelled.is_set():
+                return None
+            if callable(getattr(engine, "special_tokens", None)):
+                engine.special_tokens()
+        return tokens
+
     def cancel(self) -> None:
         self._cancelled.set()
-        with self._lock:
+        with self._lock:  # a chunk of token reads under way ends before the engine is freed
             pass
 
 
