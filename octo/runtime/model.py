@@ -26,7 +26,6 @@ from octo.scheduler.admission import Scheduler
 from octo.scheduler.engine_loop import safe_free, set_exception, set_result
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.prefix_cache import PrefixCache
-from octo.serving import openai as serving
 
 log = logging.getLogger("octo.runtime.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls
@@ -190,11 +189,11 @@ class ModelHandle(HandleInfo):
         return await run_call(self, op, payload)
 
     async def prompt_texts(self, req: Any) -> list[str]:
-        return await self._engine_work(engine_call, serving.prompt_texts, self, req)
+        return await self._engine_work(engine_call, serving_api().prompt_texts, self, req)
 
     async def count_tokens(self, kind: str, req: Any) -> int:
         """The prompt tokens of a request of ``kind`` ("messages"), rendered as a real one (off the event loop)."""
-        return await self._engine_work(engine_call, serving.count_tokens, self, kind, req, big=True)
+        return await self._engine_work(engine_call, serving_api().count_tokens, self, kind, req, big=True)
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
         """POST /tokenize's answer (octo.serving.tokens); a long text is tokenized off the event loop."""
@@ -259,6 +258,20 @@ class _PrepThreads:
 _PREP = _PrepThreads()
 
 
+_serving: Any = None  # octo.serving.openai once imported (serving_api)
+
+
+def serving_api() -> Any:
+    """``octo.serving.openai`` (the request models: pydantic), imported on first use rather than with this module: a
+    worker imports it while its model loads (``octo.runtime.worker.import_serving``), not before the load starts."""
+    global _serving
+    if _serving is None:
+        import octo.serving.openai as module
+
+        _serving = module
+    return _serving
+
+
 # -- the model-side work both kinds of handle share (a worker runs these on its own ModelHandle) ------------
 def engine_call(fn: Any, handle: Any, *args: Any) -> Any:
     """``fn(handle, *args)`` (serving work that calls the engine's ``render_chat``, ``tokenize``, ``token_bytes``),
@@ -279,6 +292,7 @@ def engine_failed(handle: Any, fn: Any, exc: Exception) -> EngineError:
 def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
     """``serving.prepare`` as :func:`engine_call` runs it, with the prompt tokens the engine made checked (inline:
     this runs for every request)."""
+    serving = _serving or serving_api()
     try:
         gens, n = serving.prepare(handle, kind, req)
         for g in gens:
@@ -365,6 +379,7 @@ def _embed_chunks(texts: list[str]):
 
 def embed_texts(handle: ModelHandle, inp: Any) -> list[str]:
     """The texts of an embeddings ``input``: a string, strings, token ids or lists of token ids."""
+    serving = serving_api()
     if isinstance(inp, str):
         texts = [inp]
     elif inp and all(isinstance(x, int) for x in inp):
