@@ -501,7 +501,9 @@ class Registry:
 
     async def _do_load(self, slot: Slot) -> None:
         from octo.runtime.loader import open_model
+        from octo.runtime.process import SPARE
 
+        SPARE.hurry()  # (a no-op unless a spare's replacement waits: a switch right after the one before)
         config = self.config_for(slot.spec)
         t0 = time.monotonic()
         try:
