@@ -155,7 +155,7 @@ class ModelHandle(HandleInfo):
             if getattr(self.scheduler, "disk", None) is not None:
                 self.scheduler.disk.close()  # the writes queued so far complete
         if self.vocab is not None:
-            self.vocab.cancel()  # (waits for a build under way: it reads the engine's tokens)
+            self.vocab.cancel()  # (waits for a chunk of token reads under way, not for a whole build)
         try:
             self.engine.unload()
         except Exception:  # noqa: BLE001
