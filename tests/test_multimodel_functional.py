@@ -203,14 +203,19 @@ def test_another_model_keeps_streaming_while_one_crashes(tmp_path):
 
 
 def test_unloading_gives_the_memory_back(ggufs):
-    """Five load/unload cycles of a model in a worker: the gateway's and workers' memory comes back."""
+    """Load/unload cycles of a model in a worker: the gateway's and workers' memory comes back. The baseline is the
+    second cycle: by then the gateway has imported what it imports lazily (the catalog scan's hub client and the
+    engines' libraries, 3 s after the start). No spare worker: whether one is running when a sample is taken depends on
+    timing, not on what unloading gives back."""
 
-    with run_octo("e", "--engine", "echo", "--models-dir", _dir(ggufs)) as server:
-        sizes = []
-        for _ in range(5):
+    with run_octo("e", "--engine", "echo", "--models-dir", _dir(ggufs), env={"OCTO_SPARE_WORKER": "0"}) as server:
+        started, sizes = time.monotonic(), []
+        for i in range(6):
+            if i == 1:
+                time.sleep(max(0.0, 4.0 - (time.monotonic() - started)))
             assert _post(server, f"/v1/models/{ggufs['chat']}/load", {})[0] == 200
             assert _post(server, "/v1/completions", {"model": ggufs["chat"], "prompt": "hi", "max_tokens": 2})[0] \
                 == 200
             assert _post(server, f"/v1/models/{ggufs['chat']}/unload", {})[0] == 200
             sizes.append(rss_tree(server.proc.pid))
-        assert sizes[-1] <= sizes[0] * 1.10, sizes
+        assert sizes[-1] <= sizes[1] * 1.10, sizes

@@ -3,9 +3,11 @@ take the spare worker kept warm; no worker outlives the gateway (octo.runtime.pr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +46,7 @@ def test_a_warm_start_serves_with_the_worker_started_before_the_gateways_imports
         pass  # a first start: the crash-safety probe's verdict is cached in OCTO_HOME
     t0 = time.monotonic()
     with run_octo(*args, env=env) as server:
+        maps = Path(f"/proc/{server.proc.pid}/maps").read_text() if sys.platform.startswith("linux") else None
         stream = server.openai().chat.completions.create(
             model=ggufs[0], messages=[{"role": "user", "content": "hello"}], max_tokens=2, stream=True)
         next(c for c in stream if c.choices and c.choices[0].delta.content is not None)
@@ -54,6 +57,9 @@ def test_a_warm_start_serves_with_the_worker_started_before_the_gateways_imports
         # it was started before the gateway imported its server (the loading line comes after)
         assert log.index("pre-spawned an engine worker") < log.index("octo: loading")
         assert took < 60, took  # generous: a busy CI host (about 2 s on a quiet 2-core one)
+        if maps is not None:  # the engine was detected in the worker: llama.cpp is not loaded into the gateway
+            assert "libllama" in Path(f"/proc/{pid}/maps").read_text()
+            assert "libllama" not in maps
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -79,3 +85,42 @@ def test_loads_on_demand_take_the_spare_worker_and_nothing_outlives_the_gateway(
         server.proc.wait(30)
         assert _wait(lambda: not any(map(alive, everyone)), 15), [p for p in everyone if alive(p)]
         assert not any(map(alive, seen))
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": -999, "maximum": 999},
+                                           "ok": {"type": "boolean"},
+                                           "color": {"type": "string", "enum": ["red", "green", "blue"]}},
+          "required": ["answer", "ok", "color"], "additionalProperties": False}
+
+
+def _constrained(server, model: str) -> dict:
+    r = server.openai().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Give me JSON."}], max_tokens=120, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}})
+    assert r.choices[0].finish_reason == "stop", r
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"answer", "ok", "color"}, obj
+    assert isinstance(obj["answer"], int) and -999 <= obj["answer"] <= 999
+    assert isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
+    return obj
+
+
+def test_a_constrained_first_request_builds_the_deferred_vocabulary_and_is_answered_right(ggufs, tmp_path):
+    """The worker no longer builds its constrained-decoding vocabulary as it starts serving (it competed with the first
+    token): a constrained request that comes first builds it itself and gets a grammar-constrained answer."""
+    with run_octo(ggufs[0], "--engine", "llamacpp", "--log-level", "debug", env={"OCTO_HOME": str(tmp_path)}) as server:
+        _constrained(server, ggufs[0])  # at once: before any lull
+        assert _wait(lambda: "a request built it before the first lull" in server.log(), 30), server.log()[-3000:]
+        assert "vocabulary built in a lull" not in server.log()
+        _constrained(server, ggufs[0])
+
+
+def test_the_vocabulary_waits_for_a_lull_after_the_first_plain_request(ggufs, tmp_path):
+    with run_octo(ggufs[0], "--engine", "llamacpp", "--log-level", "debug", env={"OCTO_HOME": str(tmp_path)}) as server:
+        t0 = time.monotonic()
+        out = server.openai().completions.create(model=ggufs[0], prompt="hi", max_tokens=2)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        assert "vocabulary built in a lull" not in server.log()  # not before the first request was answered ...
+        assert _wait(lambda: "vocabulary built in a lull" in server.log(), 30), server.log()[-3000:]
+        assert time.monotonic() - t0 < 30  # ... soon after it (0.5 s of idleness), not at the latest bound
+        _constrained(server, ggufs[0])

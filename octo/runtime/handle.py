@@ -17,15 +17,47 @@ subclass says only how a request and an operation travel (``_op``, ``_cancel``, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable
 from typing import Any, Protocol, runtime_checkable
 
 from octo.config import ServerConfig
-from octo.engine import ModelInfo
+from octo.engine import ModelInfo, Task
 from octo.errors import OctoError
-from octo.runtime.model import HandleInfo
 from octo.scheduler.events import ADMITTED, DECODE, STREAM_CODES, Done, Failed
+
+
+class HandleInfo:
+    """What every handle derives from its name, aliases, engine and ModelInfo (shared by both kinds)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    engine_name: str
+    engine_version: str | None = None  # as the engine's process reported it (None: the class says, importing it)
+
+    @property
+    def tasks(self) -> frozenset[Task]:
+        return self.info.tasks or self.engine_cls.tasks
+
+    @property
+    def task(self) -> str:
+        """The main task: "transcription", "embeddings" or "chat"."""
+        for t in (Task.TRANSCRIPTION, Task.CHAT, Task.EMBEDDINGS):
+            if t in self.tasks:
+                return t.value
+        return next(iter(self.tasks)).value
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return f"octo-{self.engine_name}-{self.engine_version or self.engine_cls.version()}"
+
+    def matches(self, model: str | None) -> bool:
+        """Whether a request's ``model`` field names this model (absent means the served one)."""
+        if not model or model == self.name or model in self.aliases:
+            return True
+        # OpenAI clients name their hosted models; accept those names for the matching task
+        return model == "whisper-1" and self.task == "transcription"
 
 
 class TicketView(Protocol):

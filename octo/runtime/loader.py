@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -12,7 +13,6 @@ from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import ConfigError, ModelNotFound, OctoError
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
-from octo.runtime.model import ModelHandle, load_engine
 from octo.runtime.prespawn import LOAD_HANDED_OVER
 from octo.runtime.selection import Candidate
 from octo.scheduler.posting import new_engine_thread
@@ -59,7 +59,11 @@ def engine_rows(registry: dict[str, type[Engine]], active: str | None = None,
     return rows
 
 
-def canonical_engine(name: str | None, registry: dict[str, type[Engine]]) -> str | None:
+def canonical_engine(name: str | None, registry: dict[str, type[Engine]], isolation: str | None = None
+                     ) -> str | None:
+    """The canonical name of engine ``name`` (None: none named), checked to be available here; an engine that will
+    run in a worker process (``isolation`` or its own) is checked there (``check_available``, at its load), so that
+    its library is not imported into the gateway before it serves."""
     if name is None:
         return None
     cls = registry.get(name)
@@ -68,10 +72,15 @@ def canonical_engine(name: str | None, registry: dict[str, type[Engine]]) -> str
         why = load_errors.get(f"octo.engines.{name}")
         extra = f" (its plugin failed to load: {why})" if why else ""
         raise ConfigError(f"Unknown engine '{name}'{extra}; installed engines: {known}.", param="engine")
+    if (isolation or cls.isolation) != "process":
+        check_available(cls)
+    return cls.name
+
+
+def check_available(cls: type[Engine]) -> None:
     det = cls.detect()
     if not det.available:
         raise ConfigError(f"Engine '{cls.name}' is not available here: {det.reason}", param="engine")
-    return cls.name
 
 
 class LocalCandidate(Candidate):
@@ -86,6 +95,8 @@ class LocalCandidate(Candidate):
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
 
     async def open(self, bench):
+        from octo.runtime.model import load_engine
+
         t = time.perf_counter()
         LOAD_HANDED_OVER.set()
         self.engine = await self._on_thread(load_engine, self.cls, self.config, self.artifact, self.name)
@@ -108,7 +119,9 @@ class LocalCandidate(Candidate):
             log.exception("unload failed")
         self.thread.shutdown(wait=False)
 
-    def handle(self, aliases: tuple[str, ...], **kw: Any) -> ModelHandle:
+    def handle(self, aliases: tuple[str, ...], **kw: Any) -> Any:
+        from octo.runtime.model import ModelHandle
+
         handle = ModelHandle(self.name, aliases, self.cls.name, self.engine, self.artifact, **kw)
         handle.engine_thread = self.thread
         # in the gateway only because --isolation thread said so: its tokenizer and template must not block the
@@ -169,7 +182,7 @@ def _candidates(resolved: Any, engine_name: str | None, registry: dict[str, type
 
 
 def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engine]],
-                  need_local: bool = True) -> tuple[str, tuple[str, ...], str, int]:
+                  need_local: bool = True, isolation: str | None = None) -> tuple[str, tuple[str, ...], str, int]:
     """(name, aliases, task, estimated bytes: weights + KV, octo.runtime.memguard) of a model this host can load,
     without
     downloading anything;
@@ -179,7 +192,7 @@ def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engin
     from octo.models.download import ArtifactNotDownloaded, is_downloaded, local_path, pull_command
     from octo.runtime.memguard import model_bytes
 
-    engine_name = canonical_engine(engine, registry)
+    engine_name = canonical_engine(engine, registry, isolation)
     if engine_name is not None and "any" in registry[engine_name].formats:
         return model, (), "chat", 0
     resolved = load_catalog().resolve(model, {c.name: c.formats for c in registry.values()}, offline=need_local)
@@ -229,19 +242,22 @@ def candidate(cls: type[Engine], artifact: str, name: str, config: ServerConfig,
 
 
 async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | None = None,
-                     say: Callable[[str], None] = print, download: bool = True) -> tuple[Any, list[dict[str, Any]]]:
+                     say: Callable[[str], None] = print, download: bool = True, lazy_rows: bool = False
+                     ) -> tuple[Any, Any]:
     """Resolve ``config.model``, choose its engine (the start-up benchmark when several can serve it) and load it,
-    in this process or in a worker; returns the handle (not yet activated) and the /v1/engines rows. With
-    ``download`` false (a load a request asked for) artifacts that are not here are not downloaded."""
+    in this process or in a worker; returns the handle (not yet activated) and the /v1/engines rows (with
+    ``lazy_rows``, a function that makes them: detecting every engine imports its library, which a gateway does only
+    when asked). With ``download`` false (a load a request asked for) artifacts that are not here are not
+    downloaded."""
     offline = None if download else True
     registry = registry or engine_registry()
-    engine_name = canonical_engine(config.engine, registry)
+    engine_name = canonical_engine(config.engine, registry, config.isolation)
     if engine_name is not None and "any" in registry[engine_name].formats:
         # engines such as echo serve any name and need no artifact
         cand = candidate(registry[engine_name], config.model, config.model, config, say)
         await cand.open(None)
         handle = cand.handle((), selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
-        return handle, engine_rows(registry, engine_name, engine=_engine_view(handle))
+        return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
     from octo.models.catalog import load_catalog
     from octo.models.download import fetch
 
@@ -253,10 +269,10 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         say(f"octo: {resolved.name}: loading with {engine_name} ({artifact.uri})")
         path = await asyncio.to_thread(fetch, artifact, offline=offline)
         cand = candidate(registry[engine_name], str(path), resolved.name, config, say)
-        await _open_or_fail(cand, registry)
+        await _open_or_fail(cand, registry, lazy_rows)
         handle = cand.handle(tuple(resolved.aliases),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
-        return handle, engine_rows(registry, engine_name, engine=_engine_view(handle))
+        return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
     paths, failed = {}, {}
     for name, artifact in candidates.items():
         say(f"octo: {resolved.name}: {name} artifact {artifact.uri}")
@@ -271,7 +287,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     cands = {n: candidate(registry[n], paths[n], resolved.name, config, say) for n in paths}
     if len(cands) == 1:
         (chosen, cand), = cands.items()
-        await _open_or_fail(cand, registry)
+        await _open_or_fail(cand, registry, lazy_rows)
         reason, results = "only candidate engine", {}
     else:
         from octo.runtime.selection import select
@@ -287,18 +303,25 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     handle = cand.handle(tuple(resolved.aliases), selection={"reason": reason,
                                                              "candidates": sorted([*paths, *failed])},
                          benchmarks=results)
-    return handle, engine_rows(registry, chosen, results, engine=_engine_view(handle))
+    return handle, _rows(lazy_rows, registry, chosen, results, engine=_engine_view(handle))
 
 
-async def _open_or_fail(cand: Candidate, registry: dict[str, type[Engine]]) -> None:
-    """Load ``cand``; meanwhile a thread detects every installed engine (``engine_rows``: each one's library is
-    imported into this process the first time), so the rows made once the model is loaded cost nothing."""
-    detecting = asyncio.ensure_future(asyncio.to_thread(engine_rows, registry))
+def _rows(lazy: bool, *args: Any, **kw: Any) -> Any:
+    rows = functools.partial(engine_rows, *args, **kw)
+    return rows if lazy else rows()
+
+
+async def _open_or_fail(cand: Candidate, registry: dict[str, type[Engine]], lazy_rows: bool = False) -> None:
+    """Load ``cand``; unless the rows are made later (``lazy_rows``), a thread meanwhile detects every installed
+    engine (``engine_rows``: each one's library is imported into this process the first time), so the rows made once
+    the model is loaded cost nothing."""
+    detecting = None if lazy_rows else asyncio.ensure_future(asyncio.to_thread(engine_rows, registry))
     try:
         await cand.open(None)
     except OctoError as err:
         raise ConfigError(err.message) from None
-    await detecting
+    if detecting is not None:
+        await detecting
 
 
 class _EngineView:

@@ -12,6 +12,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,46 +21,15 @@ import numpy as np
 from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
 from octo.errors import ConfigError, EngineError, InvalidRequest, ModelFailed, OctoError
+from octo.runtime.handle import HandleInfo
 from octo.scheduler.admission import Scheduler
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.posting import safe_free, set_exception, set_result
 from octo.scheduler.prefix_cache import PrefixCache
-from octo.serving import openai as serving
 
 log = logging.getLogger("octo.runtime.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls
 PREP_STUCK_S = 5.0  # in the gateway: the engine's tokenizer or template stuck this long (or the queue time-out)
-
-
-class HandleInfo:
-    """What every handle derives from its name, aliases, engine and ModelInfo (shared by both kinds)."""
-
-    name: str
-    aliases: tuple[str, ...]
-    engine_name: str
-
-    @property
-    def tasks(self) -> frozenset[Task]:
-        return self.info.tasks or self.engine_cls.tasks
-
-    @property
-    def task(self) -> str:
-        """The main task: "transcription", "embeddings" or "chat"."""
-        for t in (Task.TRANSCRIPTION, Task.CHAT, Task.EMBEDDINGS):
-            if t in self.tasks:
-                return t.value
-        return next(iter(self.tasks)).value
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        return f"octo-{self.engine_name}-{self.engine_cls.version()}"
-
-    def matches(self, model: str | None) -> bool:
-        """Whether a request's ``model`` field names this model (absent means the served one)."""
-        if not model or model == self.name or model in self.aliases:
-            return True
-        # OpenAI clients name their hosted models; accept those names for the matching task
-        return model == "whisper-1" and self.task == "transcription"
 
 
 @dataclass
@@ -81,6 +51,7 @@ class ModelHandle(HandleInfo):
     # process has its own loop and a watch on it instead)
     guard_loop: bool = False
     prep_limit: float = PREP_STUCK_S
+    vocab: DeferredVocab | None = None  # the constrained-decoding vocabulary, built in a lull after the start
     _prep_stuck: int = 0  # calls past prep_limit still running: the model refuses requests until they return
     isolation = "thread"
 
@@ -145,13 +116,13 @@ class ModelHandle(HandleInfo):
         self.tool_format = config.tool_format
         self.reasoning_format = config.reasoning_format
         self.prep_limit = max(PREP_STUCK_S, config.queue_timeout)
-        if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
-            _prepare_vocab(self.engine)
         disk = self._disk_cache(config) if cache is not None and config.prefix_cache_dir else None
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                        queue_timeout=config.queue_timeout, cache=cache, preempt=config.preempt,
                                        step_stretch=config.step_stretch, dedup=config.prefix_dedup, disk=disk, **kw)
         self.scheduler.start(engine_thread=self.engine_thread)
+        if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
+            self.vocab = DeferredVocab(self.engine, self.scheduler)
 
     def _disk_cache(self, config: ServerConfig) -> Any:
         """The disk tier of the prefix cache for this model, or None (with a log line) when its engine cannot export
@@ -183,6 +154,8 @@ class ModelHandle(HandleInfo):
             self.scheduler.stop()
             if getattr(self.scheduler, "disk", None) is not None:
                 self.scheduler.disk.close()  # the writes queued so far complete
+        if self.vocab is not None:
+            self.vocab.cancel()  # (waits for a chunk of token reads under way, not for a whole build)
         try:
             self.engine.unload()
         except Exception:  # noqa: BLE001
@@ -216,11 +189,11 @@ class ModelHandle(HandleInfo):
         return await run_call(self, op, payload)
 
     async def prompt_texts(self, req: Any) -> list[str]:
-        return await self._engine_work(engine_call, serving.prompt_texts, self, req)
+        return await self._engine_work(engine_call, serving_api().prompt_texts, self, req)
 
     async def count_tokens(self, kind: str, req: Any) -> int:
         """The prompt tokens of a request of ``kind`` ("messages"), rendered as a real one (off the event loop)."""
-        return await self._engine_work(engine_call, serving.count_tokens, self, kind, req, big=True)
+        return await self._engine_work(engine_call, serving_api().count_tokens, self, kind, req, big=True)
 
     async def tokenize(self, text: str, add_special: bool, parse_special: bool, with_pieces: bool) -> dict[str, Any]:
         """POST /tokenize's answer (octo.serving.tokens); a long text is tokenized off the event loop."""
@@ -285,6 +258,20 @@ class _PrepThreads:
 _PREP = _PrepThreads()
 
 
+_serving: Any = None  # octo.serving.openai once imported (serving_api)
+
+
+def serving_api() -> Any:
+    """``octo.serving.openai`` (the request models: pydantic), imported on first use rather than with this module: a
+    worker imports it while its model loads (``octo.runtime.worker.import_serving``), not before the load starts."""
+    global _serving
+    if _serving is None:
+        import octo.serving.openai as module
+
+        _serving = module
+    return _serving
+
+
 # -- the model-side work both kinds of handle share (a worker runs these on its own ModelHandle) ------------
 def engine_call(fn: Any, handle: Any, *args: Any) -> Any:
     """``fn(handle, *args)`` (serving work that calls the engine's ``render_chat``, ``tokenize``, ``token_bytes``),
@@ -305,6 +292,7 @@ def engine_failed(handle: Any, fn: Any, exc: Exception) -> EngineError:
 def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
     """``serving.prepare`` as :func:`engine_call` runs it, with the prompt tokens the engine made checked (inline:
     this runs for every request)."""
+    serving = _serving or serving_api()
     try:
         gens, n = serving.prepare(handle, kind, req)
         for g in gens:
@@ -391,6 +379,7 @@ def _embed_chunks(texts: list[str]):
 
 def embed_texts(handle: ModelHandle, inp: Any) -> list[str]:
     """The texts of an embeddings ``input``: a string, strings, token ids or lists of token ids."""
+    serving = serving_api()
     if isinstance(inp, str):
         texts = [inp]
     elif inp and all(isinstance(x, int) for x in inp):
@@ -415,20 +404,80 @@ def local_stats(handle: ModelHandle) -> dict[str, Any]:
     return {"queue": sched.stats() if sched is not None else None, "cache": cache}
 
 
-def _prepare_vocab(engine: Engine) -> None:
-    """Build the engine's constrained-decoding vocabulary in the background (0.5-1 s for a 150k-token vocabulary),
-    so the first request with response_format or tool_choice does not wait for it."""
-    import threading
+VOCAB_AFTER_FIRST_S = 0.5  # the engine idle this long after a request finished: the vocabulary is built then ...
+VOCAB_UNUSED_S = 5.0  # ... or this long idle when no request came yet
+VOCAB_LATEST_S = 30.0  # ... or this long after the start, busy or not
 
-    from octo.text.constrain import vocab_for
 
-    def build() -> None:
+class DeferredVocab:
+    """Builds the engine's constrained-decoding vocabulary (``octo.text.constrain.vocab_for``: 0.5-1 s of
+    GIL-holding Python for a 150k-token vocabulary) in a thread of its own, in the first lull after the model serves:
+    once the engine has been idle for ``VOCAB_AFTER_FIRST_S`` after its first request (``VOCAB_UNUSED_S`` if none
+    came; ``VOCAB_LATEST_S`` at the latest), so that it never competes with the first requests (at a start it
+    doubled the first token's time on 2 cores). A constrained request before then builds it itself (``vocab_for``
+    has a lock: one build, the other waits for it). :meth:`cancel` (the model unloads) stops the wait, or a build
+    while it still reads the engine's tokens (it waits for that to stop: the engine is freed next)."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
+        self.engine, self.scheduler = engine, scheduler
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="octo-vocab", daemon=True).start()
+
+    def _lull(self) -> None:
+        """(its thread) Return once the vocabulary may be built, or when cancelled."""
+        start = idle_since = time.monotonic()
+        while not self._cancelled.wait(0.1):
+            now = time.monotonic()
+            if self.scheduler.has_work():
+                idle_since = now
+            quiet = VOCAB_AFTER_FIRST_S if self.scheduler.total_processed else VOCAB_UNUSED_S
+            if now - idle_since >= quiet or now - start >= VOCAB_LATEST_S:
+                return
+
+    def _run(self) -> None:
+        from octo.text.constrain import vocab_built, vocab_for
+
+        self._lull()
+        if self._cancelled.is_set():
+            return
+        if vocab_built(self.engine):
+            log.debug("constrained-decoding vocabulary: a request built it before the first lull")
+            return
+        t0 = time.perf_counter()
         try:
-            vocab_for(engine)
+            tokens = self._tokens()
+            if tokens is not None:
+                vocab_for(self.engine, tokens.__getitem__)
         except Exception:  # noqa: BLE001 - the first constrained request builds it again and reports the error
             log.exception("building the constrained-decoding vocabulary failed")
+            return
+        if tokens is not None:
+            log.debug("constrained-decoding vocabulary built in a lull after the start (%.2f s)",
+                      time.perf_counter() - t0)
 
-    threading.Thread(target=build, name="octo-vocab", daemon=True).start()
+    def _tokens(self, chunk: int = 4096) -> list[bytes] | None:
+        """Every token's bytes, read from the engine a chunk at a time under the lock :meth:`cancel` takes, and its
+        special tokens (the engine keeps them: ``vocab_for`` then reads nothing more from it); None: cancelled."""
+        tokens: list[bytes] = []
+        engine = self.engine
+        n, token_bytes = engine.info.n_vocab, engine.token_bytes
+        for start in range(0, n, chunk):
+            with self._lock:
+                if self._cancelled.is_set():
+                    return None
+                tokens += [token_bytes(i) for i in range(start, min(n, start + chunk))]
+        with self._lock:
+            if self._cancelled.is_set():
+                return None
+            if callable(getattr(engine, "special_tokens", None)):
+                engine.special_tokens()
+        return tokens
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._lock:  # a chunk of token reads under way ends before the engine is freed
+            pass
 
 
 def make_engine(cls: type[Engine], config: ServerConfig) -> Engine:

@@ -262,7 +262,7 @@ class SpareWorker:
         self.plugins_dir: str | None = None
         self.engines: dict[str, None] = {}  # engines loaded in workers so far: a new spare prepares them
         self._starting: asyncio.Task | None = None
-        self._waiting = False  # the task in _starting still waits out its delay (nothing started yet)
+        self._hold: asyncio.Event | None = None  # the task in _starting waits out its delay until this is set
 
     async def take(self, worker_timeout: float) -> WorkerProcess | None:
         """The spare (the pre-spawned worker first), if one is alive and beats as ``worker_timeout`` wants; a new
@@ -275,11 +275,9 @@ class SpareWorker:
                 return await WorkerProcess.adopt(pre, "engine worker", worker_timeout)
             prespawn.discard(pre)
         if self._starting is not None and not self._starting.done():
-            if self._waiting:  # a replacement still waiting out its delay: a new process now is no slower
-                self._starting.cancel()
-            else:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._starting)
+            self.hurry()  # a replacement still waiting out its delay starts now: no slower than a new process
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._starting)
         worker, self.worker = self.worker, None
         self._replenish(REPLACE_DELAY_S)
         if worker is None or not worker.alive or worker.beat != beat:
@@ -287,6 +285,13 @@ class SpareWorker:
                 worker.kill()
             return None
         return worker
+
+    def hurry(self) -> None:
+        """A load is on its way to take the spare: a replacement still waiting out its delay starts now, so that its
+        start and imports overlap what comes before the take (unloading the model it replaces, the model's
+        resolution) instead of following it."""
+        if self._hold is not None:
+            self._hold.set()
 
     def note(self, engine: str, plugins_dir: str | None) -> None:
         """A model loads with ``engine``: the next spare prepares it."""
@@ -310,16 +315,16 @@ class SpareWorker:
 
     def _replenish(self, delay: float = 0.0) -> None:
         if self.enabled and self.worker is None and (self._starting is None or self._starting.done()):
-            self._starting = asyncio.get_running_loop().create_task(self._start(delay))
+            self._hold = asyncio.Event() if delay else None
+            self._starting = asyncio.get_running_loop().create_task(self._start(delay, self._hold))
             self._starting.add_done_callback(consume_exception)
 
-    async def _start(self, delay: float) -> None:
-        if delay:
-            self._waiting = True
-            try:
-                await asyncio.sleep(delay)
-            finally:
-                self._waiting = False
+    async def _start(self, delay: float, hold: asyncio.Event | None) -> None:
+        if hold is not None:  # the delay, cut short by hurry()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hold.wait(), delay)
+            if self._hold is hold:
+                self._hold = None
         worker = await WorkerProcess.start("spare engine worker", self.worker_timeout,
                                            preload=(self.plugins_dir, tuple(self.engines)))
         if self.enabled and self.worker is None:

@@ -40,7 +40,7 @@ class Slot:
         self.aliases = aliases
         self.task = task
         self.handle: Any = None
-        self.rows: list[dict[str, Any]] = []
+        self._rows: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] = []
         self.loading: asyncio.Task | None = None
         self.error: OctoError | None = None
         self.failed_at = 0.0
@@ -54,6 +54,19 @@ class Slot:
         self.estimated_bytes = 0
         self.load_seconds: float | None = None
         self.no_room = ""  # why its load waits for room (a loaded model to become idle); "" when it does not
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The /v1/engines rows of its engines, made the first time they are asked for (``open_model``'s
+        ``lazy_rows``: detecting every engine imports its library into the gateway, which is not done before it
+        serves)."""
+        if callable(self._rows):
+            self._rows = self._rows()
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]]) -> None:
+        self._rows = rows
 
     @property
     def state(self) -> str:
@@ -261,7 +274,7 @@ class Registry:
             if not spec.declared:
                 model = spec.model = await asyncio.to_thread(self._servable, model)
             name, aliases, task, nbytes = await asyncio.to_thread(resolve_local, model, spec.engine, self.engines,
-                                                                  not spec.declared)
+                                                                  not spec.declared, self.config.isolation)
         except ModelNotFound as exc:
             servable = ", ".join(s.name for s in self.slots) or "none loaded"
             raise ModelNotFound(f"{exc.message} Servable here: {servable}.", param="model",
@@ -364,7 +377,9 @@ class Registry:
 
     async def _do_load(self, slot: Slot) -> None:
         from octo.runtime.loader import open_model
+        from octo.runtime.process import SPARE
 
+        SPARE.hurry()  # (a no-op unless a spare's replacement waits: a switch right after the one before)
         config = self.config_for(slot.spec)
         t0 = time.monotonic()
         try:
@@ -378,7 +393,7 @@ class Registry:
                                                                  download=slot.spec.declared)
                 else:
                     handle, rows = await open_model(config, self.engines, say=self.say,
-                                                    download=slot.spec.declared)
+                                                    download=slot.spec.declared, lazy_rows=True)
                 await handle.activate(config)
             slot.handle, slot.rows, slot.error, slot.failures = handle, rows, None, 0
             slot.task = handle.task

@@ -62,6 +62,7 @@ class RemoteHandle(Forwarder):
     def _adopt(self, worker: WorkerProcess, loaded: dict[str, Any]) -> None:
         self.worker = worker
         self.info: ModelInfo = loaded["info"]
+        self.engine_version = loaded.get("version")  # (the system fingerprint: llama_cpp stays out of the gateway)
         self.batching = loaded["batching"]
         self.config_index = loaded.get("config_index", 0)
         self.fallback = loaded.get("fallback") or {}

@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import signal
 import time
 from typing import Any
@@ -127,6 +128,11 @@ def configs_for(cls: type[Engine], options: dict[str, str]) -> list[tuple[dict[s
 
 def remembered(cls: type[Engine], artifact: str, options: dict[str, str]) -> int:
     """Index into ``configs_for`` of the fallback that worked here before (0: the base configuration)."""
+    try:  # none for this engine at all (the usual case): no key to make (its version: importing its library)
+        if not any(f.startswith(f"fallback-{cls.name}-") for f in os.listdir(bench_dir())):
+            return 0
+    except OSError:
+        return 0
     try:
         memo = json.loads(_memo_file(cls, artifact).read_text())
         overlay, why = memo["options"], str(memo.get("reason"))

@@ -39,14 +39,14 @@ from octo.config import ServerConfig
 from octo.engine import Engine, Task
 from octo.errors import OctoError
 from octo.runtime import ipc
-from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, run_call
+from octo.runtime.loader import check_available
+from octo.runtime.model import ModelHandle, load_engine, local_stats, prepare, run_call, serving_api
 from octo.runtime.prespawn import PLUGINS_ENV, PRELOAD_ENV
 from octo.runtime.supervision import FAULT_EXIT
 from octo.scheduler.admission import Scheduler
 from octo.scheduler.events import DONE, STREAM_CODES, Admitted, Done, Event, Failed, encode
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.posting import as_octo_error, new_engine_thread
-from octo.serving import openai as serving
 
 log = logging.getLogger("octo.runtime.worker")
 LOOP_STUCK_S = 5.0  # the event loop blocked this long (at least; the queue time-out when longer): the worker exits
@@ -243,7 +243,7 @@ class Worker:
         sched = self.handle.scheduler
         try:
             gens, n = prepare(self.handle, kind, req)
-            expected = serving.sequence_count(kind, req)
+            expected = serving_api().sequence_count(kind, req)
             if len(gens) * n != expected:
                 raise OctoError(f"worker: {len(gens) * n} sequences for a request the gateway counted {expected}")
             self.outbox.track(rid, expected)
@@ -262,19 +262,21 @@ class Worker:
         return await self.loop.run_in_executor(self.engine_thread, fn, *args)
 
     async def op_load(self, spec: dict[str, Any]) -> dict[str, Any]:
+        import_serving()
         return await self._on_engine_thread(self._load, spec)
 
     def _load(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
         self.spec = spec
         cls = self.engine_classes(spec.get("plugins_dir"))[spec["engine"]]
+        check_available(cls)  # (checked here, not in the gateway: octo.runtime.loader.canonical_engine)
         t0 = time.perf_counter()
         self.engine = load_engine(cls, spec["config"], spec["artifact"], spec["name"])
         load_s = time.perf_counter() - t0
         if spec.get("warmup"):
             warm_up(self.engine)
         return {"info": self.engine.info, "batching": self.engine.batching, "load_seconds": round(load_s, 3),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "version": cls.version()}
 
     def engine_classes(self, plugins_dir: str | None) -> dict[str, type[Engine]]:
         """(engine thread) The engine registry of ``plugins_dir``'s plugins, made once."""
@@ -297,6 +299,7 @@ class Worker:
         except Exception:  # noqa: BLE001 - the load itself reports what is wrong
             log.debug("worker: preloading %s failed", engines, exc_info=True)
         log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
+        import_serving()
 
     async def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
         from octo.runtime.benchmark import micro_benchmark
@@ -390,6 +393,18 @@ class Worker:
         elif self.engine is not None:
             await self._on_engine_thread(self.engine.unload)
         self.loop.call_soon(self.closed.set)
+
+
+_SERVING: list[threading.Thread] = []
+
+
+def import_serving() -> None:
+    """Import the serving layer (``octo.serving.openai``: the request models, pydantic) in a thread of its own, once:
+    a worker needs it only to serve, so it is imported while the model loads (the native load leaves the GIL free)
+    or once the worker waits prepared, not before the load can start."""
+    if not _SERVING:
+        _SERVING.append(threading.Thread(target=serving_api, name="octo-import", daemon=True))
+        _SERVING[0].start()
 
 
 def warm_up(engine: Engine) -> None:

@@ -270,6 +270,11 @@ class Scheduler(EngineLoop):
             job.cancel()  # an active sequence keeps the engine thread awake: it leaves at the next step
 
     # -- stats ---------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Whether requests or calls are queued or running now (read without the lock: a hint, for background
+        work that waits for a lull)."""
+        return bool(self._pending or self._active or self._preempted or self.calls_running)
+
     def stats(self) -> dict[str, Any]:
         return {
             "pending": len(self._pending),

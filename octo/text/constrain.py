@@ -142,10 +142,17 @@ def build_vocab(token_bytes: Callable[[int], bytes] | Sequence[bytes], n_vocab: 
         return vocab
 
 
-def vocab_for(engine: Any) -> Vocab:
+def vocab_built(engine: Any) -> bool:
+    """Whether :func:`vocab_for` has the vocabulary of ``engine``'s loaded model already."""
+    cached = _ENGINE_VOCABS.get(engine)
+    return cached is not None and cached[0] is engine.info
+
+
+def vocab_for(engine: Any, token_bytes: Callable[[int], bytes] | None = None) -> Vocab:
     """The :class:`Vocab` of a loaded engine (cached on the engine until it loads another model). Uses
-    ``engine.token_bytes``, ``engine.info.n_vocab`` and ``eos_token_ids``, and ``engine.special_tokens()`` (name ->
-    id of control tokens) when the engine has that optional method."""
+    ``engine.token_bytes`` (or ``token_bytes``, which may raise to stop the build), ``engine.info.n_vocab`` and
+    ``eos_token_ids``, and ``engine.special_tokens()`` (name -> id of control tokens) when the engine has that
+    optional method."""
     info = engine.info
     cached = _ENGINE_VOCABS.get(engine)
     if cached is not None and cached[0] is info:
@@ -155,7 +162,7 @@ def vocab_for(engine: Any) -> Vocab:
         if cached is not None and cached[0] is info:
             return cached[1]
         special = engine.special_tokens() if callable(getattr(engine, "special_tokens", None)) else None
-        vocab = build_vocab(engine.token_bytes, info.n_vocab, sorted(info.eos_token_ids), special)
+        vocab = build_vocab(token_bytes or engine.token_bytes, info.n_vocab, sorted(info.eos_token_ids), special)
         _ENGINE_VOCABS[engine] = (info, vocab)
     return vocab
 

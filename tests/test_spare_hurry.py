@@ -1,0 +1,69 @@
+"""A load on its way to take the spare worker starts a replacement that still waits out its delay at once
+(octo.runtime.process.SpareWorker.hurry): back-to-back model switches find the new spare's imports under way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+
+async def _until(cond, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+@pytest.mark.parametrize("hurried", [False, True])
+async def test_a_waiting_replacement_starts_at_once_when_hurried(monkeypatch, hurried):
+    from octo.runtime import process
+
+    monkeypatch.setattr(process, "REPLACE_DELAY_S", 30.0)  # without hurry(): no replacement for 30 s
+    spare = process.SpareWorker()
+    spare.note("echo", None)
+    taken = None
+    try:
+        await spare.enable(10.0, None, delay=0.0)
+        assert await _until(lambda: spare.worker is not None, 60)
+        taken = await spare.take(10.0)
+        assert taken is not None and taken.alive and spare.worker is None
+        if hurried:
+            spare.hurry()
+        started = await _until(lambda: spare.worker is not None, 20)
+        assert started == hurried
+        if hurried:
+            assert spare.worker.pid != taken.pid and spare.worker.alive
+    finally:
+        await spare.close()
+        if taken is not None:
+            await taken.stop()
+
+
+async def test_a_take_while_the_replacement_waits_gets_it_and_the_next_one_is_on_its_way(monkeypatch):
+    """Back-to-back switches: the second take finds the replacement still waiting out its delay; it starts it and
+    takes it, and a replacement for that one is scheduled (it was not: the waiting task was cancelled, and a task
+    being cancelled is not done yet, so no new one was made)."""
+    from octo.runtime import process
+
+    monkeypatch.setattr(process, "REPLACE_DELAY_S", 30.0)
+    spare = process.SpareWorker()
+    spare.note("echo", None)
+    taken = []
+    try:
+        await spare.enable(10.0, None, delay=0.0)
+        assert await _until(lambda: spare.worker is not None, 60)
+        taken.append(await spare.take(10.0))
+        taken.append(await spare.take(10.0))  # the replacement, started now rather than in 30 s
+        assert all(w is not None and w.alive for w in taken) and taken[0].pid != taken[1].pid
+        spare.hurry()  # the next replacement is scheduled: it starts
+        assert await _until(lambda: spare.worker is not None, 20)
+        assert spare.worker.pid not in {w.pid for w in taken}
+    finally:
+        await spare.close()
+        for w in taken:
+            if w is not None:
+                await w.stop()
