@@ -273,14 +273,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         handle = cand.handle(tuple(resolved.aliases),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
-    paths, failed = {}, {}
-    for name, artifact in candidates.items():
-        say(f"octo: {resolved.name}: {name} artifact {artifact.uri}")
-        try:
-            paths[name] = str(await asyncio.to_thread(fetch, artifact, offline=offline))
-        except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others
-            failed[name] = f"artifact unavailable: {getattr(exc, 'message', None) or exc}"
-            say(f"octo: {name}: {failed[name]}")
+    paths, failed = await _fetch_all(resolved.name, candidates, offline, say)
     if not paths:
         raise ConfigError(f"No engine could get an artifact for '{resolved.name}': "
                           + "; ".join(f"{n}: {e}" for n, e in failed.items()))
@@ -304,6 +297,22 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
                                                              "candidates": sorted([*paths, *failed])},
                          benchmarks=results)
     return handle, _rows(lazy_rows, registry, chosen, results, engine=_engine_view(handle))
+
+
+async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,
+                     say: Callable[[str], None]) -> tuple[dict[str, str], dict[str, str]]:
+    """Each candidate engine's artifact, here (downloaded unless ``offline``): the paths, and why the others failed."""
+    from octo.models.download import fetch
+
+    paths, failed = {}, {}
+    for engine, artifact in candidates.items():
+        say(f"octo: {name}: {engine} artifact {artifact.uri}")
+        try:
+            paths[engine] = str(await asyncio.to_thread(fetch, artifact, offline=offline))
+        except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others
+            failed[engine] = f"artifact unavailable: {getattr(exc, 'message', None) or exc}"
+            say(f"octo: {engine}: {failed[engine]}")
+    return paths, failed
 
 
 def _rows(lazy: bool, *args: Any, **kw: Any) -> Any:
