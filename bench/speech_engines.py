@@ -150,7 +150,7 @@ def main() -> None:
                 # each round's whisper / this ratio: the two ran in the same round, drift cancels out
                 "speedup_vs_whisper": round(statistics.median(w / x for w, x in zip(ref, times[c], strict=True)), 3),
                 "tokens": sorted(tokens[c]),
-                "decoded_tok_per_s": round(len(want) / statistics.median(times[c]), 1),
+                "tokens_per_s_end_to_end": round(len(want) / statistics.median(times[c]), 1),
                 "worker_peak_rss_mb": peak[c],
             }
             for c in configs

@@ -104,7 +104,7 @@ class FasterWhisperEngine(Engine):
         threads = self.opts.get("threads") or os.cpu_count() or 1
         compute = self.opts.get("compute_type", "default")
         try:
-            self.model = _model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
+            self.model = model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
                                         cpu_threads=threads, num_workers=self.opts.get("workers", 1),
                                         local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - any loading failure is a configuration problem
@@ -205,7 +205,7 @@ def ct2_max_new_tokens(new: int, prompt: int, n_text_ctx: int) -> int:
     return min(n_text_ctx, max(2 * new, new + prompt - 1)) - prompt
 
 
-def _model_class():
+def model_class():
     """faster-whisper's WhisperModel with OpenAI's token budget per window (:func:`ct2_max_new_tokens`)."""
     from dataclasses import replace
 

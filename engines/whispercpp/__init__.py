@@ -11,11 +11,11 @@ a request whose client went away is aborted inside whisper.cpp (its abort callba
 
 Options (``-o KEY=VALUE``): ``threads`` (default: all cores), ``entropy_threshold`` (default 2.4), and the
 common decoding options ``beam_size``, ``best_of``, ``max_new_tokens`` (tokens per window, OpenAI's
-``n_text_ctx/2`` by default, at most whisper.cpp's ``n_text_ctx/2 - 4``), ``condition_on_previous_text``, ``temperature_increment``, ``logprob_threshold``,
-``no_speech_threshold``; ``condition_on_previous_text`` is always on (whisper.cpp has no switch for it
-within a request; ``no_context`` is set so that no request's text prompts the next);
-``compression_ratio_threshold`` is accepted only as its default or off (whisper.cpp
-tests entropy instead).
+``n_text_ctx/2`` by default, at most whisper.cpp's ``n_text_ctx/2 - 4``), ``condition_on_previous_text``,
+``temperature_increment``, ``logprob_threshold``, ``no_speech_threshold``; ``condition_on_previous_text`` is
+always on (whisper.cpp has no switch for it within a request; ``no_context`` is set so that no request's text
+prompts the next); ``compression_ratio_threshold`` is accepted only as its default or off (whisper.cpp tests
+entropy instead).
 """
 
 from __future__ import annotations
