@@ -83,10 +83,10 @@ def bare_runner(engine: str, path: Path, threads: int, max_new: int):
 
         torch.set_num_threads(threads)
         ow = whisper.load_model(str(path), device="cpu")
-    elif engine == "faster-whisper":
-        from faster_whisper import WhisperModel
+    elif engine == "faster-whisper":  # WhisperModel with OpenAI's window budget, as the engine loads it (no torch)
+        from octo.engines.faster_whisper import model_class
 
-        fw = WhisperModel(str(path), device="cpu", compute_type="default", cpu_threads=threads)
+        fw = model_class()(str(path), device="cpu", compute_type="default", cpu_threads=threads)
     else:
         import _pywhispercpp as pw
         from pywhispercpp.model import Model
@@ -111,9 +111,12 @@ def bare_runner(engine: str, path: Path, threads: int, max_new: int):
         audio = load_audio(path)
         segs = wc.transcribe(audio, language="en", translate=False, temperature=0.0, temperature_inc=0.0,
                              entropy_thold=2.4, logprob_thold=-1.0, no_speech_thold=0.6, no_context=True,
-                             initial_prompt="", max_tokens=max_new, token_timestamps=False, greedy={"best_of": 1},
+                             initial_prompt="", max_tokens=max(1, min(max_new, 220) - 1),  # the engine's window_budget
+                             token_timestamps=False, greedy={"best_of": 1},
                              beam_search={"beam_size": 1, "patience": -1.0}, detect_language=False)
-        return sum(pw.whisper_full_n_tokens(wc._ctx, i) for i in range(len(segs)))  # noqa: SLF001
+        ctx, eot = wc._ctx, pw.whisper_token_eot(wc._ctx)  # noqa: SLF001
+        return sum(pw.whisper_full_get_token_id(ctx, i, j) != eot  # as the engine's segments: without the end token
+                   for i in range(len(segs)) for j in range(pw.whisper_full_n_tokens(ctx, i)))
 
     return {"whisper": run_whisper, "faster-whisper": run_faster, "whispercpp": run_cpp}[engine]
 

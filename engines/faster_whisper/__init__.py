@@ -104,7 +104,7 @@ class FasterWhisperEngine(Engine):
         threads = self.opts.get("threads") or os.cpu_count() or 1
         compute = self.opts.get("compute_type", "default")
         try:
-            self.model = _model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
+            self.model = model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
                                         cpu_threads=threads, num_workers=self.opts.get("workers", 1),
                                         local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - any loading failure is a configuration problem
@@ -194,18 +194,27 @@ def _segment(s: Any) -> SpeechSegment:
                          no_speech_prob=float(s.no_speech_prob))
 
 
-def _model_class():
-    """faster-whisper's WhisperModel with OpenAI's token budget per window: at most ``max_new_tokens`` new
-    tokens and never past the text context (OpenAI stops there; faster-whisper would refuse the window)."""
+def ct2_max_new_tokens(new: int, prompt: int, n_text_ctx: int) -> int:
+    """The ``max_new_tokens`` to hand faster-whisper so that CTranslate2 decodes OpenAI's budget of a window:
+    ``new`` tokens, and never a position past the text context.
+
+    faster-whisper passes ``max_length = prompt + max_new_tokens`` to CTranslate2, whose Whisper ``generate``
+    decodes at most ``min(max_length // 2, max_length - (prompt - 1))`` tokens (whisper.cc): taken as is,
+    ``max_new_tokens=224`` would stop a window at 113 tokens. openai-whisper samples ``sample_len`` tokens and
+    stops when the sequence passes ``n_text_ctx`` (``min(new, n_text_ctx + 1 - prompt)``); so does this."""
+    return min(n_text_ctx, max(2 * new, new + prompt - 1)) - prompt
+
+
+def model_class():
+    """faster-whisper's WhisperModel with OpenAI's token budget per window (:func:`ct2_max_new_tokens`)."""
     from dataclasses import replace
 
     from faster_whisper import WhisperModel
 
     class Model(WhisperModel):
         def generate_with_fallback(self, encoder_output, prompt, tokenizer, options):
-            room = self.max_length - len(prompt)
-            if options.max_new_tokens is not None and options.max_new_tokens > room:
-                options = replace(options, max_new_tokens=room)
+            new = options.max_new_tokens or self.max_length // 2
+            options = replace(options, max_new_tokens=ct2_max_new_tokens(new, len(prompt), self.max_length))
             return super().generate_with_fallback(encoder_output, prompt, tokenizer, options)
 
     return Model

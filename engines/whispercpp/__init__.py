@@ -10,12 +10,12 @@ One whisper.cpp context holds one decoding state, so queued requests run one aft
 a request whose client went away is aborted inside whisper.cpp (its abort callback, polled during compute).
 
 Options (``-o KEY=VALUE``): ``threads`` (default: all cores), ``entropy_threshold`` (default 2.4), and the
-common decoding options ``beam_size``, ``best_of``, ``max_new_tokens`` (whisper.cpp's ``max_tokens`` per
-segment), ``condition_on_previous_text``, ``temperature_increment``, ``logprob_threshold``,
-``no_speech_threshold``; ``condition_on_previous_text`` is always on (whisper.cpp has no switch for it
-within a request; ``no_context`` is set so that no request's text prompts the next);
-``compression_ratio_threshold`` is accepted only as its default or off (whisper.cpp
-tests entropy instead).
+common decoding options ``beam_size``, ``best_of``, ``max_new_tokens`` (tokens per window, OpenAI's
+``n_text_ctx/2`` by default, at most whisper.cpp's ``n_text_ctx/2 - 4``), ``condition_on_previous_text``,
+``temperature_increment``, ``logprob_threshold``, ``no_speech_threshold``; ``condition_on_previous_text`` is
+always on (whisper.cpp has no switch for it within a request; ``no_context`` is set so that no request's text
+prompts the next); ``compression_ratio_threshold`` is accepted only as its default or off (whisper.cpp tests
+entropy instead).
 """
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ def is_ggml_whisper(path: Path) -> bool:
     if len(head) < 48 or struct.unpack("<I", head[:4])[0] != GGML_MAGIC:
         return False
     return struct.unpack("<i", head[40:44])[0] in (80, 128)
+
+
+def window_budget(max_new_tokens: int | None, n_text_ctx: int) -> tuple[int, int]:
+    """(tokens a window decodes at most, whisper.cpp's ``max_tokens`` parameter that gives it).
+
+    OpenAI's budget is ``max_new_tokens`` (default ``n_text_ctx // 2``, 224) sampled tokens per window, and a
+    window that reaches it is kept. whisper.cpp's loop stops at ``n_text_ctx // 2 - 4`` (220, hard-coded) and
+    marks a window that gets there without ``max_tokens`` as failed (it then reruns it at every fallback
+    temperature); with ``max_tokens = n - 1`` it ends the window after ``n`` tokens and keeps it, OpenAI's way,
+    when the window has a timestamp after its first token or is the audio's last (whisper.cpp fails a middle
+    window without one: a real model's windows have them)."""
+    n = min(max_new_tokens or n_text_ctx // 2, n_text_ctx // 2 - 4)
+    return n, max(1, n - 1)
 
 
 class WhisperCppEngine(Engine):
@@ -122,6 +135,8 @@ class WhisperCppEngine(Engine):
         if ctx is None:
             raise ConfigError(f"whisper.cpp could not load {artifact}.")
         self.multilingual = bool(pw.whisper_is_multilingual(ctx))
+        self.max_new_tokens, self.max_tokens = window_budget(self.opts.get("max_new_tokens"),
+                                                             pw.whisper_model_n_text_ctx(ctx))
         n = pw.whisper_lang_max_id() + 1
         self.languages = frozenset(pw.whisper_lang_str(i) for i in range(n)) if self.multilingual else frozenset({"en"})
         self.info = ModelInfo(
@@ -135,7 +150,7 @@ class WhisperCppEngine(Engine):
                 "ftype": pw.whisper_model_ftype(ctx),
                 "multilingual": self.multilingual,
                 "beam_size": self.opts["beam_size"],
-                "max_new_tokens": self.opts.get("max_new_tokens") or pw.whisper_model_n_text_ctx(ctx) // 2 - 4,
+                "max_new_tokens": self.max_new_tokens,
                 "batching": "none: queued requests run in turn (one whisper.cpp state)",
             },
         )
@@ -160,7 +175,7 @@ class WhisperCppEngine(Engine):
             # not prompt this one. Within a call, each window's text still conditions the next (OpenAI's rule).
             "no_context": True,
             "initial_prompt": req.prompt or "",
-            "max_tokens": o.get("max_new_tokens") or 0,
+            "max_tokens": self.max_tokens,
             "token_timestamps": req.word_timestamps,
             "greedy": {"best_of": o["best_of"]},
             "beam_search": {"beam_size": o["beam_size"], "patience": -1.0},
@@ -205,7 +220,7 @@ def _segment(pw, ctx, i: int, words: bool) -> SpeechSegment:
     t0, t1 = pw.whisper_full_get_segment_t0(ctx, i) * _CENTI, pw.whisper_full_get_segment_t1(ctx, i) * _CENTI
     return SpeechSegment(
         start=t0, end=t1, text=text, words=_words(pw, ctx, spoken) if words else None, id=i,
-        seek=round(t0 * 100), tokens=[t.id for t in toks],
+        seek=round(t0 * 100), tokens=[t.id for t in toks if t.id != eot],  # OpenAI's segments omit <|endoftext|>
         avg_logprob=float(sum(t.plog for t in spoken) / (len(spoken) + 1)),
         compression_ratio=len(raw) / len(zlib.compress(raw)) if raw else 0.0,
     )

@@ -12,15 +12,13 @@ DEFAULT_QUANT = {"llamacpp": "f16", "mlx": None, "onnx": "int4"}
 
 def build_for(name: str, engine: str, quant: str | None = "default", seed: int = 0) -> Path:
     """The synthetic model ``name`` (a shape from ``octo.synth.SHAPES``) in ``engine``'s format, cached."""
-    if engine == "whisper":
-        from octo.synth.whisper import build_whisper
-
-        return build_whisper(name.removeprefix("whisper-"), seed)
-    if engine in ("faster-whisper", "whispercpp"):  # the same weights as "whisper", in the engine's format
+    if engine in ("whisper", "faster-whisper", "whispercpp"):  # the same weights in each engine's format
         from octo.synth.speech import build_whisper_ct2, build_whisper_ggml
+        from octo.synth.whisper import build_whisper, parse_name
 
-        shape = name.removeprefix("whisper-")
-        return build_whisper_ct2(shape, seed) if engine == "faster-whisper" else build_whisper_ggml(shape, seed)
+        shape, steady = parse_name(name)  # whisper-SHAPE or whisper-SHAPE-steady
+        builder = {"whisper": build_whisper, "faster-whisper": build_whisper_ct2, "whispercpp": build_whisper_ggml}
+        return builder[engine](shape, seed, steady=steady)
     spec = get_spec(name)
     if quant == "default":
         quant = DEFAULT_QUANT.get(engine)

@@ -20,17 +20,13 @@ import struct
 from pathlib import Path
 
 from octo.atomic import build_file
-from octo.paths import synth_dir
+from octo.synth.whisper import synth_root
 
 GGML_MAGIC = 0x67676D6C  # "ggml"
 CT2_QUANTS = ("float32", "float16", "int8", "int8_float32", "int8_float16")
 GGML_TYPES = ("f16", "f32")
 # tensors whisper.cpp keeps in float32 in an f16 file (besides every 1-D tensor)
 _GGML_F32 = {"encoder.conv1.bias", "encoder.conv2.bias", "encoder.positional_embedding", "decoder.positional_embedding"}
-
-
-def _root(shape: str, seed: int) -> Path:
-    return synth_dir() / f"whisper-{shape}-s{seed}"
 
 
 # -- the Whisper tokenizer as tokenizer.json (what faster-whisper and ct2's converter read) ------------
@@ -91,20 +87,20 @@ def _generation_config(dims: dict) -> dict:
 
 
 # -- CTranslate2 (faster-whisper) ----------------------------------------------------------------------
-def ct2_path(shape: str, seed: int = 0, quantization: str = "float32") -> Path:
-    return _root(shape, seed) / f"ct2-{quantization}"
+def ct2_path(shape: str, seed: int = 0, quantization: str = "float32", steady: bool = False) -> Path:
+    return synth_root(shape, seed, steady) / f"ct2-{quantization}"
 
 
 def build_whisper_ct2(shape: str = "test", seed: int = 0, quantization: str = "float32",
-                      out: str | Path | None = None) -> Path:
-    """The checkpoint of ``build_whisper(shape, seed)`` as a CTranslate2 folder, converted by ctranslate2's
-    ``TransformersConverter`` (what ``ct2-transformers-converter`` runs) with ``quantization``."""
+                      out: str | Path | None = None, steady: bool = False) -> Path:
+    """The checkpoint of ``build_whisper(shape, seed, steady=steady)`` as a CTranslate2 folder, converted by
+    ctranslate2's ``TransformersConverter`` (what ``ct2-transformers-converter`` runs) with ``quantization``."""
     if quantization not in CT2_QUANTS:
         raise ValueError(f"unknown CTranslate2 quantization {quantization!r}; known: {', '.join(CT2_QUANTS)}")
     from octo.synth.whisper import build_whisper_hf
 
-    folder = Path(out) if out is not None else ct2_path(shape, seed, quantization)
-    hf = build_whisper_hf(shape, seed)
+    folder = Path(out) if out is not None else ct2_path(shape, seed, quantization, steady)
+    hf = build_whisper_hf(shape, seed, steady=steady)
 
     def write(tmp: Path) -> None:
         from ctranslate2.converters import TransformersConverter
@@ -132,20 +128,22 @@ def _dims_of(hf: Path) -> dict:
 
 
 # -- ggml (whisper.cpp) -------------------------------------------------------------------------------
-def ggml_path(shape: str, seed: int = 0, ftype: str = "f16") -> Path:
-    return _root(shape, seed) / f"ggml-{shape}-{ftype}.bin"
+def ggml_path(shape: str, seed: int = 0, ftype: str = "f16", steady: bool = False) -> Path:
+    return synth_root(shape, seed, steady) / f"ggml-{shape}-{ftype}.bin"
 
 
-def build_whisper_ggml(shape: str = "test", seed: int = 0, ftype: str = "f16", out: str | Path | None = None) -> Path:
-    """The checkpoint of ``build_whisper(shape, seed)`` as a whisper.cpp ggml file (``f16`` or ``f32``)."""
+def build_whisper_ggml(shape: str = "test", seed: int = 0, ftype: str = "f16", out: str | Path | None = None,
+                       steady: bool = False) -> Path:
+    """The checkpoint of ``build_whisper(shape, seed, steady=steady)`` as a whisper.cpp ggml file (``f16`` or
+    ``f32``)."""
     if ftype not in GGML_TYPES:
         raise ValueError(f"unknown ggml type {ftype!r}; known: {', '.join(GGML_TYPES)}")
     import torch
 
     from octo.synth.whisper import build_whisper
 
-    path = Path(out) if out is not None else ggml_path(shape, seed, ftype)
-    ckpt = build_whisper(shape, seed)
+    path = Path(out) if out is not None else ggml_path(shape, seed, ftype, steady)
+    ckpt = build_whisper(shape, seed, steady=steady)
 
     def write(tmp: Path) -> None:
         data = torch.load(ckpt, map_location="cpu", weights_only=True)

@@ -5,11 +5,15 @@ with ``dims`` a plain dict of :class:`whisper.model.ModelDimensions` fields (as 
 checkpoints, which also store the weights as float16). Shapes:
 
 - ``tiny`` / ``tiny.en``: the real whisper-tiny dimensions (39 M parameters), for benchmarks;
+- ``base``: the real whisper-base dimensions (74 M parameters), for the engine comparison;
 - ``test`` / ``test.en``: a small model for tests. Whisper fixes some dimensions: 80 mel bins, an audio
   context of 1500 frames (30 s of audio after the stride-2 convolution) and the tokenizer's vocabulary
   (51865 multilingual, 51864 English-only); only widths, heads and layers shrink.
 
 Random weights produce random text; callers bound decoding (the engine's ``max_new_tokens`` option).
+
+The *steady* variant (``steady=True``) keeps the same random encoder but makes the decoder's output depend on the
+position only, so every engine decodes the same tokens, confidently, until its token cap (see :func:`steady`).
 """
 
 from __future__ import annotations
@@ -42,27 +46,103 @@ SHAPES: dict[str, dict[str, int]] = {
         n_text_layer=2,
     ),
 }
+SHAPES["base"] = dict(SHAPES["tiny"], n_audio_state=512, n_audio_head=8, n_audio_layer=6, n_text_state=512,
+                      n_text_head=8, n_text_layer=6)
 SHAPES["tiny.en"] = dict(SHAPES["tiny"], n_vocab=51864)
 # the speech engines' test shape: whisper.cpp takes a 2-layer decoder for a distilled model (no timestamps)
 SHAPES["test3"] = dict(SHAPES["test"], n_text_layer=3)
 SHAPES["test.en"] = dict(SHAPES["test"], n_vocab=51864)
 
 
-def default_path(shape: str, seed: int = 0) -> Path:
-    return synth_dir() / f"whisper-{shape}-s{seed}" / "whisper" / "model.pt"
+def synth_root(shape: str, seed: int = 0, steady: bool = False) -> Path:
+    """The folder holding every format of one synthetic Whisper."""
+    return synth_dir() / f"whisper-{shape}-s{seed}{'-steady' if steady else ''}"
 
 
-def build_whisper(shape: str = "test", seed: int = 0, out: str | Path | None = None) -> Path:
-    """Build (or reuse) the checkpoint for ``shape`` and ``seed``; returns its path."""
+def default_path(shape: str, seed: int = 0, steady: bool = False) -> Path:
+    return synth_root(shape, seed, steady) / "whisper" / "model.pt"
+
+
+def parse_name(name: str) -> tuple[str, bool]:
+    """``whisper-SHAPE[-steady]`` (a synthetic model's name) -> (shape, steady)."""
+    shape = name.removeprefix("whisper-")
+    return (shape.removesuffix("-steady"), True) if shape.endswith("-steady") else (shape, False)
+
+
+def build_whisper(shape: str = "test", seed: int = 0, out: str | Path | None = None, steady: bool = False) -> Path:
+    """Build (or reuse) the checkpoint for ``shape`` and ``seed`` (the steady variant with ``steady``)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown whisper shape {shape!r}; known shapes: {', '.join(SHAPES)}")
-    path = Path(out) if out is not None else default_path(shape, seed)
+    path = Path(out) if out is not None else default_path(shape, seed, steady)
     if path.is_file():
         return path
-    return build_file(path, lambda tmp: _write_checkpoint(tmp, shape, seed))
+    return build_file(path, lambda tmp: _write_checkpoint(tmp, shape, seed, steady))
 
 
-def _write_checkpoint(tmp: Path, shape: str, seed: int) -> None:
+# -- the steady variant ------------------------------------------------------------------------------------
+STEADY_GAIN = 4.0  # positional embedding = STEADY_GAIN x the token embedding of the position's token
+STEADY_LOGIT_STD = 4.0  # std of a random token's logit (the token embedding is scaled to it)
+STEADY_RESIDUAL = 0.01  # the decoder blocks' output projections are scaled by this
+STEADY_LENGTH = 200  # tokens a window decodes: <|0.00|> and 199 words, then <|endoftext|>
+
+
+def steady_tokens(n_vocab: int, n_text_ctx: int, seed: int = 0) -> list[int]:
+    """The token the steady decoder emits at each position: ``tokens[p]`` is the argmax of the logits computed at
+    position ``p``. After the start-of-transcript prompt (3 tokens; 1 for English-only) come ``<|0.00|>``, then
+    ``STEADY_LENGTH - 1`` distinct ordinary words (a space and 3+ ASCII letters, none of OpenAI's suppressed
+    tokens, chosen from ``seed``), then ``<|endoftext|>``: a window decodes ``STEADY_LENGTH`` tokens, fewer
+    than every engine's cap (224 for openai-whisper and faster-whisper, 220 for whisper.cpp)."""
+    import random
+    import re
+
+    from whisper.tokenizer import get_tokenizer
+
+    multilingual = n_vocab >= 51865
+    tok = get_tokenizer(multilingual, num_languages=n_vocab - 51765 - int(multilingual))
+    suppressed = set(tok.non_speech_tokens)
+    word = re.compile(r" [a-z]{3,}")
+    words = [i for i in range(tok.eot) if i not in suppressed and word.fullmatch(tok.decode([i]))]
+    out = random.Random(seed).sample(words, n_text_ctx)
+    first = len(tok.sot_sequence) - 1  # the position whose logits give the first sampled token
+    out[first] = tok.timestamp_begin
+    out[first + STEADY_LENGTH] = tok.eot
+    return out
+
+
+def steady_transcript(n_vocab: int, n_text_ctx: int, seed: int = 0) -> list[int]:
+    """The tokens a steady model's first window decodes (without a prompt): ``<|0.00|>`` and the words."""
+    first = 2 if n_vocab >= 51865 else 0
+    return steady_tokens(n_vocab, n_text_ctx, seed)[first:first + STEADY_LENGTH]
+
+
+def steady(state: dict, dims: dict, seed: int) -> None:
+    """Make the decoder of ``state`` (float tensors, openai names) emit :func:`steady_tokens` with certainty.
+
+    The blocks' output projections (self-attention, cross-attention, MLP) shrink by ``STEADY_RESIDUAL``: they
+    still compute (attention over the audio included) but barely move the residual stream, which stays
+    ``E[x] + P[p]``. With ``P[p] = g * E[t_p]`` (``g`` = ``STEADY_GAIN``) and the tied output projection, the
+    logit of ``t_p`` is about ``sqrt(d) * STEADY_LOGIT_STD`` (31 at d=64, 88 at d=512), a random token's is
+    ``N(0, STEADY_LOGIT_STD)`` (seed 0: ``t_p`` leads the next token by >= 4.9 logits at d=64, >= 52 at
+    d=512): ``t_p`` wins on every runtime, log-probability ~0 (no fallback, never "no speech"; the words differ,
+    so the compression ratio stays ~1.8). The end of text comes at a fixed position
+    below every engine's per-window cap: each engine decodes the same ``STEADY_LENGTH`` tokens and ends the window
+    the same way (a cap is no common ending: whisper.cpp fails a window that reaches its cap without a timestamp,
+    or with ``max_tokens`` closes it with a forced timestamp, where openai-whisper keeps it)."""
+    import torch
+
+    d = dims["n_text_state"]
+    emb = state["decoder.token_embedding.weight"]
+    emb = emb * (STEADY_LOGIT_STD / d**0.5 / emb.float().std())
+    state["decoder.token_embedding.weight"] = emb
+    t = torch.tensor(steady_tokens(dims["n_vocab"], dims["n_text_ctx"], seed))
+    state["decoder.positional_embedding"] = STEADY_GAIN * emb[t]
+    for name in list(state):
+        if name.startswith("decoder.blocks.") and name.endswith(("attn.out.weight", "attn.out.bias",
+                                                                  "mlp.2.weight", "mlp.2.bias")):
+            state[name] = state[name] * STEADY_RESIDUAL
+
+
+def _write_checkpoint(tmp: Path, shape: str, seed: int, steady_variant: bool = False) -> None:
     import torch
     from whisper.model import ModelDimensions, Whisper
 
@@ -81,7 +161,10 @@ def _write_checkpoint(tmp: Path, shape: str, seed: int) -> None:
             fan_in = tensor[0].numel() if tensor.dim() > 1 else tensor.numel()
             std = 0.02 if "embedding" in name else fan_in**-0.5
             value = std * torch.randn(tensor.shape, generator=gen)
-        state[name] = value.to(torch.float16).contiguous()
+        state[name] = value
+    if steady_variant:
+        steady(state, dims.__dict__, seed)
+    state = {name: value.to(torch.float16).contiguous() for name, value in state.items()}
     with open(tmp, "wb") as f:
         torch.save({"dims": dims.__dict__.copy(), "model_state_dict": state}, f)
 
@@ -151,17 +234,17 @@ def hf_name(name: str) -> str:
     return "model." + name
 
 
-def build_whisper_hf(shape: str = "test", seed: int = 0, out: str | Path | None = None) -> Path:
+def build_whisper_hf(shape: str = "test", seed: int = 0, out: str | Path | None = None, steady: bool = False) -> Path:
     """The checkpoint of :func:`build_whisper` as a transformers folder (config.json + model.safetensors)."""
     import json
 
     import torch
     from safetensors.torch import save_file
 
-    folder = Path(out) if out is not None else synth_dir() / f"whisper-{shape}-s{seed}" / "hf"
+    folder = Path(out) if out is not None else synth_root(shape, seed, steady) / "hf"
     if (folder / "model.safetensors").is_file():
         return folder
-    ckpt = torch.load(build_whisper(shape, seed), map_location="cpu", weights_only=True)
+    ckpt = torch.load(build_whisper(shape, seed, steady=steady), map_location="cpu", weights_only=True)
     d = ckpt["dims"]
     tensors = {hf_name(k): v.contiguous() for k, v in ckpt["model_state_dict"].items()}
     multilingual = d["n_vocab"] >= 51865
