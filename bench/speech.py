@@ -86,7 +86,7 @@ def bare_runner(engine: str, path: Path, threads: int, max_new: int):
     elif engine == "faster-whisper":  # WhisperModel with OpenAI's window budget, as the engine loads it (no torch)
         from octo.engines.faster_whisper import model_class
 
-        fw = model_class()(str(path), device="cpu", compute_type="default", cpu_threads=threads)
+        fw = model_class()(str(path), device="cpu", compute_type="auto", cpu_threads=threads)
     else:
         import _pywhispercpp as pw
         from pywhispercpp.model import Model

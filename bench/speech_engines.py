@@ -3,7 +3,8 @@
 The steady synthetic Whisper (``octo.synth.whisper.steady``: the random encoder of ``--shape``, default the real
 "base" dimensions, and a decoder that emits the same 200 tokens, <|0.00|> then 199 distinct words, with
 log-probability ~0 and then <|endoftext|>) converted to each engine's format: openai ``.pt``, CTranslate2 float32
-folder (served as float32 and with ``-o compute_type=int8``), ggml f16. Every engine therefore decodes the same
+folder (served with the engine's default ``compute_type=auto``, int8 weights on a CPU, and as float32), ggml f16.
+Every engine therefore decodes the same
 tokens in one 30-second window with OpenAI's decoding (temperature 0 with the fallback schedule armed: it never
 triggers), so the times compare speed at the same work; the bench checks the tokens of every answer.
 
@@ -42,8 +43,8 @@ _spec.loader.exec_module(speech_bench)
 # configuration -> (engine, artifact kind, extra options)
 CONFIGS = {
     "whisper": ("whisper", "pt", ()),
-    "faster-whisper": ("faster-whisper", "ct2", ()),
-    "faster-whisper-int8": ("faster-whisper", "ct2", ("-o", "compute_type=int8")),
+    "faster-whisper": ("faster-whisper", "ct2", ()),  # its default compute type: auto (int8 weights on CPU)
+    "faster-whisper-f32": ("faster-whisper", "ct2", ("-o", "compute_type=float32")),
     "whispercpp": ("whispercpp", "ggml", ()),
 }
 

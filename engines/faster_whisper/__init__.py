@@ -9,8 +9,10 @@ tokens on the first window; OpenAI: greedy, one sample, 224), and keeps VAD and 
 (``BatchedInferencePipeline`` cuts audio at VAD pauses and decodes chunks without the previous text or the
 fallback: other semantics).
 
-Options (``-o KEY=VALUE``): ``compute_type`` (default: the folder's own type; int8, int8_float32, float32,
-float16 ...), ``device`` (cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: all cores),
+Options (``-o KEY=VALUE``): ``compute_type`` (default ``auto``: CTranslate2's fastest type on the device, int8
+weights on a CPU that has int8 kernels (as faster-whisper recommends for CPUs and CPU speech servers run it),
+float16 on CUDA; ``default`` keeps the folder's own type; int8, int8_float32, float32, float16 ...), ``device``
+(cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: all cores),
 ``workers`` (default 1: the windows of queued requests go through CTranslate2 in one batch, see ``batch.py``;
 N > 1: queued requests transcribed in parallel on N CTranslate2 workers instead), and the common
 decoding options ``beam_size``, ``best_of``, ``max_new_tokens``, ``condition_on_previous_text``,
@@ -79,7 +81,8 @@ class FasterWhisperEngine(Engine):
             if importlib.util.find_spec(module) is None:
                 return Detection(False, f"{package} is not installed (pip install 'octo[speech]')")
         # not imported here: detect() runs in the gateway, and CTranslate2 brings its own OpenMP runtime
-        return Detection(True, "cpu (cuda when built with it; -o compute_type=int8|float32|...)")
+        return Detection(True, "cpu (cuda when built with it); compute_type auto (int8 weights on CPU; "
+                               "-o compute_type=float32|default|...)")
 
     @classmethod
     def version(cls) -> str:
@@ -102,7 +105,7 @@ class FasterWhisperEngine(Engine):
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"{artifact} has no tokenizer.json (faster-whisper would download one).")
         threads = self.opts.get("threads") or os.cpu_count() or 1
-        compute = self.opts.get("compute_type", "default")
+        compute = self.opts.get("compute_type", "auto")
         try:
             self.model = model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
                                         cpu_threads=threads, num_workers=self.opts.get("workers", 1),
