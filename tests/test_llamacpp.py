@@ -201,6 +201,35 @@ def test_tokenize_and_pieces_match_llama_cpp(engine, bare):
     assert engine.token_bytes(engine.tokenize("<|im_end|>")[0]) == b""
 
 
+def test_pieces_read_by_two_threads_at_once_are_each_threads_own(engine):
+    """llama_token_to_piece runs without the GIL: the deferred vocabulary build (a thread of its own) and request
+    handling may both miss the piece cache at once; each must get its own token's bytes, not the other's."""
+    import threading
+
+    n = engine.info.n_vocab
+    expected = {}
+    for t in range(n):
+        expected[t] = engine.token_bytes(t)
+    got: dict[int, list[bytes]] = {0: [], 1: []}
+    for _ in range(3):
+        engine._pieces.clear()  # every call misses the cache and reads into the piece buffer
+        start = threading.Barrier(2)
+
+        def read(k: int) -> None:
+            start.wait()
+            order = range(n) if k == 0 else range(n - 1, -1, -1)
+            got[k] = [(t, engine.token_bytes(t)) for t in order]
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in (0, 1)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for k in (0, 1):
+            wrong = [t for t, b in got[k] if b != expected[t]]
+            assert not wrong, f"thread {k} read another token's bytes for {len(wrong)} tokens, e.g. {wrong[:5]}"
+
+
 def test_chat_template_renders_like_transformers(engine):
     transformers = pytest.importorskip("transformers")
     from octo.synth import build_hf

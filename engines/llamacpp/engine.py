@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from typing import Any, ClassVar
 
 from octo.engine import (
@@ -155,7 +156,9 @@ class LlamaCppEngine(Engine):
         eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self._pieces: dict[int, bytes] = {}
         self._special: dict[str, int] | None = None
-        self._piece_buf = ctypes.create_string_buffer(256)
+        # one piece buffer per thread: llama_token_to_piece runs without the GIL, and the deferred vocabulary build
+        # (its own thread) and request handling (tokenizer, detokenizer) may both miss the piece cache at once
+        self._piece_bufs = threading.local()
         self._tok_buf = (L.llama_token * 4096)()
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         self.bos = L.llama_vocab_bos(self.vocab)
@@ -312,7 +315,9 @@ class LlamaCppEngine(Engine):
     def token_bytes(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
-            buf = self._piece_buf
+            buf = getattr(self._piece_bufs, "buf", None)
+            if buf is None:
+                buf = self._piece_bufs.buf = ctypes.create_string_buffer(256)
             n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
