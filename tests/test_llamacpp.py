@@ -215,7 +215,7 @@ def test_pieces_read_by_two_threads_at_once_are_each_threads_own(engine):
         engine._pieces.clear()  # every call misses the cache and reads into the piece buffer
         start = threading.Barrier(2)
 
-        def read(k: int) -> None:
+        def read(k: int, start: threading.Barrier = start) -> None:
             start.wait()
             order = range(n) if k == 0 else range(n - 1, -1, -1)
             got[k] = [(t, engine.token_bytes(t)) for t in order]
