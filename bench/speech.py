@@ -108,10 +108,13 @@ def bare_runner(engine: str, path: Path, threads: int, max_new: int):
         return sum(len(s.tokens) for s in segments)
 
     def run_cpp(path: Path) -> int:  # the parameters the whispercpp engine passes (OpenAI's thresholds)
+        from octo.engines.whispercpp import window_budget
+
         audio = load_audio(path)
+        _, max_tokens = window_budget(max_new, pw.whisper_model_n_text_ctx(wc._ctx))  # noqa: SLF001
         segs = wc.transcribe(audio, language="en", translate=False, temperature=0.0, temperature_inc=0.0,
                              entropy_thold=2.4, logprob_thold=-1.0, no_speech_thold=0.6, no_context=True,
-                             initial_prompt="", max_tokens=max(1, min(max_new, 220) - 1),  # the engine's window_budget
+                             initial_prompt="", max_tokens=max_tokens,
                              token_timestamps=False, greedy={"best_of": 1},
                              beam_search={"beam_size": 1, "patience": -1.0}, detect_language=False)
         ctx, eot = wc._ctx, pw.whisper_token_eot(wc._ctx)  # noqa: SLF001
