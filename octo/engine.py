@@ -292,7 +292,8 @@ class Engine:
     # -- discovery -------------------------------------------------------------------------------
     @classmethod
     def detect(cls) -> Detection:
-        """Can this engine run here? Must not raise, and must import its backend lazily."""
+        """Can this engine run here? Must not raise, and should not import its backend: it runs in the gateway
+        (``importlib.util.find_spec`` says whether it is installed; ``load`` reports a library that does not load)."""
         return Detection(True)
 
     @classmethod
@@ -301,9 +302,10 @@ class Engine:
 
     @classmethod
     def prepare(cls) -> None:
-        """Optional: import slow pure-Python parts of the backend ahead of ``load``. The start-up selection calls
-        it in a background thread while another candidate loads (native loads release the GIL), and waits for it
-        before any measurement. Must not choose anything ``load``'s options decide, and must not raise."""
+        """Optional: import the backend (its library, slow pure-Python parts) ahead of ``load``. A pre-spawned
+        worker calls it while it waits for its model; the start-up selection calls it in a background thread while
+        another candidate loads (native loads release the GIL), and waits for it before any measurement. Must not
+        choose anything ``load``'s options decide, and must not raise."""
 
     @classmethod
     def artifact_format(cls, path: str) -> str | None:

@@ -60,6 +60,10 @@ def test_a_warm_start_serves_with_the_worker_started_before_the_gateways_imports
         if maps is not None:  # the engine was detected in the worker: llama.cpp is not loaded into the gateway
             assert "libllama" in Path(f"/proc/{pid}/maps").read_text()
             assert "libllama" not in maps
+            # nor later, by the catalog's scan of what could serve (every engine's detect(), in the gateway)
+            assert _wait(lambda: any(m["id"] == "demo" for m in server.get_json("/v1/models")["data"]), 20)
+            maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+            assert "libllama" not in maps and "onnxruntime" not in maps
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

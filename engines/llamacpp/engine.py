@@ -33,6 +33,7 @@ holds own the rest, each with its own state, and reach the engine only through a
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import threading
 from typing import Any, ClassVar
@@ -106,22 +107,26 @@ class LlamaCppEngine(Engine):
     # -- discovery ---------------------------------------------------------------------------------
     @classmethod
     def detect(cls) -> Detection:
+        # not imported here: detect() runs in the gateway, whose memory and start-up the library would cost (40 MB
+        # with onnxruntime's); a library that is installed but does not load fails the load, in the worker
+        if importlib.util.find_spec("llama_cpp") is None:
+            return Detection(False, "llama-cpp-python is not installed; pip install 'octo[llamacpp]'")
+        return Detection(True, f"llama-cpp-python {cls.version()} (GPU offload where its build has it)")
+
+    @classmethod
+    def prepare(cls) -> None:
         try:
-            import llama_cpp
-        except Exception as e:  # ImportError, or a broken shared library (OSError)
-            return Detection(
-                False, f"llama-cpp-python is not installed ({e.__class__.__name__}: {e}); pip install 'octo[llamacpp]'"
-            )
-        gpu = llama_cpp.llama_supports_gpu_offload()
-        return Detection(True, f"llama-cpp-python {llama_cpp.__version__} ({'GPU offload' if gpu else 'CPU'})")
+            import llama_cpp  # noqa: F401 - the native library, ahead of the load
+        except Exception:  # noqa: BLE001 - the load reports a library that does not load
+            pass
 
     @classmethod
     def version(cls) -> str:
-        try:
-            import llama_cpp
+        from importlib.metadata import PackageNotFoundError, version
 
-            return llama_cpp.__version__
-        except Exception:
+        try:
+            return version("llama_cpp_python")
+        except PackageNotFoundError:
             return "0"
 
     @classmethod

@@ -19,6 +19,7 @@ Two ways to run a folder behind the shared scheduler (``-o backend=``):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
@@ -60,31 +61,25 @@ class OnnxEngine(Engine):
     # -- discovery ---------------------------------------------------------------------------------
     @classmethod
     def detect(cls) -> Detection:
-        try:
-            import onnxruntime as ort
-        except Exception as e:  # ImportError, or a broken shared library (OSError)
-            return Detection(False, f"onnxruntime is not installed ({type(e).__name__}: {e}); "
-                                    "pip install 'octo[onnx]'")
-        try:
-            import onnxruntime_genai as og
+        # not imported here: detect() runs in the gateway (onnxruntime is 26 MB of it); a library that is installed
+        # but does not load fails the load, in the worker
+        if importlib.util.find_spec("onnxruntime") is None:
+            return Detection(False, "onnxruntime is not installed; pip install 'octo[onnx]'")
+        genai = _dist_version("onnxruntime-genai")
+        genai = f", onnxruntime-genai {genai}" if genai else " (onnxruntime-genai not installed: session backend only)"
+        return Detection(True, f"onnxruntime {_dist_version('onnxruntime')}{genai} (CPU)")
 
-            genai = f", onnxruntime-genai {og.__version__}"
-        except Exception:  # noqa: BLE001 - the session backend runs without it
-            genai = " (onnxruntime-genai not installed: session backend only)"
-        return Detection(True, f"onnxruntime {ort.__version__}{genai} (CPU)")
+    @classmethod
+    def prepare(cls) -> None:
+        try:
+            import onnxruntime  # noqa: F401 - the native library, ahead of the load
+        except Exception:  # noqa: BLE001 - the load reports a library that does not load
+            pass
 
     @classmethod
     def version(cls) -> str:
-        try:
-            import onnxruntime as ort
-        except Exception:  # noqa: BLE001
-            return "0"
-        try:
-            import onnxruntime_genai as og
-
-            return f"{ort.__version__}+genai{og.__version__}"
-        except Exception:  # noqa: BLE001
-            return ort.__version__
+        ort, genai = _dist_version("onnxruntime") or "0", _dist_version("onnxruntime-genai")
+        return f"{ort}+genai{genai}" if genai else ort
 
     @classmethod
     def artifact_format(cls, path: str) -> str | None:
@@ -228,3 +223,13 @@ def _precision(folder: Path) -> str:
     if b"MatMulNBits" in head:
         return "int4" if b"_Q4" in head else "int8/int4"
     return "float"
+
+
+def _dist_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist`` (None: not installed), read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None

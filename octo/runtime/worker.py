@@ -289,13 +289,13 @@ class Worker:
 
     def preload(self, plugins_dir: str | None, engines: list[str]) -> None:
         """(engine thread, while the worker waits for its model) Load the plugins and import the native libraries of
-        ``engines`` (``detect``), so that the model's load starts with them done (``OCTO_WORKER_PRELOAD``)."""
+        ``engines`` (``prepare``), so that the model's load starts with them done (``OCTO_WORKER_PRELOAD``)."""
         t0 = time.perf_counter()
         try:
             registry = self.engine_classes(plugins_dir)
             for name in engines:
-                if name in registry:
-                    registry[name].detect()
+                if name in registry and registry[name].detect().available:
+                    registry[name].prepare()
         except Exception:  # noqa: BLE001 - the load itself reports what is wrong
             log.debug("worker: preloading %s failed", engines, exc_info=True)
         log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
