@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import sys
 import threading
 from typing import Any, ClassVar
 
@@ -122,6 +123,9 @@ class LlamaCppEngine(Engine):
 
     @classmethod
     def version(cls) -> str:
+        lib = sys.modules.get("llama_cpp")  # imported (a worker, a load): free; else the installed metadata (ms)
+        if lib is not None:
+            return lib.__version__
         from importlib.metadata import PackageNotFoundError, version
 
         try:
