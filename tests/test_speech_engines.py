@@ -132,3 +132,27 @@ def test_options_and_requests_are_checked(cls):
     results = engine.transcribe_batch([TranscriptionRequest(audio=audio, task="bogus"),
                                        TranscriptionRequest(audio=audio, language="en")])
     assert isinstance(results[0], InvalidRequest) and results[1].duration == 1.0
+
+
+def test_faster_whisper_offers_its_thread_counts_and_switches_them(monkeypatch):
+    """Threads are measured unless set: all cores first, then one; a switch reloads the model on that count and
+    it transcribes the same (greedy, same weights); ``-o threads`` fixes the count."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    engine = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6", "temperature_increment": "0"}))
+    engine.load(str(build_whisper_ct2(SHAPE)), "t")
+    assert engine.thread_counts() == [4, 1] and engine.info.extra["threads"] == 4
+    audio = (np.random.default_rng(3).standard_normal(16000) * 0.1).astype(np.float32)
+    before = engine.transcribe(TranscriptionRequest(audio=audio, language="en")).text
+    old = engine.model
+    engine.set_threads(1)
+    assert engine.model is not old and engine.model.model.num_active_batches == 0
+    assert engine.info.extra["threads"] == 1 and engine.thread_counts() == [1, 4]
+    assert engine.transcribe(TranscriptionRequest(audio=audio, language="en")).text == before
+    same = engine.model
+    engine.set_threads(1)  # the count it has: no reload
+    assert engine.model is same
+    fixed = FasterWhisperEngine(EngineConfig(options={"threads": "2"}))
+    fixed.load(str(build_whisper_ct2(SHAPE)), "t")
+    assert fixed.thread_counts() == [] and fixed.info.extra["threads"] == 2

@@ -12,7 +12,8 @@ fallback: other semantics).
 Options (``-o KEY=VALUE``): ``compute_type`` (default ``auto``: CTranslate2's fastest type on the device, int8
 weights on a CPU that has int8 kernels (as faster-whisper recommends for CPUs and CPU speech servers run it),
 float16 on CUDA; ``default`` keeps the folder's own type; int8, int8_float32, float32, float16 ...), ``device``
-(cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: all cores),
+(cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: measured by the start-up benchmark, all
+cores or one, see ``thread_counts``),
 ``workers`` (default 1: the windows of queued requests go through CTranslate2 in one batch, see ``batch.py``;
 N > 1: queued requests transcribed in parallel on N CTranslate2 workers instead), and the common
 decoding options ``beam_size``, ``best_of``, ``max_new_tokens``, ``condition_on_previous_text``,
@@ -105,14 +106,8 @@ class FasterWhisperEngine(Engine):
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"{artifact} has no tokenizer.json (faster-whisper would download one).")
         threads = self.opts.get("threads") or os.cpu_count() or 1
-        compute = self.opts.get("compute_type", "auto")
-        try:
-            self.model = model_class()(str(path), device=self.opts.get("device", "cpu"), compute_type=compute,
-                                        cpu_threads=threads, num_workers=self.opts.get("workers", 1),
-                                        local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any loading failure is a configuration problem
-            raise ConfigError(f"Cannot load CTranslate2 Whisper model from {artifact}: {type(exc).__name__}: {exc}"
-                              ) from exc
+        self.path = path
+        self.model = self._model(threads)
         ct2 = self.model.model
         self.languages = frozenset(self.model.supported_languages)
         self.info = ModelInfo(
@@ -133,6 +128,36 @@ class FasterWhisperEngine(Engine):
             },
         )
         return self.info
+
+    def _model(self, threads: int) -> Any:
+        """faster-whisper's model of the folder on ``threads`` CTranslate2 intra-op threads."""
+        try:
+            return model_class()(str(self.path), device=self.opts.get("device", "cpu"),
+                                 compute_type=self.opts.get("compute_type", "auto"), cpu_threads=threads,
+                                 num_workers=self.opts.get("workers", 1), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loading failure is a configuration problem
+            raise ConfigError(f"Cannot load CTranslate2 Whisper model from {self.path}: {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+    def thread_counts(self) -> list[int]:
+        """The intra-op thread count now, then the other one worth measuring (all cores, or 1): a decoder step of
+        Whisper is a few small products, and on some hosts one CTranslate2 thread decodes twice as fast as two
+        (bench/speech_engines.py: 145 against 70 tok/s on a 2-vCPU VM), on others two win. The start-up
+        benchmark measures both; ``-o threads=N`` fixes the count ([]: not tuned)."""
+        if self.model is None or self.opts.get("threads") or self.device_type() != "cpu":
+            return []
+        now, cores = self.info.extra["threads"], os.cpu_count() or 1
+        return [now] + [n for n in dict.fromkeys((cores, 1)) if n != now]
+
+    def device_type(self) -> str:
+        return self.model.model.device if self.model is not None else self.opts.get("device", "cpu")
+
+    def set_threads(self, n: int) -> None:
+        """Reload the model on ``n`` threads (CTranslate2 fixes them per model: 0.3 s for a base-size model)."""
+        if self.model is None or n == self.info.extra["threads"]:
+            return
+        self.model = self._model(n)
+        self.info.extra["threads"] = n
 
     def unload(self) -> None:
         self.model = None
