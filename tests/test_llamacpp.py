@@ -134,6 +134,12 @@ def test_corrupt_file_is_a_clear_config_error(gguf_path, tmp_path, damage):
     assert "bad.gguf" in err.value.message
 
 
+def test_the_end_of_generation_ids_are_those_llama_cpp_names(engine):
+    """(scanned in a thread while the context is made: loading.EogScan)"""
+    direct = {t for t in range(engine.n_vocab) if engine.lib.llama_vocab_is_eog(engine.vocab, t)}
+    assert engine.info.eos_token_ids == direct and len(direct) >= 2
+
+
 def test_model_info(engine):
     info = engine.info
     assert info.n_ctx == 2048  # qwen2.context_length of the tiny shape

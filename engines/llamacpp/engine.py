@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
-import sys
 import threading
 from typing import Any, ClassVar
 
@@ -123,15 +122,7 @@ class LlamaCppEngine(Engine):
 
     @classmethod
     def version(cls) -> str:
-        lib = sys.modules.get("llama_cpp")  # imported (a worker, a load): free; else the installed metadata (ms)
-        if lib is not None:
-            return lib.__version__
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("llama_cpp_python")
-        except PackageNotFoundError:
-            return "0"
+        return loading.library_version()
 
     @classmethod
     def artifact_format(cls, path: str) -> str | None:
@@ -147,22 +138,20 @@ class LlamaCppEngine(Engine):
 
         self.lib = L
         self._load_model(artifact)
+        eog_scan = loading.EogScan(L, self.vocab, self.n_vocab)  # meanwhile: the context is made without the GIL
         arch = self.metadata.get("general.architecture", "?")
         pooling = int(self.metadata.get(f"{arch}.pooling_type", "-1"))
         self.is_embedding = pooling > 0
         try:
-            if self.opts.get("lora"):
-                if self.is_embedding:
-                    raise ConfigError("LoRA adapters apply to generative models; this GGUF is an embedding model.",
-                                      param="lora")
-                self.adapters = lora.Adapters(L, self.model, self.opts["lora"])
+            self._load_adapters()
             self._make_context(pooling)
+            eog = eog_scan.ids()
         except BaseException:
+            eog_scan.join()  # (it reads the vocabulary unload frees)
             self.unload()
             raise
         last_n = self.opts.get("penalty_last_n", 64)
         self.penalty_last_n = self.n_ctx_seq if last_n < 0 else last_n  # -1: the whole context, as llama-server
-        eog = frozenset(t for t in range(self.n_vocab) if L.llama_vocab_is_eog(self.vocab, t))
         self._pieces: dict[int, bytes] = {}
         self._special: dict[str, int] | None = None
         # one piece buffer per thread: llama_token_to_piece runs without the GIL, and the deferred vocabulary build
@@ -201,6 +190,13 @@ class LlamaCppEngine(Engine):
             extra=loading.describe(self, arch, pooling),
         )
         return self.info
+
+    def _load_adapters(self) -> None:
+        if self.opts.get("lora"):
+            if self.is_embedding:
+                raise ConfigError("LoRA adapters apply to generative models; this GGUF is an embedding model.",
+                                  param="lora")
+            self.adapters = lora.Adapters(self.lib, self.model, self.opts["lora"])
 
     def _load_model(self, artifact: str) -> None:
         self.artifact_path, self.model, self.repack, self.repack_source = loading.load_model(self.lib, artifact,
