@@ -447,6 +447,11 @@ class Engine:
         """Thread counts worth trying at start-up, current one first; [] when threads are not tunable."""
         return []
 
+    # Whether ``set_threads`` may also run while the model serves: the registry shares the cores between busy models
+    # with it. False where a switch reloads the model (faster-whisper: CTranslate2 fixes threads per model), so that
+    # only the start-up benchmark switches.
+    threads_switch_while_serving: ClassVar[bool] = True
+
     def set_threads(self, n: int) -> None:
         """Switch the number of compute threads without reloading (only called with thread_counts() values)."""
 

@@ -66,6 +66,7 @@ class FasterWhisperEngine(Engine):
     batching = "window"  # queued requests come together (transcribe_batch): one CTranslate2 batch per round
     sampling_params = frozenset({"temperature"})
     supports_word_timestamps = True  # cross-attention alignment, as openai-whisper
+    threads_switch_while_serving = False  # a switch reloads the model: only the start-up benchmark does it
 
     def __init__(self, config=None) -> None:
         super().__init__(config)

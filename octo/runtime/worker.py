@@ -316,7 +316,7 @@ class Worker:
         self.handle = ModelHandle(spec["name"], (), self.engine.name, self.engine, spec["artifact"])
         self.handle.engine_thread = self.engine_thread
         counts = self.engine.thread_counts()  # the thread count selection chose comes first; [] when not tunable
-        self.full_threads = counts[0] if counts else None
+        self.full_threads = counts[0] if counts and self.engine.threads_switch_while_serving else None
         self.handle.start(config, WorkerScheduler, outbox=self.outbox, gate=self.gate)
         self.handle.scheduler.watchdog.on_fault = self._fault
         self._beat = time.monotonic()
