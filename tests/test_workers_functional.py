@@ -145,11 +145,14 @@ def test_a_crash_in_the_first_steps_restarts_with_the_fallback(tmp_path):
 
 
 def test_an_explicit_option_disables_its_fallback(tmp_path):
-    """-o safe=false is the user's choice: no fallback overrides it, so the start fails with the reason."""
-    with pytest.raises(RuntimeError, match="crashed .SIGSEGV.*no safer configuration"):
+    """-o safe=false is the user's choice: no fallback overrides it, so the start fails with the reason (and
+    promises no retry: the process ends)."""
+    with pytest.raises(RuntimeError, match="crashed .SIGSEGV.*no safer configuration") as err:
         with run_octo("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "crash_in=load", "-o", "safe=false",
                       env={"OCTO_HOME": str(tmp_path)}, timeout=60):
             pass
+    final = [line for line in str(err.value).splitlines() if line.startswith("Error: ")]
+    assert len(final) == 1 and "could not be loaded" in final[0] and "tried again" not in final[0], err.value
 
 
 def test_selection_survives_a_candidate_that_crashes(tmp_path):

@@ -131,7 +131,10 @@ class Registry:
         sweeper starts with the app (``activate_all``)."""
         for spec in specs:
             slot = await self._slot_for(spec.model, spec)
-            await self._load(slot)
+            try:
+                await self._load(slot)
+            except ModelFailed as exc:  # the start stops here: nothing is tried again later
+                raise ModelFailed(getattr(exc, "why", exc.message), param="model") from None
 
     def adopt(self, handle: Any, rows: list[dict[str, Any]] | None = None, spec: ModelSpec | None = None) -> Slot:
         """Add a model that is already loaded (its handle not yet activated: ``activate_all`` does that)."""
@@ -419,9 +422,10 @@ class Registry:
             if isinstance(cause, (ModelNotFound, InvalidRequest)) and cause.status < 500:
                 slot.error = cause
             else:
-                slot.error = ModelFailed(f"Model '{slot.name}' could not be loaded: {cause.message} It is tried "
-                                         f"again in {delay:g} s, or now with POST /v1/models/{slot.name}/load.",
-                                         param="model", headers=retry_after(delay))
+                why = f"Model '{slot.name}' could not be loaded: {cause.message}"
+                slot.error = ModelFailed(f"{why} It is tried again in {delay:g} s, or now with POST "
+                                         f"/v1/models/{slot.name}/load.", param="model", headers=retry_after(delay))
+                slot.error.why = why
             log.error("loading '%s' failed: %s", slot.name, cause.message)
             raise slot.error from None
         finally:
