@@ -134,6 +134,27 @@ def test_corrupt_file_is_a_clear_config_error(gguf_path, tmp_path, damage):
     assert "bad.gguf" in err.value.message
 
 
+def test_detect_names_the_backends_without_loading_the_library(tmp_path):
+    import subprocess
+    import sys
+    import types
+
+    from octo.engines.llamacpp import loading
+
+    (tmp_path / "lib").mkdir()
+    for name in ("libggml-base.so", "libggml-cpu.so", "libggml-cuda.so.0", "ggml-vulkan.dll", "libllama.so"):
+        (tmp_path / "lib" / name).touch()
+    assert loading.backends(types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])) == \
+        "GPU offload: CUDA, Vulkan"
+    (tmp_path / "lib" / "libggml-cuda.so.0").unlink()
+    (tmp_path / "lib" / "ggml-vulkan.dll").unlink()
+    assert loading.backends(types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])) == "CPU"
+    code = ("import sys; from octo.engines.llamacpp import LlamaCppEngine as E; d = E.detect(); "
+            "print(d.available, d.reason, 'llama_cpp' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("True llama-cpp-python ") and out.strip().endswith("False")
+
+
 def test_the_end_of_generation_ids_are_those_llama_cpp_names(engine):
     """(scanned in a thread while the context is made: loading.EogScan)"""
     direct = {t for t in range(engine.n_vocab) if engine.lib.llama_vocab_is_eog(engine.vocab, t)}

@@ -109,9 +109,10 @@ class LlamaCppEngine(Engine):
     def detect(cls) -> Detection:
         # not imported here: detect() runs in the gateway, whose memory and start-up the library would cost (40 MB
         # with onnxruntime's); a library that is installed but does not load fails the load, in the worker
-        if importlib.util.find_spec("llama_cpp") is None:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is None:
             return Detection(False, "llama-cpp-python is not installed; pip install 'octo[llamacpp]'")
-        return Detection(True, f"llama-cpp-python {cls.version()} (GPU offload where its build has it)")
+        return Detection(True, f"llama-cpp-python {cls.version()} ({loading.backends(spec)})")
 
     @classmethod
     def prepare(cls) -> None:

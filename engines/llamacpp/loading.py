@@ -49,6 +49,23 @@ def library_version() -> str:
         return "0"
 
 
+def backends(spec: Any) -> str:
+    """The compute backends a llama-cpp-python install ships (its ``lib/libggml-*.so`` files, read without loading
+    them): "CPU", or with GPU offload "GPU offload: CUDA, Vulkan"."""
+    from pathlib import Path
+
+    names = set()
+    for folder in spec.submodule_search_locations or ():
+        for lib in (Path(folder) / "lib").glob("*ggml-*"):
+            names.add(lib.name.split("ggml-", 1)[1].split(".", 1)[0])
+    gpus = sorted(GPU_BACKENDS[n] for n in names if n in GPU_BACKENDS)
+    return f"GPU offload: {', '.join(gpus)}" if gpus else "CPU"
+
+
+GPU_BACKENDS = {"cuda": "CUDA", "metal": "Metal", "vulkan": "Vulkan", "hip": "ROCm", "sycl": "SYCL",
+                "opencl": "OpenCL", "musa": "MUSA", "cann": "CANN"}
+
+
 class EogScan:
     """The end-of-generation token ids (``llama_vocab_is_eog`` of every token: 151,936 calls, 0.08 s of Python for a
     Qwen vocabulary), scanned in a thread of its own while the load goes on (creating the context runs native code

@@ -66,9 +66,10 @@ class OnnxEngine(Engine):
         # but does not load fails the load, in the worker
         if importlib.util.find_spec("onnxruntime") is None:
             return Detection(False, "onnxruntime is not installed; pip install 'octo[onnx]'")
-        genai = _dist_version("onnxruntime-genai")
-        genai = f", onnxruntime-genai {genai}" if genai else " (onnxruntime-genai not installed: session backend only)"
-        return Detection(True, f"onnxruntime {_dist_version('onnxruntime')}{genai} (CPU)")
+        genai = (f", onnxruntime-genai {_dist_version('onnxruntime_genai') or '(version unknown)'}"
+                 if importlib.util.find_spec("onnxruntime_genai") is not None
+                 else " (onnxruntime-genai not installed: session backend only)")
+        return Detection(True, f"onnxruntime {_dist_version('onnxruntime') or '(version unknown)'}{genai} (CPU)")
 
     @classmethod
     def prepare(cls) -> None:
@@ -79,7 +80,7 @@ class OnnxEngine(Engine):
 
     @classmethod
     def version(cls) -> str:
-        ort, genai = _dist_version("onnxruntime") or "0", _dist_version("onnxruntime-genai")
+        ort, genai = _dist_version("onnxruntime") or "0", _dist_version("onnxruntime_genai")
         return f"{ort}+genai{genai}" if genai else ort
 
     @classmethod
@@ -226,15 +227,23 @@ def _precision(folder: Path) -> str:
     return "float"
 
 
-def _dist_version(dist: str) -> str | None:
-    """The installed version of distribution ``dist`` (None: not installed), read without importing it (the
-    module's ``__version__`` where it is imported already: the metadata costs milliseconds)."""
-    lib = sys.modules.get(dist.replace("-", "_"))
+# the distributions that install each module (CPU, CUDA, DirectML, OpenVINO builds)
+_DISTS = {"onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino",
+                          "onnxruntime-qnn"),
+          "onnxruntime_genai": ("onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml")}
+
+
+def _dist_version(module: str) -> str | None:
+    """The installed version of ``module``'s distribution (None: unknown), read without importing it (the module's
+    ``__version__`` where it is imported already: the metadata costs milliseconds)."""
+    lib = sys.modules.get(module)
     if lib is not None and isinstance(getattr(lib, "__version__", None), str):
         return lib.__version__
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
+    for dist in _DISTS[module]:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
