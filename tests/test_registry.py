@@ -78,3 +78,37 @@ async def test_busy_models_in_workers_split_the_cores_and_get_them_back():
     async with reg2.use("c"), reg2.use("d"):
         await asyncio.sleep(0)
     assert c.calls == [] and d.calls == []  # turns: the arbiter shares instead
+
+
+async def test_the_first_catalog_scan_waits_for_a_lull(monkeypatch):
+    """(its imports hold the GIL about 0.3 s: not while requests run; 30 s after the start at the latest)"""
+    import time
+
+    from octo.runtime import registry as registry_module
+
+    reg = Registry(ServerConfig(), {})
+    slot = reg.adopt(_Handle("a"))
+    scans = []
+    monkeypatch.setattr(reg, "_scan_catalog", lambda: scans.append(time.monotonic()))
+    now = time.monotonic()
+    slot.inflight, slot.last_used = 1, now - 10  # a request runs
+    reg._scan_in_a_lull(now)
+    assert scans == [] and reg._scan_timer is not None
+    reg._scan_timer.cancel()
+    slot.inflight, slot.last_used = 0, now  # one just ended
+    reg._scan_in_a_lull(now)
+    assert scans == []
+    reg._scan_timer.cancel()
+    slot.last_used = now - registry_module.CATALOG_SCAN_QUIET_S  # quiet for the whole lull
+    reg._scan_in_a_lull(now)
+    assert len(scans) == 1
+    slot.inflight = 1  # busy, but the start was long ago: scanned anyway
+    reg._scan_in_a_lull(now - registry_module.CATALOG_SCAN_LATEST_S)
+    assert len(scans) == 2
+    slot.inflight = 0
+    reg._scan_timer = None
+    slot.last_used = time.monotonic() - 0.7  # the timer looks again half a second later
+    reg._scan_in_a_lull(time.monotonic())
+    assert scans[2:] == []
+    await asyncio.sleep(0.6)
+    assert len(scans) == 3

@@ -29,7 +29,9 @@ from octo.runtime.memguard import DEFAULT_MAX_LOADED, no_room
 from octo.runtime.specs import ModelSpec, parse_keep_alive
 
 log = logging.getLogger("octo.runtime.registry")
-CATALOG_SCAN_DELAY_S = 3.0  # the first scan of the catalog's servable models, after the server starts
+CATALOG_SCAN_DELAY_S = 3.0  # the first scan of the catalog's servable models, after the server starts ...
+CATALOG_SCAN_QUIET_S = 1.0  # ... in a lull: no request in flight or ended this recently ...
+CATALOG_SCAN_LATEST_S = 30.0  # ... or this long after the start, busy or not
 MAX_SPELLINGS = 256  # requests' spellings of model names remembered (the most recent)
 class Slot:
     """One servable model and, while it is loaded, its handle."""
@@ -152,9 +154,9 @@ class Registry:
         if self._sweeper is None:
             loop = asyncio.get_running_loop()
             self._sweeper = loop.create_task(self._sweep())
-            # /v1/models answers from it; a few seconds later, so that its imports (huggingface_hub) and file scans
-            # do not compete with the first requests (a /v1/models before then starts it at once)
-            self._scan_timer = loop.call_later(CATALOG_SCAN_DELAY_S, self._scan_catalog)
+            # /v1/models answers from it; a few seconds later, in a lull, so that its imports (huggingface_hub: 0.3 s
+            # holding the GIL) and file scans do not compete with the first requests (a /v1/models starts it at once)
+            self._scan_timer = loop.call_later(CATALOG_SCAN_DELAY_S, self._scan_in_a_lull, time.monotonic())
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -183,6 +185,16 @@ class Registry:
                 except TimeoutError:
                     return []
         return [r for r in cached[1] if self.find(r["id"]) is None]
+
+    def _scan_in_a_lull(self, started: float) -> None:
+        """(timer) The first catalog scan once no request ran for ``CATALOG_SCAN_QUIET_S``, else half a second later
+        (``CATALOG_SCAN_LATEST_S`` after ``started`` at the latest)."""
+        now = time.monotonic()
+        if now - started < CATALOG_SCAN_LATEST_S and any(
+                s.inflight or now - s.last_used < CATALOG_SCAN_QUIET_S for s in self.slots):
+            self._scan_timer = asyncio.get_running_loop().call_later(0.5, self._scan_in_a_lull, started)
+            return
+        self._scan_catalog()
 
     def _scan_catalog(self) -> asyncio.Task:
         task = getattr(self, "_catalog_scan", None)
