@@ -68,23 +68,40 @@ def test_a_step_undone_and_run_again_changes_nothing(gguf_path, options, penalty
 
 def test_a_poisoned_llamacpp_step_costs_one_request(gguf_path):  # noqa: F811
     plugins = str(REPO / "tests" / "plugins")
-    with run_octo(gguf_path, "--engine", "poisoned", "--plugins-dir", plugins, "-o", "after=3") as server:
+    with run_octo(gguf_path, "--engine", "poisoned", "--plugins-dir", plugins, "-o", "after=3",
+                  "-o", "step_ms=5") as server:
         client = server.async_openai(max_retries=0)
-        prompts = ["The old lighthouse POISON stood", *PROMPTS[:3]]
+        model = server.get_json("/v1/models")["data"][0]["id"]
 
-        async def one(prompt):
+        async def good(prompt, running: asyncio.Event):
+            text, finish = [], None
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=96, temperature=0,
+                                                     stream=True)
+            async for chunk in stream:
+                running.set()
+                for choice in chunk.choices:
+                    text.append(choice.text)
+                    finish = choice.finish_reason or finish
+            return "".join(text), finish
+
+        async def poisoned(others: list[asyncio.Event]):
+            # sent once the others decode (96 steps of at least 5 ms: still running when it is poisoned); sent
+            # together with 12 tokens each, the tiny model's others could end before it was, and it failed alone
+            await asyncio.gather(*(e.wait() for e in others))
             try:
-                r = await client.completions.create(model=server.get_json("/v1/models")["data"][0]["id"],
-                                                    prompt=prompt, max_tokens=12, temperature=0)
-                return r.choices[0].text, r.choices[0].finish_reason
+                await client.completions.create(model=model, prompt="The old lighthouse POISON stood", max_tokens=12,
+                                                temperature=0)
             except Exception as exc:  # noqa: BLE001
-                return exc, None
+                return exc
+            return None
 
         async def go():
-            return await asyncio.gather(*(one(p) for p in prompts))
+            running = [asyncio.Event() for _ in range(3)]
+            goods = (good(p, e) for p, e in zip(PROMPTS[:3], running, strict=True))
+            return await asyncio.gather(poisoned(running), *goods)
 
-        bad, *good = asyncio.run(go())
-        assert isinstance(bad[0], Exception) and "poisoned" in str(bad[0]), bad
-        for text, finish in good:
-            assert isinstance(text, str) and finish == "length", (text, finish)
+        bad, *good_ones = asyncio.run(go())
+        assert isinstance(bad, Exception) and "poisoned" in str(bad), bad
+        for text, finish in good_ones:
+            assert text and finish in ("length", "stop"), (text, finish)
         assert "was run again in smaller groups" in server.log()
