@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -108,3 +109,20 @@ def plugin_table(pm: pluggy.PluginManager | None = None) -> list[dict]:
     for name, err in load_errors.items():
         rows.append({"name": name, "hooks": [], "module": name, "error": err})
     return rows
+
+
+def installed_version(module: str, *dists: str) -> str | None:
+    """The installed version of ``module`` (None: not found) without importing it, for an engine's ``detect`` and
+    ``version``, which run in the gateway: the module's ``__version__`` where it is imported already (free), else the
+    metadata of the first of ``dists`` (the distributions that install it) that is installed (milliseconds)."""
+    lib = sys.modules.get(module)
+    if lib is not None and isinstance(getattr(lib, "__version__", None), str):
+        return lib.__version__
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in dists:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None

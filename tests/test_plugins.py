@@ -87,3 +87,16 @@ def test_request_log_plugin_from_plugins_dir(tmp_path):
     lines = [json.loads(line) for line in logfile.read_text().splitlines()]
     chat = [entry for entry in lines if entry["path"] == "/v1/chat/completions"]
     assert chat and chat[0]["status"] == 200 and chat[0]["method"] == "POST"
+
+
+def test_installed_version_reads_an_imported_module_else_the_metadata(monkeypatch):
+    import sys
+    import types
+    from importlib.metadata import version
+
+    from octo.plugins import installed_version
+
+    assert installed_version("pluggy_not_a_module", "nope-dist", "pluggy") == version("pluggy")  # the first found
+    assert installed_version("pluggy_not_a_module", "nope-dist") is None
+    monkeypatch.setitem(sys.modules, "fake_engine_lib", types.SimpleNamespace(__version__="9.9"))
+    assert installed_version("fake_engine_lib", "pluggy") == "9.9"  # imported: its own, no metadata read

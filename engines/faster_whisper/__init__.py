@@ -145,13 +145,10 @@ class FasterWhisperEngine(Engine):
         Whisper is a few small products, and on some hosts one CTranslate2 thread decodes twice as fast as two
         (bench/speech_engines.py: 145 against 70 tok/s on a 2-vCPU VM), on others two win. The start-up
         benchmark measures both; ``-o threads=N`` fixes the count ([]: not tuned)."""
-        if self.model is None or self.opts.get("threads") or self.device_type() != "cpu":
+        if self.model is None or self.opts.get("threads") or self.model.model.device != "cpu":
             return []
         now, cores = self.info.extra["threads"], os.cpu_count() or 1
         return [now] + [n for n in dict.fromkeys((cores, 1)) if n != now]
-
-    def device_type(self) -> str:
-        return self.model.model.device if self.model is not None else self.opts.get("device", "cpu")
 
     def set_threads(self, n: int) -> None:
         """Reload the model on ``n`` threads (CTranslate2 fixes them per model: 0.3 s for a base-size model)."""

@@ -50,6 +50,7 @@ from octo.engine import (
     Task,
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
+from octo.plugins import installed_version
 
 from . import background, context, layout, loading, lora
 from . import logits as lg
@@ -123,7 +124,7 @@ class LlamaCppEngine(Engine):
 
     @classmethod
     def version(cls) -> str:
-        return loading.library_version()
+        return installed_version("llama_cpp", "llama_cpp_python") or "0"
 
     @classmethod
     def artifact_format(cls, path: str) -> str | None:

@@ -3,7 +3,6 @@ or this host's probe, :mod:`.probe`) and ``ModelInfo.extra`` (what ``/v1/engines
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -33,20 +32,6 @@ def load_model(L: Any, artifact: str, opts: dict[str, Any]) -> tuple[str, Any, b
             f"unsupported architecture): {LogTap.tail() or 'no details'}"
         )
     return str(path), model, repack, source
-
-
-def library_version() -> str:
-    """llama-cpp-python's version: the imported module's (free), else the installed metadata (milliseconds, and
-    no import: ``detect`` runs in the gateway)."""
-    lib = sys.modules.get("llama_cpp")
-    if lib is not None:
-        return lib.__version__
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("llama_cpp_python")
-    except PackageNotFoundError:
-        return "0"
 
 
 def backends(spec: Any) -> str:

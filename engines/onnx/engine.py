@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
 from octo.engine import Detection, Engine, EngineConfig, Feed, KVHandle, ModelInfo, Sequence, Task
 from octo.errors import ConfigError
+from octo.plugins import installed_version
 
 from .folder import DecoderSpec, TextCodec, read_config
 from .options import parse_options
 from .sampler import SAMPLING_PARAMS
 
 log = logging.getLogger("octo.engines.onnx")
+# the distributions that install each module (CPU, CUDA, DirectML, OpenVINO builds)
+ORT_DISTS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino", "onnxruntime-qnn")
+GENAI_DISTS = ("onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml")
 DEFAULT_N_CTX = 4096
 
 
@@ -66,10 +69,11 @@ class OnnxEngine(Engine):
         # but does not load fails the load, in the worker
         if importlib.util.find_spec("onnxruntime") is None:
             return Detection(False, "onnxruntime is not installed; pip install 'octo[onnx]'")
-        genai = (f", onnxruntime-genai {_dist_version('onnxruntime_genai') or '(version unknown)'}"
-                 if importlib.util.find_spec("onnxruntime_genai") is not None
-                 else " (onnxruntime-genai not installed: session backend only)")
-        return Detection(True, f"onnxruntime {_dist_version('onnxruntime') or '(version unknown)'}{genai} (CPU)")
+        ort = installed_version("onnxruntime", *ORT_DISTS) or "(version unknown)"
+        genai = " (onnxruntime-genai not installed: session backend only)"
+        if importlib.util.find_spec("onnxruntime_genai") is not None:
+            genai = f", onnxruntime-genai {installed_version('onnxruntime_genai', *GENAI_DISTS) or '(version unknown)'}"
+        return Detection(True, f"onnxruntime {ort}{genai} (CPU)")
 
     @classmethod
     def prepare(cls) -> None:
@@ -80,7 +84,8 @@ class OnnxEngine(Engine):
 
     @classmethod
     def version(cls) -> str:
-        ort, genai = _dist_version("onnxruntime") or "0", _dist_version("onnxruntime_genai")
+        ort = installed_version("onnxruntime", *ORT_DISTS) or "0"
+        genai = installed_version("onnxruntime_genai", *GENAI_DISTS)
         return f"{ort}+genai{genai}" if genai else ort
 
     @classmethod
@@ -225,25 +230,3 @@ def _precision(folder: Path) -> str:
     if b"MatMulNBits" in head:
         return "int4" if b"_Q4" in head else "int8/int4"
     return "float"
-
-
-# the distributions that install each module (CPU, CUDA, DirectML, OpenVINO builds)
-_DISTS = {"onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino",
-                          "onnxruntime-qnn"),
-          "onnxruntime_genai": ("onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml")}
-
-
-def _dist_version(module: str) -> str | None:
-    """The installed version of ``module``'s distribution (None: unknown), read without importing it (the module's
-    ``__version__`` where it is imported already: the metadata costs milliseconds)."""
-    lib = sys.modules.get(module)
-    if lib is not None and isinstance(getattr(lib, "__version__", None), str):
-        return lib.__version__
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in _DISTS[module]:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
