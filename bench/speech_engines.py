@@ -46,7 +46,10 @@ CONFIGS = {
     "faster-whisper": ("faster-whisper", "ct2", ()),  # its default compute type: auto (int8 weights on CPU)
     "faster-whisper-f32": ("faster-whisper", "ct2", ("-o", "compute_type=float32")),
     # one CTranslate2 thread: what the start-up benchmark picks on hosts where it decodes faster (2-vCPU VMs)
+    # its encoder on a copy of the model on all cores (the engine's default where the decoder has fewer threads)
     "faster-whisper-1t": ("faster-whisper", "ct2", ("-o", "threads=1")),
+    # the same with one copy of the model: the encoder on the decoder's one thread too
+    "faster-whisper-1t-1copy": ("faster-whisper", "ct2", ("-o", "threads=1", "-o", "encoder_threads=1")),
     "whispercpp": ("whispercpp", "ggml", ()),
 }
 

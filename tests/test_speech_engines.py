@@ -149,6 +149,7 @@ def test_faster_whisper_offers_its_thread_counts_and_switches_them(monkeypatch):
     engine.set_threads(1)
     assert engine.model is not old and engine.model.model.num_active_batches == 0
     assert engine.info.extra["threads"] == 1 and engine.thread_counts() == [1, 4]
+    assert engine.info.extra["encoder_threads"] == 4  # its encoder on a copy on all cores (SplitModel)
     assert engine.transcribe(TranscriptionRequest(audio=audio, language="en")).text == before
     same = engine.model
     engine.set_threads(1)  # the count it has: no reload
@@ -156,3 +157,51 @@ def test_faster_whisper_offers_its_thread_counts_and_switches_them(monkeypatch):
     fixed = FasterWhisperEngine(EngineConfig(options={"threads": "2"}))
     fixed.load(str(build_whisper_ct2(SHAPE)), "t")
     assert fixed.thread_counts() == [] and fixed.info.extra["threads"] == 2
+
+
+def test_faster_whisper_encodes_on_all_cores_where_its_decoder_runs_on_fewer(monkeypatch):
+    """On fewer threads than cores the decoder's model gets a second copy for the encoder on all cores: every
+    encode goes there (single requests and batches), every decode to the decoder's model, and the transcript is
+    the one-model transcript. ``-o encoder_threads`` sets the count (equal to ``threads``: one copy); a model.bin
+    past ``SPLIT_MAX_BYTES`` keeps one copy (its weights would double)."""
+    import os
+
+    import octo.engines.faster_whisper as fw
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    path = str(build_whisper_ct2(SHAPE))
+    opts = {"max_new_tokens": "6", "temperature_increment": "0", "threads": "1"}
+    audio = (np.random.default_rng(3).standard_normal(16000) * 0.1).astype(np.float32)
+    one = FasterWhisperEngine(EngineConfig(options={**opts, "encoder_threads": "1"}))
+    one.load(path, "t")
+    assert one.info.extra["encoder_threads"] == 1 and not isinstance(one.model.model, fw.SplitModel)
+    split = FasterWhisperEngine(EngineConfig(options=opts))
+    split.load(path, "t")
+    ct2 = split.model.model
+    assert isinstance(ct2, fw.SplitModel) and split.info.extra["encoder_threads"] == 4
+    assert ct2.encoder is not ct2.decoder and ct2.is_multilingual == ct2.decoder.is_multilingual
+
+    calls = []
+
+    class Spy:
+        def __init__(self, model, kind):
+            self.model, self.kind = model, kind
+
+        def __getattr__(self, name):
+            if name in ("encode", "generate"):
+                calls.append((self.kind, name))
+            return getattr(self.model, name)
+
+    ct2.encoder, ct2.decoder = Spy(ct2.encoder, "encoder"), Spy(ct2.decoder, "decoder")
+    want = one.transcribe(TranscriptionRequest(audio=audio, language="en"))
+    assert split.transcribe(TranscriptionRequest(audio=audio, language="en")).text == want.text
+    assert ("encoder", "encode") in calls and ("decoder", "generate") in calls
+    assert ("decoder", "encode") not in calls and ("encoder", "generate") not in calls
+    calls.clear()
+    batch = split.transcribe_batch([TranscriptionRequest(audio=audio, language="en") for _ in range(2)])
+    assert [r.text for r in batch] == [want.text] * 2
+    assert calls.count(("encoder", "encode")) == 1 and ("decoder", "encode") not in calls  # one batched encode
+    monkeypatch.setattr(fw, "SPLIT_MAX_BYTES", 1000)
+    big = FasterWhisperEngine(EngineConfig(options=opts))
+    big.load(path, "t")
+    assert big.info.extra["encoder_threads"] == 1 and not isinstance(big.model.model, fw.SplitModel)
