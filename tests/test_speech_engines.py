@@ -205,3 +205,123 @@ def test_faster_whisper_encodes_on_all_cores_where_its_decoder_runs_on_fewer(mon
     big = FasterWhisperEngine(EngineConfig(options=opts))
     big.load(path, "t")
     assert big.info.extra["encoder_threads"] == 1 and not isinstance(big.model.model, fw.SplitModel)
+
+
+def _probe_env(monkeypatch, tmp_path, cores=4):
+    import os
+
+    from octo import benchload
+
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(benchload, "quiet_now", lambda window=0.2: True)
+    monkeypatch.setattr(benchload, "LoadMonitor", Monitor)
+
+
+class Monitor:
+    """A load monitor that saw what ``disturbed`` says (a test's verdict must not depend on the host's load)."""
+
+    disturbed = False
+
+    def start(self):
+        return self
+
+    def stop(self):
+        return {"disturbed": self.disturbed}
+
+
+def test_faster_whisper_measures_its_thread_counts_while_idle_and_caches_the_verdict(monkeypatch, tmp_path):
+    """A model no start-up benchmark measured serves on all cores at once; its idle-time probe times the other count
+    beside it and switches only to a clear winner (the copy it measured: no reload), caches the verdict, and the
+    next load serves on it with no probe. A start-up benchmark's ``set_threads`` makes the probe moot."""
+    import octo.engines.faster_whisper.tuning as tuning
+
+    _probe_env(monkeypatch, tmp_path)
+    speed = {4: 2.0, 1: 1.0}
+    monkeypatch.setattr(tuning, "measure", lambda model, interrupted: speed[threads_of(model)])
+    path = str(build_whisper_ct2(SHAPE))
+    engine = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6"}))
+    engine.load(path, "t")
+    assert engine.info.extra["threads"] == 4 and engine.probe is not None
+    serving = engine.model
+    assert engine.idle_work(lambda: False) is None and engine.probe is None
+    assert engine.info.extra["threads"] == 1 and engine.model is not serving
+    assert engine.info.extra["threads_chosen_by"] == "idle probe"
+    record = tuning.read_record(engine)
+    assert record["threads"] == 1 and record["seconds"] == {"4": 2.0, "1": 1.0}
+    again = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6"}))
+    again.load(path, "t")
+    assert again.info.extra["threads"] == 1 and again.probe is None
+    assert again.info.extra["threads_chosen_by"] == "cached idle probe"
+    chosen = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6", "compute_type": "float32"}))
+    chosen.load(path, "t")  # other settings: their own verdict (none yet)
+    assert chosen.probe is not None
+    chosen.set_threads(4)
+    assert chosen.probe is None and chosen.idle_work(lambda: False) is None
+
+
+def threads_of(model) -> int:
+    ct2 = model.model
+    return 1 if hasattr(ct2, "encoder_threads") else 4  # (4 cores: the one-thread decoder has its encoder copy)
+
+
+def test_faster_whisper_thread_probe_keeps_serving_when_interrupted_disturbed_or_close(monkeypatch, tmp_path):
+    """A waiting request stops the probe with the serving model untouched (tried again at the next idle moment); a
+    disturbed measurement is not followed and not repeated before its retry time (recorded for later starts); a
+    challenger within the margin does not serve (the verdict stays the current count)."""
+    import octo.engines.faster_whisper.tuning as tuning
+
+    _probe_env(monkeypatch, tmp_path)
+    path = str(build_whisper_ct2(SHAPE))
+    engine = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6"}))
+    engine.load(path, "t")
+    serving = engine.model
+    asked = []
+    assert engine.idle_work(lambda: asked.append(1) or len(asked) > 2) == tuning.INTERRUPTED_RETRY_S
+    assert engine.model is serving and engine.probe is not None and tuning.read_record(engine) is None
+
+    monkeypatch.setattr(Monitor, "disturbed", True)
+    monkeypatch.setattr(tuning, "measure", lambda model, interrupted: {4: 2.0, 1: 1.0}[threads_of(model)])
+    wait = engine.idle_work(lambda: False)
+    assert wait > 500 and engine.model is serving and engine.info.extra["threads"] == 4
+    assert tuning.read_record(engine)["pending"] and tuning.read_record(engine)["attempts"] == 1
+    later = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6"}))
+    later.load(path, "t")  # a later start: the disturbed try's retry time holds
+    assert later.idle_work(lambda: False) > 500 and later.info.extra["threads"] == 4
+
+    monkeypatch.setattr(Monitor, "disturbed", False)
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path / "other"))
+    close = FasterWhisperEngine(EngineConfig(options={"max_new_tokens": "6"}))
+    close.load(path, "t")
+    monkeypatch.setattr(tuning, "measure", lambda model, interrupted: {4: 1.0, 1: 0.95}[threads_of(model)])
+    assert close.idle_work(lambda: False) is None
+    assert close.info.extra["threads"] == 4 and tuning.read_record(close)["threads"] == 4
+
+
+def test_faster_whisper_thread_probe_measures_equal_work(monkeypatch, tmp_path):
+    """The probe's work on a real model: an encode and PROBE_TOKENS decoded tokens (end-of-text suppressed), timed."""
+    import octo.engines.faster_whisper.tuning as tuning
+
+    _probe_env(monkeypatch, tmp_path)
+    engine = FasterWhisperEngine(EngineConfig(options={}))
+    engine.load(str(build_whisper_ct2(SHAPE)), "t")
+    generated = []
+    real_generate = type(engine.model.model).generate
+
+    class Counting:
+        def __init__(self, ct2):
+            self.ct2 = ct2
+
+        def __getattr__(self, name):
+            return getattr(self.ct2, name)
+
+        def generate(self, *args, **kwargs):
+            out = real_generate(self.ct2, *args, **kwargs)
+            generated.append(len(out[0].sequences_ids[0]))
+            return out
+
+    engine.model.model = Counting(engine.model.model)
+    seconds = tuning.measure(engine.model, lambda: False)
+    assert seconds > 0 and generated == [tuning.PROBE_TOKENS]
+    with pytest.raises(tuning.Interrupted):
+        tuning.measure(engine.model, lambda: True)

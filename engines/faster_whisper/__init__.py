@@ -12,11 +12,12 @@ fallback: other semantics).
 Options (``-o KEY=VALUE``): ``compute_type`` (default ``auto``: CTranslate2's fastest type on the device, int8
 weights on a CPU that has int8 kernels (as faster-whisper recommends for CPUs and CPU speech servers run it),
 float16 on CUDA; ``default`` keeps the folder's own type; int8, int8_float32, float32, float16 ...), ``device``
-(cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: measured by the start-up benchmark, all
-cores or one, see ``thread_counts``), ``encoder_threads`` (default: all cores where a copy of the model is small
-enough, see :class:`SplitModel`; set it equal to ``threads`` for one copy),
-``workers`` (default 1: the windows of queued requests go through CTranslate2 in one batch, see ``batch.py``;
-N > 1: queued requests transcribed in parallel on N CTranslate2 workers instead), and the common
+(cpu|cuda|auto), ``threads`` (CTranslate2 intra-op threads; default: all cores or one, measured by the start-up
+benchmark, see ``thread_counts``, or where none ran by the engine's idle-time probe, see ``tuning.py``),
+``encoder_threads`` (default: all cores where a copy of the model is small enough, see :class:`SplitModel`; set
+it equal to ``threads`` for one copy), ``workers`` (default 1: the windows of queued requests go through
+CTranslate2 in one batch, see ``batch.py``; N > 1: queued requests transcribed in parallel on N CTranslate2
+workers instead), and the common
 decoding options ``beam_size``, ``best_of``, ``max_new_tokens``, ``condition_on_previous_text``,
 ``temperature_increment``, ``compression_ratio_threshold``, ``logprob_threshold``, ``no_speech_threshold``.
 """
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from octo.engines.faster_whisper import tuning
 from octo.engines.faster_whisper.batch import Abandoned, transcribe_together
 from octo.engines.faster_whisper.common import (
     SpeechSegment,
@@ -80,6 +82,7 @@ class FasterWhisperEngine(Engine):
                               param="device")
         self.model = None
         self.languages: frozenset[str] = frozenset()
+        self.probe: tuning.ThreadProbe | None = None
 
     @classmethod
     def detect(cls) -> Detection:
@@ -110,8 +113,9 @@ class FasterWhisperEngine(Engine):
             raise ConfigError(f"{artifact} is not a CTranslate2 Whisper folder (model.bin + config.json).")
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"{artifact} has no tokenizer.json (faster-whisper would download one).")
-        threads = self.opts.get("threads") or os.cpu_count() or 1
         self.path = path
+        cached = None if self.opts.get("threads") else tuning.cached_threads(self)
+        threads = self.opts.get("threads") or cached or os.cpu_count() or 1
         self.model = self._model(threads)
         ct2 = self.model.model
         self.languages = frozenset(self.model.supported_languages)
@@ -123,6 +127,8 @@ class FasterWhisperEngine(Engine):
                 "device": ct2.device,
                 "compute_type": ct2.compute_type,
                 "threads": threads,
+                "threads_chosen_by": "option" if self.opts.get("threads") else "cached idle probe" if cached else
+                "all cores",
                 "encoder_threads": getattr(ct2, "encoder_threads", threads),
                 "workers": self.opts.get("workers", 1),
                 "multilingual": ct2.is_multilingual,
@@ -133,7 +139,25 @@ class FasterWhisperEngine(Engine):
                              else "windows of queued requests in one CTranslate2 batch"),
             },
         )
+        if cached is None and len(self.thread_counts()) > 1:
+            self.probe = tuning.ThreadProbe(self, tuning.read_record(self))
+            self.info.extra["threads_chosen_by"] = "all cores (the idle-time probe measures the other count)"
         return self.info
+
+    def idle_work(self, interrupted: Callable[[], bool]) -> float | None:
+        """The thread probe (``tuning.py``) while no request runs; None once it has concluded."""
+        if self.probe is None or self.model is None:
+            return None
+        wait = self.probe.run(interrupted)
+        if wait is None:
+            self.probe = None
+        return wait
+
+    def adopt(self, model: Any, threads: int) -> None:
+        """Serve with ``model``, loaded on ``threads`` (the probe's winner)."""
+        self.model = model
+        self.info.extra["threads"] = threads
+        self.info.extra["encoder_threads"] = getattr(model.model, "encoder_threads", threads)
 
     def _model(self, threads: int) -> Any:
         """faster-whisper's model of the folder on ``threads`` CTranslate2 intra-op threads (its encoder on
@@ -181,11 +205,13 @@ class FasterWhisperEngine(Engine):
 
     def set_threads(self, n: int) -> None:
         """Reload the model on ``n`` threads (CTranslate2 fixes them per model: 0.3 s for a base-size model)."""
-        if self.model is None or n == self.info.extra["threads"]:
+        self.probe = None  # the start-up benchmark measures the counts: the idle-time probe is not needed
+        if self.model is None:
             return
-        self.model = self._model(n)
-        self.info.extra["threads"] = n
-        self.info.extra["encoder_threads"] = getattr(self.model.model, "encoder_threads", n)
+        self.info.extra["threads_chosen_by"] = "start-up benchmark"
+        if n == self.info.extra["threads"]:
+            return
+        self.adopt(self._model(n), n)
 
     def unload(self) -> None:
         self.model = None
