@@ -148,6 +148,8 @@ class EngineLoop:
                         self._finish(t, "cancelled", posts)
                     self.kv.resume()
                 self._admit(admitted, posts)
+                if admitted and len(admitted) == len(self._active):  # an idle engine's first step
+                    self._gather(admitted, posts)
                 if admitted and posts:  # their answers' headers (and a chat stream's role chunk) go before the step
                     self.post(posts)
                     posts = []
@@ -185,6 +187,20 @@ class EngineLoop:
                 self._run_call(job, posts)
         for t in admitted:
             self._start(t, posts)
+
+    def _gather(self, admitted: list[Ticket], posts: list) -> None:
+        """Requests sent together that arrive just after the first ones join their step when it is long
+        (``Pacer.gather_s``)."""
+        wait = self.pacer.gather_s(sum(len(t.seq.tokens) - t.seq.n_cached for t in admitted))
+        if wait:
+            if posts:  # the admissions (a stream's headers) go out now
+                self.post(posts[:])
+                posts.clear()
+            time.sleep(wait)
+            if self._pending:
+                more: list[Ticket] = []
+                self._admit(more, posts)
+                admitted += more
 
     def _idle(self) -> None:
         """Nothing to run: sleep until a kick (or stop; spurious wake-ups just look again), or give the engine's
