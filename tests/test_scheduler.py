@@ -337,8 +337,8 @@ def test_pacer_gathers_only_before_a_long_step():
     p = Pacer(stretch=2.0)
     assert p.gather_s(4000) == 0.0  # nothing measured: no estimate, no wait
     p.token_s = 0.005
-    assert p.gather_s(40) == 0.0  # 0.2 s of prompt work: starts at once
-    assert p.gather_s(100) == pytest.approx(0.01)  # 0.5 s: 2% of it
+    assert p.gather_s(100) == 0.0  # 0.5 s of prompt work (a short chat request): starts at once
+    assert p.gather_s(300) == pytest.approx(0.03)  # 1.5 s: 2% of it
     assert p.gather_s(4000) == pytest.approx(0.05)  # 20 s: at most 50 ms
     assert Pacer(stretch=0).gather_s(4000) == 0.0
 

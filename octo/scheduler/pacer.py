@@ -27,7 +27,7 @@ class Pacer:
     MIN_TOKENS = 4
     LONE_MIN = 64
     SHORT_WORK = 32
-    GATHER_MIN_S = 0.25  # an idle engine's first prompt step of at least this much work waits for requests sent with it
+    GATHER_MIN_S = 1.0  # an idle engine's first prompt step of at least this much work waits for requests sent with it
     GATHER_SHARE = 0.02  # for at most this share of the step's estimated time
     GATHER_MAX_S = 0.05
 
@@ -84,7 +84,8 @@ class Pacer:
     def gather_s(self, prompt_tokens: int) -> float:
         """How long an idle engine about to start a step of ``prompt_tokens`` prompt tokens waits for requests that
         clients sent together with them (an agent's parallel conversations) but that arrive a few milliseconds
-        later: 0 unless the step is long (``GATHER_MIN_S``), else ``GATHER_SHARE`` of it, at most ``GATHER_MAX_S``.
+        later: 0 unless the step is long (``GATHER_MIN_S``: a chat request's prompt on a small model here is 0.5 s of
+        work, which starts at once), else ``GATHER_SHARE`` of it, at most ``GATHER_MAX_S``.
         A request that misses a long first step waits for it, and then for the pacing of its prompt beside the
         decoding ones; joined, they share one step (at 2,000 tokens of context here, four 60-token prompts cost
         about what one costs alone)."""
