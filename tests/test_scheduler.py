@@ -368,3 +368,23 @@ async def test_requests_sent_together_join_an_idle_engines_long_first_step():
         assert all(n == len(t.req.prompt_tokens) for t in (first, *rest) for n in [firsts[t.seq.id]])
     finally:
         s.stop()
+
+
+async def test_short_requests_that_arrive_together_start_at_once():
+    """Several short prompts admitted together (8 chat streams): each is short, so the first step does not wait for
+    more, though together they are more than ``GATHER_MIN_S`` of work."""
+    e = engine(token_delay_ms="1")
+    s = Scheduler(e, max_batch=16)
+    s.pacer.observe = lambda *a, **k: None
+    s.pacer.decode_s, s.pacer.token_s = 0.020, 0.01  # each prompt: 0.1-0.2 s; all eight: over 1 s
+    waits = []
+    gather = s.pacer.gather_s
+    s.pacer.gather_s = lambda n: waits.append(gather(n)) or waits[-1]
+    s.start()
+    try:
+        tickets = [s.submit(request(e, " ".join(f"s{k}w{i}" for i in range(12)), max_tokens=2))[0] for k in range(8)]
+        for t in tickets:
+            await t.result
+        assert waits and all(w == 0.0 for w in waits) and len(tickets[0].req.prompt_tokens) * 8 * 0.01 > 1.0
+    finally:
+        s.stop()

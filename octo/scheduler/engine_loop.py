@@ -191,8 +191,8 @@ class EngineLoop:
     def _gather(self, admitted: list[Ticket], posts: list) -> None:
         """Requests sent together that arrive just after the first ones join their step when it is long
         (``Pacer.gather_s``)."""
-        wait = self.pacer.gather_s(sum(len(t.seq.tokens) - t.seq.n_cached for t in admitted))
-        if wait:
+        wait = self.pacer.gather_s(max(len(t.seq.tokens) - t.seq.n_cached for t in admitted))
+        if wait and len(admitted) < self.max_batch:  # (requests that came together, short each: no wait)
             if posts:  # the admissions (a stream's headers) go out now
                 self.post(posts[:])
                 posts.clear()

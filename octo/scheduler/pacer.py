@@ -82,7 +82,7 @@ class Pacer:
         return budget, paced, least
 
     def gather_s(self, prompt_tokens: int) -> float:
-        """How long an idle engine about to start a step of ``prompt_tokens`` prompt tokens waits for requests that
+        """How long an idle engine about to start a step with a prompt of ``prompt_tokens`` waits for requests that
         clients sent together with them (an agent's parallel conversations) but that arrive a few milliseconds
         later: 0 unless the step is long (``GATHER_MIN_S``: a chat request's prompt on a small model here is 0.5 s of
         work, which starts at once), else ``GATHER_SHARE`` of it, at most ``GATHER_MAX_S``.
