@@ -266,13 +266,15 @@ def test_short_bursts_switch_to_streams_through_the_sdk(gguf_path):
         for c in clients:
             c.completions.create(model=MODEL, prompt="hello", max_tokens=1, temperature=0)
         assert _kv(adaptive)["layout_switches"] == 0
-        bursts = 0
         for k in range(6):  # a burst whose requests did not overlap (a fast model) keeps the layout: a few bursts
             answers = burst(clients, f"burst {k}")
-            bursts += 1
             assert all(a.usage.completion_tokens == 12 and a.choices[0].finish_reason == "length" for a in answers)
             kv = _kv(adaptive)
             if kv["layout"] == "streams":
                 break
         assert (kv["layout"], kv["layout_switches"], kv["forced_switches"]) == ("streams", 1, 0), kv
-        assert bursts >= 2
+        # Usually the second burst is the first in streams; on a loaded host a first burst's requests can reach the
+        # server as two busy periods (the first ends before the last request arrives), and the second of them then
+        # opens in streams: the policy's own rule either way (a period may only open in streams after one that ran
+        # several sequences at once; the one-at-a-time connection requests above could not), so only one switch,
+        # none forced, is asserted (above).
