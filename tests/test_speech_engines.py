@@ -322,6 +322,6 @@ def test_faster_whisper_thread_probe_measures_equal_work(monkeypatch, tmp_path):
 
     engine.model.model = Counting(engine.model.model)
     seconds = tuning.measure(engine.model, lambda: False)
-    assert seconds > 0 and generated == [tuning.PROBE_TOKENS]
+    assert seconds > 0 and len(generated) == 2 and generated[-1] == tuning.PROBE_TOKENS  # (the first: untimed)
     with pytest.raises(tuning.Interrupted):
         tuning.measure(engine.model, lambda: True)

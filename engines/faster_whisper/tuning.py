@@ -34,7 +34,7 @@ from octo.paths import octo_home
 
 log = logging.getLogger("octo.engines.faster_whisper")
 
-PROBE_TOKENS = 48  # decoded per configuration (a window's 200 tokens would cost four times the probe's idle time)
+PROBE_TOKENS = 96  # decoded per configuration (about half a window of speech: the decoder weighs as in real work)
 MARGIN = 0.10  # the other count serves only when at least this much faster
 INTERRUPTED_RETRY_S = 2.0
 BUSY_RETRY_S = 30.0
@@ -89,7 +89,8 @@ def cached_threads(engine: Any) -> int | None:
 
 def measure(model: Any, interrupted: Any) -> float:
     """Seconds for the probe's work on ``model`` (a faster-whisper WhisperModel): one window encoded and
-    ``PROBE_TOKENS`` tokens decoded, after an untimed encode (a new model's first call allocates)."""
+    ``PROBE_TOKENS`` tokens decoded, after an untimed encode and a few decoded tokens (a new model's first calls
+    allocate: untimed on both models alike)."""
     import ctranslate2
     from faster_whisper.tokenizer import Tokenizer
 
@@ -100,7 +101,7 @@ def measure(model: Any, interrupted: Any) -> float:
                           language="en" if ct2.is_multilingual else None)
     prompt = [*tokenizer.sot_sequence, tokenizer.no_timestamps]
     check(interrupted)
-    ct2.encode(storage)
+    ct2.generate(ct2.encode(storage), [prompt], beam_size=1, max_length=8)  # untimed: a new model's first calls
     check(interrupted)
     started = time.perf_counter()
     encoded = ct2.encode(storage)
