@@ -1,4 +1,5 @@
-"""Conditions of a start-up benchmark measurement: did other processes compete for the cores meanwhile?
+"""Conditions of a start-up benchmark measurement: did other processes compete for the cores meanwhile? And the
+host facts that engines' measurements are keyed and bounded by (``cpu_flags``, ``available_memory``).
 
 ``LoadMonitor`` samples, around a measurement, the CPUs' busy and steal time (/proc/stat, only the CPUs this
 process may run on), this process's own CPU time and its threads' run-queue wait (/proc/self/task/*/schedstat:
@@ -119,3 +120,28 @@ def loadavg_1min() -> float | None:
         return float(Path("/proc/loadavg").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (/proc/cpuinfo's ``flags``, or ``Features`` on ARM): what a cached measurement of this
+    host is keyed by; the processor's name where there is no /proc/cpuinfo."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (/proc/meminfo's ``MemAvailable``); None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

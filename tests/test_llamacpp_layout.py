@@ -212,7 +212,7 @@ def test_no_probe_when_the_choice_is_given_or_moot(gguf_path, auto, monkeypatch,
 
 
 def test_streams_that_would_not_fit_memory_are_not_tried(gguf_path, auto, monkeypatch):
-    monkeypatch.setattr(layout, "_available_memory", lambda: 1024)
+    monkeypatch.setattr(layout, "available_memory", lambda: 1024)
     monkeypatch.setattr(layout, "_workload", lambda *a: (_ for _ in ()).throw(AssertionError("probed")))
     e = _load(gguf_path)
     try:

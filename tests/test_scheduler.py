@@ -365,7 +365,7 @@ async def test_requests_sent_together_join_an_idle_engines_long_first_step():
             assert (await t.result).finish_reason in ("length", "stop")
         firsts = {seq_id: n for seq_id, n in feeds[0]}
         assert set(firsts) == {t.seq.id for t in (first, *rest)}, feeds[:3]
-        assert all(n == len(t.req.prompt_tokens) for t in (first, *rest) for n in [firsts[t.seq.id]])
+        assert all(firsts[t.seq.id] == len(t.req.prompt_tokens) for t in (first, *rest))
     finally:
         s.stop()
 

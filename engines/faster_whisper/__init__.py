@@ -114,7 +114,8 @@ class FasterWhisperEngine(Engine):
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"{artifact} has no tokenizer.json (faster-whisper would download one).")
         self.path = path
-        cached = None if self.opts.get("threads") else tuning.cached_threads(self)
+        record = None if self.opts.get("threads") else tuning.read_record(self)
+        cached = tuning.verdict_threads(record)
         threads = self.opts.get("threads") or cached or os.cpu_count() or 1
         self.model = self._model(threads)
         ct2 = self.model.model
@@ -140,7 +141,7 @@ class FasterWhisperEngine(Engine):
             },
         )
         if cached is None and len(self.thread_counts()) > 1:
-            self.probe = tuning.ThreadProbe(self, tuning.read_record(self))
+            self.probe = tuning.ThreadProbe(self, record)
             self.info.extra["threads_chosen_by"] = "all cores (the idle-time probe measures the other count)"
         return self.info
 

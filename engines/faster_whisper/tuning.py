@@ -50,15 +50,10 @@ def cache_file(engine: Any) -> Path:
     """Where the verdict for this host, build, model file and settings lives."""
     model_bin = engine.path / "model.bin"
     st = model_bin.stat()
-    flags = ""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
     o = engine.opts
-    parts = [flags, os.cpu_count(), engine.version(), os.path.realpath(model_bin), st.st_size, st.st_mtime_ns,
-             o.get("compute_type", "auto"), o.get("device", "cpu"), o.get("workers", 1), o.get("encoder_threads"),
-             VERSION]
+    parts = [benchload.cpu_flags(), os.cpu_count(), engine.version(), os.path.realpath(model_bin), st.st_size,
+             st.st_mtime_ns, o.get("compute_type", "auto"), o.get("device", "cpu"), o.get("workers", 1),
+             o.get("encoder_threads"), VERSION]
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
     return octo_home() / "probe" / f"faster-whisper-threads-{key}.json"
 
@@ -80,9 +75,8 @@ def write_record(engine: Any, record: dict[str, Any]) -> None:
         log.debug("could not cache the thread probe's record", exc_info=True)
 
 
-def cached_threads(engine: Any) -> int | None:
-    """The thread count a concluded probe chose for this model here, or None."""
-    record = read_record(engine)
+def verdict_threads(record: dict[str, Any] | None) -> int | None:
+    """The thread count a concluded probe's ``record`` (``read_record``) chose, or None (none yet, or pending)."""
     threads = record.get("threads") if record else None
     return threads if isinstance(threads, int) and threads > 0 else None
 
@@ -118,12 +112,8 @@ def measure(model: Any, interrupted: Any) -> float:
 def room_for_a_copy(model_bin: Path) -> bool:
     """Whether the host has memory for the probe's second model (two copies: the encoder's, where it splits) with as
     much again to spare; True where /proc/meminfo cannot tell."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return True
-    return available > 4 * model_bin.stat().st_size
+    available = benchload.available_memory()
+    return available is None or available > 4 * model_bin.stat().st_size
 
 
 def check(interrupted: Any) -> None:
@@ -155,7 +145,6 @@ class ThreadProbe:
                      "it serves on %d thread(s) (-o threads=N sets the count)", counts[0])
             return None
         monitor = benchload.LoadMonitor().start()
-        candidate = None
         try:
             seconds = {counts[0]: measure(eng.model, interrupted)}
             candidate = eng._model(counts[1])
@@ -177,7 +166,7 @@ class ThreadProbe:
         if best != now:
             eng.adopt(candidate, best)
         eng.info.extra["threads_chosen_by"] = "idle probe"
+        loser = other if best == now else now
         log.info("faster-whisper: %d thread(s) serve this model (a window and %d tokens: %.2f s; %d thread(s): %.2f s)"
-                 "; cached for later starts", best, PROBE_TOKENS, seconds[best], other if best == now else now,
-                 seconds[other if best == now else now])
+                 "; cached for later starts", best, PROBE_TOKENS, seconds[best], loser, seconds[loser])
         return None

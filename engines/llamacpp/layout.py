@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from octo.benchload import available_memory, cpu_flags
 from octo.engine import Feed, SamplingParams, Sequence
 from octo.paths import octo_home
 
@@ -52,19 +53,7 @@ MEMORY_SHARE = 0.25
 ENV = "OCTO_LLAMACPP_KV_UNIFIED"  # the default of -o kv_unified for this process (the test suite pins it)
 
 
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cache_file(engine: Any, n_ctx: int, cell_bytes: int, kind: str = "layout") -> Path:
-    from .probe import cpu_flags
-
     st = os.stat(engine.artifact_path)
     parts = [cpu_flags(), engine.lib.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
@@ -103,7 +92,7 @@ def decide(engine: Any, n_ctx: int, cell_bytes: int) -> tuple[bool, dict[str, An
     if (decided := given(engine)) is not None:
         return decided
     streams_bytes = n_ctx * engine.config.max_batch * cell_bytes
-    avail = _available_memory()
+    avail = available_memory()
     if avail is not None and streams_bytes > MEMORY_SHARE * avail:
         return True, {"source": "memory", "streams_kv_bytes": streams_bytes, "available_bytes": avail}
     record = read_record(cache_file(engine, n_ctx, cell_bytes))

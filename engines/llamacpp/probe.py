@@ -21,20 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from octo.benchload import cpu_flags
+
 log = logging.getLogger("octo.engines.llamacpp")
 TIMEOUT = 300.0
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _cache_file(version: str) -> Path:
