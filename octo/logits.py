@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
-_NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
+
+_NEG_INF_BITS = 0xFF800000  # float32 -inf's bits (np.float32(-np.inf).view(np.uint32))
 
 
 def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> None:
     """Set forbidden logits to -inf in place: ``logits`` ``(n,)`` or ``(batch, n)``, ``bitmask`` ``(words,)`` or
     ``(batch, words)`` int32 (bit ``t % 32`` of word ``t // 32``: token ``t`` allowed). Columns past the bitmask's
     tokens are forbidden too."""
+    import numpy as np
     rows = logits if logits.ndim == 2 else logits[None, :]
     masks = bitmask if bitmask.ndim == 2 else bitmask[None, :]
     if rows.shape[0] != masks.shape[0]:
@@ -52,6 +56,7 @@ def penalise(x: np.ndarray, tokens: Sequence[int], *, repetition: float = 1.0, p
     """Apply logit ``bias`` (<= -100 bans: -inf) and the penalties over the last ``last_n`` of ``tokens`` (-1: all)
     to the float row ``x`` in place; returns it. Repetition: a seen token's positive logit is divided by the
     penalty, a negative one multiplied; then ``- presence - frequency * count``."""
+    import numpy as np
     if bias:
         for tok, b in bias.items():
             if 0 <= int(tok) < x.shape[0]:
@@ -74,6 +79,7 @@ def penalise(x: np.ndarray, tokens: Sequence[int], *, repetition: float = 1.0, p
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """float64 log-softmax of a 1-D row (-inf entries stay -inf)."""
+    import numpy as np
     x = np.asarray(logits, dtype=np.float64)
     m = np.max(x)
     if not np.isfinite(m):
@@ -85,6 +91,7 @@ def top_logprobs(logits: np.ndarray, token: int, n: int) -> tuple[float, list[tu
     """``(logprob of token, [(token, logprob)] for the n most likely tokens, most likely first)`` from a logits row
     (ties: lower token id first). One exp pass over the row (float32, summed in float64) for the normaliser; only the
     reported entries are computed (0.3 ms on a 151,936-token row instead of a whole float64 log-softmax)."""
+    import numpy as np
     x = np.asarray(logits, dtype=np.float32)
     m = float(np.max(x))
     if not np.isfinite(m):

@@ -19,12 +19,13 @@ import copy
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo.engine import TranscriptionRequest
 from octo.errors import EngineError, OctoError
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 
 class Abandoned(Exception):
@@ -117,6 +118,7 @@ class Rendezvous:
                 self.calls += len(chunk)
 
     def encode(self, chunk: list[Op]) -> None:
+        import numpy as np
         to_cpu = self.ct2.device != "cpu"  # rows are split on the host
         out = np.asarray(self.ct2.encode(storage([op.features for op in chunk]), to_cpu=to_cpu))
         for i, op in enumerate(chunk):
@@ -133,6 +135,7 @@ def storage(rows: list[np.ndarray]) -> Any:
     """The rows as one CTranslate2 StorageView (imported here: the gateway imports this module, and CTranslate2
     brings its own OpenMP runtime)."""
     import ctranslate2
+    import numpy as np
 
     return ctranslate2.StorageView.from_array(np.ascontiguousarray(np.concatenate(rows)))
 
@@ -147,10 +150,12 @@ class BatchedModel:
         return getattr(self.ct2, name)
 
     def encode(self, features: Any, to_cpu: bool = False) -> Any:
+        import numpy as np
         self.check()
         return self.rendezvous.call(Op("encode", "encode", np.asarray(features)))
 
     def generate(self, features: Any, prompts: list[list[int]], **kwargs: Any) -> Any:
+        import numpy as np
         self.check()
         if len(prompts) != 1:
             raise EngineError(f"faster-whisper decoded {len(prompts)} prompts in one call; the batch expects one.")

@@ -25,12 +25,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo import benchload
 from octo.paths import octo_home
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    pass
 
 log = logging.getLogger("octo.engines.faster_whisper")
 
@@ -86,6 +87,7 @@ def measure(model: Any, interrupted: Any) -> float:
     ``PROBE_TOKENS`` tokens decoded, after an untimed encode and a few decoded tokens (a new model's first calls
     allocate: untimed on both models alike)."""
     import ctranslate2
+    import numpy as np
     from faster_whisper.tokenizer import Tokenizer
 
     ct2 = model.model

@@ -15,13 +15,14 @@ draft too. Drafting is greedy (argmax of the draft's logits)."""
 from __future__ import annotations
 
 import ctypes
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo.errors import ConfigError
 
 from .native import Batch, LogTap, check_gguf
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    pass
 
 
 class Drafter:
@@ -83,6 +84,7 @@ class Drafter:
     def _logits_argmax(self, i: int) -> tuple[int, float]:
         """The draft's most likely next token at batch row ``i`` and its probability (1.0 when ``p_min`` is 0: not
         computed)."""
+        import numpy as np
         ptr = self._L.llama_get_logits_ith(self.ctx, i)
         row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
         tok = int(row.argmax())

@@ -20,13 +20,14 @@ output row), so the sampling index stays the feed's last batch position however 
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo.engine import Feed
 from octo.errors import EngineError
 from octo.logits import apply_bitmask, penalise, top_logprobs
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 Entry = tuple[float, list[tuple[int, float]]]
 
@@ -34,6 +35,7 @@ Entry = tuple[float, list[tuple[int, float]]]
 def logits_row(L: Any, ctx: Any, idx: int, n_vocab: int) -> np.ndarray:
     """The float32 logits of batch position ``idx`` after the last ``llama_decode``, as a writable view of
     llama.cpp's buffer (valid until the next decode)."""
+    import numpy as np
     ptr = L.llama_get_logits_ith(ctx, idx)
     if not ptr:
         raise EngineError(f"llama.cpp returned no logits for batch position {idx}.")
@@ -44,6 +46,7 @@ def sample(L: Any, ctx: Any, n_vocab: int, f: Feed, idx: int, last_n: int) -> in
     """Sample ``f``'s next token from batch position ``idx`` with its sequence's native chain, within ``f.mask``,
     setting ``f.logprob`` when ``f.logprobs`` >= 0. An :class:`EngineError` (returned, for this sequence alone) when
     the mask allows no token."""
+    import numpy as np
     row = logits_row(L, ctx, idx, n_vocab)
     x = None
     if f.logprobs >= 0:

@@ -13,12 +13,15 @@ vocabulary on a 2-core host, per sequence and step.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from octo.engine import SamplingParams
 from octo.errors import InvalidRequest
 
 from .logits import logits_row
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama_sampler_init_dist: draw a random seed
 
@@ -50,6 +53,7 @@ class SamplerChain:
         return self._L.llama_sampler_chain_n(self.ptr) - 1
 
     def _build(self, n_vocab, p, penalty_last_n, history) -> None:
+        import numpy as np
         L = self._L
         if p.logit_bias:
             arr = (L.llama_logit_bias * len(p.logit_bias))()
@@ -98,6 +102,7 @@ class SamplerChain:
 
     def sample(self, ctx, idx: int) -> int:
         """Sample from the logits of batch position ``idx`` and accept the token into the chain."""
+        import numpy as np
         if self.argmax is not None:
             row = logits_row(self._L, ctx, idx, self.n_vocab)
             ids, bias = self.argmax

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import secrets
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from octo.engine import SamplingParams
 from octo.logits import top_logprobs
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    pass
 
 SAMPLING_PARAMS = frozenset(
     {
@@ -106,6 +108,7 @@ def apply_mask(logits, mask):
     """``logits`` (1, vocab) with the tokens an int32 allowed-token bitmask (``Feed.mask``) forbids at -inf (and every
     column past the bitmask's tokens)."""
     import mlx.core as mx
+    import numpy as np
 
     width = logits.shape[-1]
     words = np.ascontiguousarray(mask, dtype=np.int32)
@@ -140,6 +143,7 @@ def sample_rows(feeds: list, logits):
 def set_logprobs(feeds: list, kept: list, tokens: list[int]) -> None:
     """``feed.logprob`` of the rows :func:`sample_rows` kept, once their sampled ``tokens`` are known."""
     import mlx.core as mx
+    import numpy as np
 
     for i, x in kept:
         row = np.array(x[0].astype(mx.float32))
@@ -150,6 +154,7 @@ def prompt_entries(f, first: int, rows) -> list:
     """``Feed.prompt_out`` of ``f`` from the raw logits ``rows`` (m, vocab) after its positions ``first``,
     ``first + 1``, ... (those whose next token is already in the sequence)."""
     import mlx.core as mx
+    import numpy as np
 
     tokens = f.seq.tokens
     x = np.array(rows.astype(mx.float32))

@@ -13,12 +13,14 @@ shares its batch.
 from __future__ import annotations
 
 import math
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from octo.engine import Feed, SamplingParams
 from octo.errors import EngineError
 from octo.logits import apply_bitmask, penalise, top_logprobs
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 SAMPLING_PARAMS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
@@ -31,6 +33,7 @@ class RowSampler:
     """Sampling state of one sequence."""
 
     def __init__(self, p: SamplingParams, n_vocab: int, penalty_last_n: int = 64) -> None:
+        import numpy as np
         p.validate(n_vocab)
         self.p = p
         self.last_n = penalty_last_n
@@ -69,6 +72,7 @@ class RowSampler:
 
     def processed(self, logits: np.ndarray, tokens: list[int]) -> np.ndarray:
         """A float32 copy of the row after logit bias and penalties."""
+        import numpy as np
         p = self.p
         x = logits.astype(np.float32, copy=True)
         if self.bias_ids.size:
@@ -80,6 +84,7 @@ class RowSampler:
 
     def _draw(self, x: np.ndarray, mask: np.ndarray | None) -> int:
         """A token from the processed row ``x`` (modified in place)."""
+        import numpy as np
         if mask is not None:
             apply_bitmask(x, mask)
             if not x.max() > -np.inf:
@@ -113,6 +118,7 @@ class RowSampler:
 
     def _biased_argmax(self, logits: np.ndarray) -> int:
         """argmax(logits + bias) without copying the row (the common "ban EOS" greedy request)."""
+        import numpy as np
         best = int(np.argmax(logits))
         if not self.bias_ids.size:
             return best
@@ -135,6 +141,7 @@ def prompt_entries(f: Feed, first: int, rows: np.ndarray) -> list[tuple[float, l
 
 def _gumbel_argmax(z: np.ndarray, rng: np.random.Generator) -> int:
     """A draw from softmax(z): argmax of z plus Gumbel noise."""
+    import numpy as np
     u = rng.random(z.shape[0], dtype=np.float32)
     np.maximum(u, np.float32(1e-30), out=u)
     return int(np.argmax(z - np.log(-np.log(u))))

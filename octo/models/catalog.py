@@ -21,7 +21,6 @@ import difflib
 import functools
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -29,15 +28,24 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from octo.errors import ConfigError, ModelNotFound
-from octo.models.formats import (
-    CT2_PATTERNS,
-    EXPECTED,
-    FILE_FORMATS,
-    MLX_PATTERNS,
-    ONNX_PATTERNS,
-    detect_repo,
-    inspect_path,
+from octo.models.formats import CT2_PATTERNS, FILE_FORMATS, MLX_PATTERNS, ONNX_PATTERNS
+from octo.models.resolve import (  # (re-exported: the catalog's API names them)
+    _HF_ID,
+    _VARIANT,
+    Artifact,
+    Resolved,
+    _check_uri,
+    _dedupe,
+    _exists,
+    _expanduser,
+    _is_file_uri,
+    _resolve_hf,
+    _resolve_path,
+    _split_variant,
+    resolve_direct,
+    uri_kind,
 )
+from octo.models.resolve import parse_hf as parse_hf  # noqa: F401 - re-exported
 
 CATALOG_PATH = Path(__file__).with_name("models.yaml")
 # What each built-in engine loads: the fallback when the engine registry is not at hand.
@@ -52,63 +60,7 @@ DEFAULT_ENGINE_FORMATS: dict[str, frozenset[str]] = {
 }
 _FOLDER_FORMAT = {"mlx": "mlx", "onnx": "onnx", "faster-whisper": "ct2"}  # engines whose artifact is a folder
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")  # no ':' (it separates the variant), no spaces
-_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ENGINE = re.compile(r"^[a-z][a-z0-9_-]*$")
-_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
-
-
-@dataclass(frozen=True)
-class Artifact:
-    engine: str  # engine name, e.g. "llamacpp", "mlx", "onnx", "whisper", "echo"
-    uri: str  # "hf://org/repo/file.gguf", "hf://org/repo", "synth://demo", "https://...", or a local path
-    format: str  # "gguf" | "mlx" | "onnx" | "whisper" | "synth" | "none"
-    allow_patterns: tuple[str, ...] = ()
-    subfolder: str | None = None  # e.g. onnxruntime-genai repos keep the model in a subfolder
-    source: str | None = field(default=None, compare=False)  # the spec it came from (for `octo pull` hints)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    name: str  # the model name served and listed in /v1/models
-    aliases: tuple[str, ...]  # other names a request's "model" field may use
-    task: str  # "chat" | "embeddings" | "transcription"
-    context_length: int | None
-    variant: str | None
-    artifacts: dict[str, Artifact]  # engine name -> artifact (only engines that have one)
-
-
-# -- URIs ------------------------------------------------------------------------------------------
-def uri_kind(uri: str) -> str:
-    """``hf``, ``url``, ``synth``, ``none`` or ``path``."""
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
-    return {"hf": "hf", "http": "url", "https": "url", "synth": "synth", "none": "none"}.get(scheme, "path")
-
-
-def parse_hf(uri: str) -> tuple[str, str | None]:
-    """``hf://org/repo[/path/in/repo]`` -> (``org/repo``, path or None)."""
-    parts = uri[len("hf://") :].strip("/").split("/") if uri.startswith("hf://") else []
-    if len(parts) < 2 or not _HF_ID.match(f"{parts[0]}/{parts[1]}") or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"'{uri}' is not a Hugging Face URI (hf://org/repo or hf://org/repo/path/to/file)")
-    return f"{parts[0]}/{parts[1]}", "/".join(parts[2:]) or None
-
-
-def _is_file_uri(uri: str) -> bool:
-    kind = uri_kind(uri)
-    if kind == "hf":
-        return parse_hf(uri)[1] is not None
-    return kind in ("url", "path") and Path(uri).suffix.lower() in FILE_FORMATS
-
-
-def _check_uri(uri: str) -> None:
-    kind = uri_kind(uri)
-    if kind == "hf":
-        parse_hf(uri)
-    elif kind == "synth" and not re.fullmatch(r"synth://[A-Za-z0-9][A-Za-z0-9._-]*", uri):
-        raise ValueError(f"'{uri}' is not a synthetic model URI (synth://NAME)")
-    elif kind == "url" and not re.match(r"https?://[^/]+/.+[^/]$", uri):
-        raise ValueError(f"'{uri}' is not a file URL")
-    elif kind == "path" and "://" in uri:
-        raise ValueError(f"'{uri}': unknown scheme (use hf://, https://, synth:// or a local path)")
 
 
 # -- the catalog schema ----------------------------------------------------------------------------
@@ -305,23 +257,11 @@ class Catalog:
     def resolve(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved:
         """``offline``: a Hugging Face id resolves from the local cache only (a request's model never reaches the
         hub; one that is not downloaded is a 404 naming `octo pull`)."""
+        found = resolve_direct(spec, engine_formats, offline)
+        if found is not None:
+            return found
         spec = spec.strip()
-        if not spec:
-            raise ModelNotFound(
-                "No model named: give a catalog name, a local path or a Hugging Face id.", param="model"
-            )
-        if spec.startswith("hf://"):
-            name, variant = _split_variant(spec)
-            try:
-                repo, file = parse_hf(name)
-            except ValueError as exc:
-                raise ModelNotFound(str(exc), param="model") from None
-            return _resolve_hf(spec, repo, file, variant, engine_formats, offline=offline)
         path = _expanduser(Path(spec))
-        if spec.startswith(("/", "./", "../", "~")) or path.suffix.lower() in FILE_FORMATS:
-            if not _exists(path):
-                raise ModelNotFound(f"No such file or folder: '{spec}' ({EXPECTED}).", param="model")
-            return _resolve_path(spec, path, engine_formats)
         name, variant = _split_variant(spec)
         entry = self.get(name)
         if entry is not None:
@@ -388,84 +328,3 @@ def load_catalog(path: str | os.PathLike | None = None) -> Catalog:
     return _load_cached(str(p), mtime)
 
 
-def _split_variant(spec: str) -> tuple[str, str | None]:
-    head, sep, tail = spec.rpartition(":")
-    if not sep or "/" in tail or not head:
-        return spec, None
-    if not _VARIANT.match(tail):
-        raise ModelNotFound(f"'{tail}' is not a valid variant name in '{spec}'.", param="model")
-    return head, tail
-
-
-def _dedupe(names, exclude: str) -> tuple[str, ...]:
-    return tuple(n for n in dict.fromkeys(names) if n and n != exclude)
-
-
-def _for_engines(fmt: str, engine_formats: dict[str, frozenset[str]], **artifact) -> dict[str, Artifact]:
-    return {e: Artifact(e, format=fmt, **artifact) for e, fmts in engine_formats.items() if fmt in fmts}
-
-
-# -- local paths -----------------------------------------------------------------------------------
-def _expanduser(path: Path) -> Path:
-    try:
-        return path.expanduser()
-    except RuntimeError:  # "~someone" who is not a user here: the name as given (it does not exist)
-        return path
-
-
-def _exists(path: Path) -> bool:
-    """Whether ``path`` exists; a name the OS cannot look up (too long, a component over 255 bytes) does not."""
-    try:
-        return path.exists()
-    except OSError:
-        return False
-
-
-def _resolve_path(spec: str, path: Path, engine_formats: dict[str, frozenset[str]]) -> Resolved:
-    fmt, task, ctx = inspect_path(path)
-    full = str(path.resolve())
-    artifacts = _for_engines(fmt, engine_formats, uri=full, source=full)
-    stem = path.name[: -len(path.suffix)] if path.is_file() and path.suffix else path.name
-    return Resolved(spec, _dedupe([stem, full], spec), task, ctx, None, artifacts)
-
-
-# -- Hugging Face ids ------------------------------------------------------------------------------
-def _resolve_hf(
-    spec: str,
-    repo: str,
-    file: str | None,
-    variant: str | None,
-    engine_formats: dict[str, frozenset[str]],
-    suggest: str = "",
-    offline: bool = False,
-) -> Resolved:
-    if file is not None:
-        files = [file]
-    else:
-        from octo.models.download import ArtifactNotDownloaded, repo_files
-
-        try:
-            files = repo_files(repo, offline=True if offline else None)
-        except ArtifactNotDownloaded:
-            if not offline:
-                raise
-            why = f"Model '{spec}' is not downloaded here, and requests never start a download."
-            raise ArtifactNotDownloaded(f"{why} Download it first with `octo pull {repo}`.", param="model") from None
-        except ModelNotFound as exc:
-            if suggest and exc.code == ModelNotFound.code:
-                raise ModelNotFound(exc.message + suggest, param="model") from None
-            raise
-    found = detect_repo(repo, files, variant)
-    artifacts: dict[str, Artifact] = {}
-    for fmt, kw in found.items():
-        for engine, artifact in _for_engines(fmt, engine_formats, source=spec, **kw).items():
-            artifacts.setdefault(engine, artifact)
-    low = repo.lower()
-    task = (
-        "transcription"
-        if found.keys() & {"whisper", "ct2", "ggml"}
-        else "embeddings"
-        if any(k in low for k in ("embed", "bge-", "/e5-", "minilm", "gte-"))
-        else "chat"
-    )
-    return Resolved(spec, _dedupe([repo, f"hf://{repo}", repo.split("/")[1]], spec), task, None, variant, artifacts)

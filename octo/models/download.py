@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from octo.atomic import file_lock
 from octo.errors import ConfigError, ModelNotFound
-from octo.models.catalog import Artifact, parse_hf, uri_kind
+from octo.models.resolve import Artifact, parse_hf, uri_kind
 from octo.paths import octo_home
 
 log = logging.getLogger("octo.models.download")

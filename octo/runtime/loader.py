@@ -188,14 +188,14 @@ def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engin
     downloading anything;
     404 for an unknown model, and (``need_local``: a request's model) for one whose artifacts are not downloaded,
     naming the `octo pull` command."""
-    from octo.models.catalog import load_catalog
     from octo.models.download import ArtifactNotDownloaded, is_downloaded, local_path, pull_command
+    from octo.models.resolve import resolve
     from octo.runtime.memguard import model_bytes
 
     engine_name = canonical_engine(engine, registry, isolation)
     if engine_name is not None and "any" in registry[engine_name].formats:
         return model, (), "chat", 0
-    resolved = load_catalog().resolve(model, {c.name: c.formats for c in registry.values()}, offline=need_local)
+    resolved = resolve(model, {c.name: c.formats for c in registry.values()}, offline=need_local)
     candidates = _candidates(resolved, engine_name, registry)
     local = {e: a for e, a in candidates.items() if is_downloaded(a)}
     if not local and need_local:
@@ -258,11 +258,11 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         await cand.open(None)
         handle = cand.handle((), selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
-    from octo.models.catalog import load_catalog
     from octo.models.download import fetch
+    from octo.models.resolve import resolve
 
     formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
-    resolved = await asyncio.to_thread(load_catalog().resolve, config.model, formats, not download)
+    resolved = await asyncio.to_thread(resolve, config.model, formats, not download)
     candidates = _candidates(resolved, engine_name, registry)
     if engine_name is not None:
         artifact = candidates[engine_name]

@@ -14,9 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
@@ -26,6 +24,9 @@ from octo.scheduler.admission import Scheduler
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.posting import safe_free, set_exception, set_result
 from octo.scheduler.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    pass
 
 log = logging.getLogger("octo.runtime.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls
@@ -345,6 +346,7 @@ async def run_call(handle: ModelHandle, op: str, payload: Any) -> Any:
 
 def _embedded(engine: Engine, texts: list[str]) -> Embeddings:
     """``engine.embed(texts)``, checked (on the engine thread): one finite vector per text, all of one size."""
+    import numpy as np
     out = engine.embed(texts)
     if not isinstance(out, Embeddings) or len(out.vectors) != len(texts):
         got = f"{len(out.vectors)} vectors" if isinstance(out, Embeddings) else type(out).__name__

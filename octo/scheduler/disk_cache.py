@@ -39,11 +39,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
-
-import numpy as np
+from typing import IO, TYPE_CHECKING, Any
 
 from octo import atomic, quarantine
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 log = logging.getLogger("octo.scheduler.disk_cache")
 
@@ -128,6 +129,7 @@ def parse_header(raw: bytes, key: str) -> dict[str, Any]:
 def read_entry(f: IO[bytes], path: Path, key: str, payload: bool) -> tuple[Entry, bytes | None]:
     """Read and check an entry from ``f``: sizes against the file's (before anything is allocated), the token list's
     CRC, and with ``payload`` the payload's checksum. Raises :class:`BadFile` (or :class:`OldFormat`)."""
+    import numpy as np
     size = os.fstat(f.fileno()).st_size
     head = f.read(len(MAGIC) + 4)
     if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
@@ -167,6 +169,7 @@ class Entry:
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
+    import numpy as np
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -226,6 +229,7 @@ class DiskPrefixCache:
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with ``tokens[:max_len]``, and that length."""
+        import numpy as np
         if not self._entries or max_len < self.min_tokens:
             return None, 0
         want = np.asarray(tokens[:max_len], dtype=np.int32)
@@ -241,6 +245,7 @@ class DiskPrefixCache:
     def load(self, entry: Entry) -> bytes | None:
         """The engine bytes of ``entry``, their checksum checked; None (the file set aside, with a log line) when the
         file changed, is short, or its bytes do not match their checksum: a miss, recomputed."""
+        import numpy as np
         try:
             with open_regular(entry.path) as f:
                 again, data = read_entry(f, entry.path, self.key, payload=True)
@@ -280,6 +285,7 @@ class DiskPrefixCache:
 
     def save(self, tokens: tuple[int, ...], payload: bytes) -> None:
         """Write an entry in the background."""
+        import numpy as np
         self._writer.submit(self._write, np.asarray(tokens, dtype=np.int32), payload)
 
     def _write(self, tokens: np.ndarray, payload: bytes) -> None:

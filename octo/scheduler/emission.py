@@ -16,15 +16,16 @@ loop's list of posts (``(function, target, value)`` triples the event loop runs)
 from __future__ import annotations
 
 import operator
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo.engine import Feed
 from octo.errors import EngineError
 from octo.scheduler.events import Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Ticket
 from octo.text.toolcalls import ContentDelta, ToolCallArguments, ToolCallStart, to_openai_delta
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -inf)
 
@@ -56,6 +57,7 @@ class Emission:
         """``min_tokens`` not reached, or ``ignore_eos``: the sequence may not end at this step. Engines with masks get
         the end-of-sequence bits cleared (a constraint whose grammar allows nothing but the end keeps its mask: it has
         the last word), the others ``Feed.no_eos``."""
+        import numpy as np
         eng = self.engine
         if not eng.supports_masks:
             f.no_eos = True

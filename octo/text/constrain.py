@@ -44,13 +44,14 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from octo.errors import InvalidRequest
 from octo.logits import apply_bitmask  # noqa: F401 - re-exported: the engine-side half
 from octo.text.grammars import JSON_WHITESPACE, Constraint, available, grammar_text, ll_grammar  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 
 # -- vocabulary -------------------------------------------------------------------------------------------------
@@ -104,10 +105,12 @@ class Vocab:
 
     def new_bitmask(self, batch: int = 1) -> np.ndarray:
         """An all-allowed ``(batch, words)`` int32 bitmask (bit ``t % 32`` of word ``t // 32`` is token ``t``)."""
+        import numpy as np
         return np.full((batch, self.words), -1, dtype=np.int32)
 
     def _extend_eos(self, row: np.ndarray) -> None:
         """Allow every EOS id where llguidance allows its one EOS."""
+        import numpy as np
         if len(self.eos_ids) > 1 and (row[self.eos >> 5] >> (self.eos & 31)) & 1:
             for t in self.eos_ids[1:]:
                 row.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
@@ -217,6 +220,7 @@ class Matcher:
     __slots__ = ("_m", "vocab", "_row", "_fresh", "n_tokens")
 
     def __init__(self, ll_matcher: Any, vocab: Vocab) -> None:
+        import numpy as np
         self._m = ll_matcher
         self.vocab = vocab
         self._row = np.empty(vocab.words, dtype=np.int32)
@@ -225,6 +229,7 @@ class Matcher:
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed-token bitmask of the next token into ``row`` (``vocab.words`` C-contiguous int32)."""
+        import numpy as np
         if row.dtype != np.int32 or row.shape != (self.vocab.words,) or not row.flags.c_contiguous:
             raise ValueError(f"bitmask row must be C-contiguous int32 of shape ({self.vocab.words},)")
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -241,10 +246,12 @@ class Matcher:
 
     def mask(self) -> np.ndarray:
         """The next token's allowed tokens as a bool array of ``n_vocab``."""
+        import numpy as np
         bits = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little", count=self.vocab.n_vocab)
         return bits.view(bool)
 
     def allowed_tokens(self) -> np.ndarray:
+        import numpy as np
         return np.flatnonzero(self.mask())
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
@@ -324,6 +331,7 @@ def fill_masks(matchers: Sequence[Matcher | None], out: np.ndarray | None = None
     """Bitmasks of a batch into ``out`` (``(len(matchers), words)`` int32; allocated when None): row ``i`` is
     matcher ``i``'s mask, all-allowed where the matcher is None. ``parallel`` uses llguidance's thread pool
     (default: from :data:`PARALLEL_MIN` sequences up, on hosts with more than 4 cores)."""
+    import numpy as np
     live = [(i, m) for i, m in enumerate(matchers) if m is not None]
     if out is None:
         words = live[0][1].vocab.words if live else 1

@@ -18,9 +18,8 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -33,6 +32,9 @@ from octo.errors import (
     UnsupportedParameter,
 )
 from octo.server.bodies import content_encoding
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    import numpy as np
 
 MB = 2**20
 SAMPLE_RATE = 16000
@@ -222,6 +224,7 @@ def _is_mp4(data: bytes) -> bool:
 
 async def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
     """Mono float32 samples at 16 kHz of any format ffmpeg reads; 400 for non-audio or too long audio."""
+    import numpy as np
     ffmpeg = shutil.which("ffmpeg")
     if ffmpeg is None:
         raise EngineError("ffmpeg is not installed on the server; it is needed to decode audio uploads.")

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from octo.errors import InvalidRequest, ModelNotFound, NotFound, OctoError
-from octo.models.catalog import load_catalog, uri_kind
+from octo.models.resolve import uri_kind
 from octo.protocol.ollama import ModelRequest, parse
 from octo.server.bodies import read_json_body
 from octo.server.routes.openai import dumps, json_response
@@ -59,6 +59,7 @@ def _size_label(n: int | None) -> str:
 def _artifact_path(model: str, engines: dict[str, Any]) -> tuple[str, Path | None, str | None]:
     """(format, local path or None, family) of a catalog name or a path, without loading or downloading (a Hugging
     Face id that is not in the catalog is not looked up: that would ask the hub)."""
+    from octo.models.catalog import load_catalog  # (yaml and the catalog's schema: when an API call needs them)
     from octo.models.download import fetch, is_downloaded
 
     base = model.rpartition(":")[0] if ":" in model.rpartition("/")[2] else model
@@ -200,6 +201,8 @@ async def show(request: web.Request) -> web.Response:
 # -- pull and delete --------------------------------------------------------------------------------------------
 def _pull_artifacts(state: Any, name: str) -> list[Any]:
     """The artifacts ``octo pull NAME`` would fetch: one per engine usable here."""
+    from octo.models.catalog import load_catalog
+
     engines = state.registry.engines
     resolved = load_catalog().resolve(name, {n: c.formats for n, c in engines.items()})
     usable = [e for e in resolved.artifacts if e in engines and engines[e].detect().available]

@@ -11,9 +11,8 @@ import base64
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import orjson
 from aiohttp import web
 
@@ -30,6 +29,9 @@ from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
 from octo.server.state import STATE
 from octo.serving import openai as serving
+
+if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
+    pass
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -201,6 +203,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 # -- /v1/embeddings ------------------------------------------------------------------------------------
 async def embeddings(request: web.Request) -> web.Response:
+    import numpy as np
     body = await json_body(request)
     req = parse(EmbeddingRequest, body)
     serving.check_embedding_input(req.input, 0)  # the limits that need no model, before one loads for it

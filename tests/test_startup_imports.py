@@ -1,0 +1,70 @@
+"""What ``octo serve MODEL`` imports before its load request goes to the engine worker, and what the gateway imports
+at all: the start-up's critical path (bench/startup.py). A local path or a ``hf://`` URI resolves without the catalog
+(yaml, its pydantic schema); the engine plugins, the loader and the HTTP application import without numpy (the worker
+imports it, the gateway only for the requests that use it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octo.errors import ModelNotFound
+from octo.models.catalog import DEFAULT_ENGINE_FORMATS, load_catalog
+from octo.models.resolve import resolve, resolve_direct
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_the_load_path_imports_neither_numpy_nor_the_catalog(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 60)
+    mods = _modules_after(
+        "from octo.plugins import engine_registry, load_plugins\n"
+        "from octo.models.resolve import resolve\n"
+        "import octo.runtime.loader, octo.runtime.registry, octo.runtime.process\n"
+        "reg = engine_registry(load_plugins(None))\n"
+        f"r = resolve({str(model)!r}, {{n: c.formats for n, c in reg.items()}})\n"
+        "assert 'llamacpp' in r.artifacts, r\n")
+    assert "octo.engines.llamacpp.engine" in mods or "engines.llamacpp.engine" in mods  # the plugins did load
+    assert not {"numpy", "yaml", "octo.models.catalog"} & mods
+
+
+def test_the_gateway_application_imports_no_numpy():
+    mods = _modules_after("import octo.server.app, octo.server.listen, octo.cli.startup\n")
+    assert "aiohttp.web" in mods
+    assert "numpy" not in mods
+
+
+@pytest.mark.parametrize("spec", ["./m.gguf", "m.gguf", "~/nowhere/m.gguf", "/no/such/folder/"])
+def test_paths_resolve_without_the_catalog_as_the_catalog_does(tmp_path, monkeypatch, spec):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    want = got = None
+    try:
+        want = load_catalog().resolve(spec, DEFAULT_ENGINE_FORMATS)
+    except ModelNotFound as exc:
+        want = exc.message
+    try:
+        got = resolve_direct(spec, DEFAULT_ENGINE_FORMATS)
+    except ModelNotFound as exc:
+        got = exc.message
+    assert got == want
+
+
+def test_names_go_to_the_catalog():
+    assert resolve_direct("demo", DEFAULT_ENGINE_FORMATS) is None
+    assert resolve("demo", DEFAULT_ENGINE_FORMATS) == load_catalog().resolve("demo", DEFAULT_ENGINE_FORMATS)
+    with pytest.raises(ModelNotFound):
+        resolve_direct("  ", DEFAULT_ENGINE_FORMATS)
+    with pytest.raises(ModelNotFound, match="Hugging Face URI"):
+        resolve_direct("hf://only-org", DEFAULT_ENGINE_FORMATS)
