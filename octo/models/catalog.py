@@ -29,20 +29,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from octo.errors import ConfigError, ModelNotFound
 from octo.models.formats import CT2_PATTERNS, FILE_FORMATS, MLX_PATTERNS, ONNX_PATTERNS
-from octo.models.resolve import (  # (re-exported: the catalog's API names them)
-    _HF_ID,
-    _VARIANT,
+from octo.models.resolve import (  # (Artifact, Resolved, uri_kind: the catalog's API names them too)
+    HF_ID,
+    VARIANT,
     Artifact,
     Resolved,
-    _check_uri,
-    _dedupe,
-    _exists,
-    _expanduser,
-    _is_file_uri,
-    _resolve_hf,
-    _resolve_path,
-    _split_variant,
+    check_uri,
+    dedupe,
+    expanduser,
+    is_file_uri,
+    path_exists,
     resolve_direct,
+    resolve_hf,
+    resolve_path,
+    split_variant,
     uri_kind,
 )
 from octo.models.resolve import parse_hf as parse_hf  # noqa: F401 - re-exported
@@ -75,7 +75,7 @@ class ArtifactSpec(BaseModel):
     @field_validator("uri")
     @classmethod
     def _uri(cls, v: str) -> str:
-        _check_uri(v)
+        check_uri(v)
         return v
 
 
@@ -124,7 +124,7 @@ class ModelEntry(BaseModel):
                 f"default_variant '{self.default_variant}' is not one of the variants ({', '.join(self.variants)})"
             )
         for variant, engines in self.variants.items():
-            if not _VARIANT.match(variant):
+            if not VARIANT.match(variant):
                 raise ValueError(f"variants.{variant}: not a valid variant name (letters, digits, '.', '_', '-')")
             if not engines:
                 raise ValueError(f"variants.{variant}: names no engine")
@@ -150,7 +150,7 @@ def _complete_spec(spec: ArtifactSpec, engine: str, where: str) -> None:
     known = DEFAULT_ENGINE_FORMATS.get(engine)
     if known is not None and fmt not in ("synth", "none") and fmt not in known:
         raise ValueError(f"{where}: engine '{engine}' loads {'/'.join(sorted(known)) or 'no files'}, not {fmt}")
-    is_file = _is_file_uri(spec.uri)
+    is_file = is_file_uri(spec.uri)
     if kind == "url" and not is_file:
         raise ValueError(f"{where}: a URL artifact must be a .gguf, .pt or .bin file, got '{spec.uri}'")
     if fmt in ("gguf", "whisper", "ggml") and not is_file:
@@ -261,15 +261,15 @@ class Catalog:
         if found is not None:
             return found
         spec = spec.strip()
-        path = _expanduser(Path(spec))
-        name, variant = _split_variant(spec)
+        path = expanduser(Path(spec))
+        name, variant = split_variant(spec)
         entry = self.get(name)
         if entry is not None:
             return self._resolve_entry(entry, variant, spec, engine_formats)
-        if _exists(path):
-            return _resolve_path(spec, path, engine_formats)
-        if _HF_ID.match(name):
-            return _resolve_hf(spec, name, None, variant, engine_formats, suggest=self._closest(name),
+        if path_exists(path):
+            return resolve_path(spec, path, engine_formats)
+        if HF_ID.match(name):
+            return resolve_hf(spec, name, None, variant, engine_formats, suggest=self._closest(name),
                                offline=offline)
         raise ModelNotFound(
             f"Model '{spec}' not found.{self._closest(name)} Run `octo models` for the "
@@ -310,7 +310,7 @@ class Catalog:
             *entry.aliases,
             *(f"{a}:{variant}" for a in entry.aliases),
         ]
-        return Resolved(name, _dedupe(aliases, name), entry.task, entry.context_length, variant, artifacts)
+        return Resolved(name, dedupe(aliases, name), entry.task, entry.context_length, variant, artifacts)
 
 
 @functools.lru_cache(maxsize=8)

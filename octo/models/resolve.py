@@ -14,8 +14,8 @@ from pathlib import Path
 from octo.errors import ModelNotFound
 from octo.models.formats import EXPECTED, FILE_FORMATS, detect_repo, inspect_path
 
-_VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,19 @@ def uri_kind(uri: str) -> str:
 def parse_hf(uri: str) -> tuple[str, str | None]:
     """``hf://org/repo[/path/in/repo]`` -> (``org/repo``, path or None)."""
     parts = uri[len("hf://") :].strip("/").split("/") if uri.startswith("hf://") else []
-    if len(parts) < 2 or not _HF_ID.match(f"{parts[0]}/{parts[1]}") or any(p in ("", ".", "..") for p in parts):
+    if len(parts) < 2 or not HF_ID.match(f"{parts[0]}/{parts[1]}") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"'{uri}' is not a Hugging Face URI (hf://org/repo or hf://org/repo/path/to/file)")
     return f"{parts[0]}/{parts[1]}", "/".join(parts[2:]) or None
 
 
-def _is_file_uri(uri: str) -> bool:
+def is_file_uri(uri: str) -> bool:
     kind = uri_kind(uri)
     if kind == "hf":
         return parse_hf(uri)[1] is not None
     return kind in ("url", "path") and Path(uri).suffix.lower() in FILE_FORMATS
 
 
-def _check_uri(uri: str) -> None:
+def check_uri(uri: str) -> None:
     kind = uri_kind(uri)
     if kind == "hf":
         parse_hf(uri)
@@ -72,32 +72,32 @@ def _check_uri(uri: str) -> None:
         raise ValueError(f"'{uri}': unknown scheme (use hf://, https://, synth:// or a local path)")
 
 
-def _split_variant(spec: str) -> tuple[str, str | None]:
+def split_variant(spec: str) -> tuple[str, str | None]:
     head, sep, tail = spec.rpartition(":")
     if not sep or "/" in tail or not head:
         return spec, None
-    if not _VARIANT.match(tail):
+    if not VARIANT.match(tail):
         raise ModelNotFound(f"'{tail}' is not a valid variant name in '{spec}'.", param="model")
     return head, tail
 
 
-def _dedupe(names, exclude: str) -> tuple[str, ...]:
+def dedupe(names, exclude: str) -> tuple[str, ...]:
     return tuple(n for n in dict.fromkeys(names) if n and n != exclude)
 
 
-def _for_engines(fmt: str, engine_formats: dict[str, frozenset[str]], **artifact) -> dict[str, Artifact]:
+def for_engines(fmt: str, engine_formats: dict[str, frozenset[str]], **artifact) -> dict[str, Artifact]:
     return {e: Artifact(e, format=fmt, **artifact) for e, fmts in engine_formats.items() if fmt in fmts}
 
 
 # -- local paths -----------------------------------------------------------------------------------
-def _expanduser(path: Path) -> Path:
+def expanduser(path: Path) -> Path:
     try:
         return path.expanduser()
     except RuntimeError:  # "~someone" who is not a user here: the name as given (it does not exist)
         return path
 
 
-def _exists(path: Path) -> bool:
+def path_exists(path: Path) -> bool:
     """Whether ``path`` exists; a name the OS cannot look up (too long, a component over 255 bytes) does not."""
     try:
         return path.exists()
@@ -105,16 +105,16 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _resolve_path(spec: str, path: Path, engine_formats: dict[str, frozenset[str]]) -> Resolved:
+def resolve_path(spec: str, path: Path, engine_formats: dict[str, frozenset[str]]) -> Resolved:
     fmt, task, ctx = inspect_path(path)
     full = str(path.resolve())
-    artifacts = _for_engines(fmt, engine_formats, uri=full, source=full)
+    artifacts = for_engines(fmt, engine_formats, uri=full, source=full)
     stem = path.name[: -len(path.suffix)] if path.is_file() and path.suffix else path.name
-    return Resolved(spec, _dedupe([stem, full], spec), task, ctx, None, artifacts)
+    return Resolved(spec, dedupe([stem, full], spec), task, ctx, None, artifacts)
 
 
 # -- Hugging Face ids ------------------------------------------------------------------------------
-def _resolve_hf(
+def resolve_hf(
     spec: str,
     repo: str,
     file: str | None,
@@ -142,7 +142,7 @@ def _resolve_hf(
     found = detect_repo(repo, files, variant)
     artifacts: dict[str, Artifact] = {}
     for fmt, kw in found.items():
-        for engine, artifact in _for_engines(fmt, engine_formats, source=spec, **kw).items():
+        for engine, artifact in for_engines(fmt, engine_formats, source=spec, **kw).items():
             artifacts.setdefault(engine, artifact)
     low = repo.lower()
     task = (
@@ -152,7 +152,7 @@ def _resolve_hf(
         if any(k in low for k in ("embed", "bge-", "/e5-", "minilm", "gte-"))
         else "chat"
     )
-    return Resolved(spec, _dedupe([repo, f"hf://{repo}", repo.split("/")[1]], spec), task, None, variant, artifacts)
+    return Resolved(spec, dedupe([repo, f"hf://{repo}", repo.split("/")[1]], spec), task, None, variant, artifacts)
 
 
 def resolve_direct(spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved | None:
@@ -162,17 +162,17 @@ def resolve_direct(spec: str, engine_formats: dict[str, frozenset[str]], offline
     if not spec:
         raise ModelNotFound("No model named: give a catalog name, a local path or a Hugging Face id.", param="model")
     if spec.startswith("hf://"):
-        name, variant = _split_variant(spec)
+        name, variant = split_variant(spec)
         try:
             repo, file = parse_hf(name)
         except ValueError as exc:
             raise ModelNotFound(str(exc), param="model") from None
-        return _resolve_hf(spec, repo, file, variant, engine_formats, offline=offline)
-    path = _expanduser(Path(spec))
+        return resolve_hf(spec, repo, file, variant, engine_formats, offline=offline)
+    path = expanduser(Path(spec))
     if spec.startswith(("/", "./", "../", "~")) or path.suffix.lower() in FILE_FORMATS:
-        if not _exists(path):
+        if not path_exists(path):
             raise ModelNotFound(f"No such file or folder: '{spec}' ({EXPECTED}).", param="model")
-        return _resolve_path(spec, path, engine_formats)
+        return resolve_path(spec, path, engine_formats)
     return None
 
 
