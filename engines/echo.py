@@ -66,6 +66,7 @@ class EchoEngine(Engine):
         self.think = bool(opts.get("think", 0))
         self._vocab: dict[str, int] = {"": EOS}
         self._pieces: list[str] = [""]
+        self._words: list[str] = [""]  # each piece without its white space (what _reply compares)
         self._bytes: list[bytes] = [b""]
         self._lock = threading.Lock()  # tokenize runs on the event loop, _reply in the engine thread
 
@@ -87,12 +88,15 @@ class EchoEngine(Engine):
                 if tid is None:
                     tid = len(self._pieces)
                     self._pieces.append(piece)
+                    self._words.append(piece.strip())
                     self._bytes.append(piece.encode())
                     self._vocab[piece] = tid
         return tid
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
-        return [self._id(w) for w in _WORD.findall(text)]
+        words = _WORD.findall(text)
+        ids = list(map(self._vocab.get, words))  # (every word seen before: no call per word)
+        return ids if None not in ids else [self._id(w) for w in words]
 
     def token_bytes(self, token: int) -> bytes:
         return self._bytes[token]
@@ -109,7 +113,7 @@ class EchoEngine(Engine):
         return "echo: <|role|> content <|end|>, reasons in <think>...</think>" if self.think else None
 
     def _reply(self, history: list[int]) -> list[int]:
-        words = [self._pieces[t].strip() for t in history]
+        words = list(map(self._words.__getitem__, history))
         start = 0
         for i in range(len(words) - 1, -1, -1):
             if words[i] == "<|user|>":

@@ -13,6 +13,7 @@ vocabulary on a 2-core host, per sequence and step.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from octo.engine import SamplingParams
@@ -102,7 +103,6 @@ class SamplerChain:
 
     def sample(self, ctx, idx: int) -> int:
         """Sample from the logits of batch position ``idx`` and accept the token into the chain."""
-        import numpy as np
         if self.argmax is not None:
             row = logits_row(self._L, ctx, idx, self.n_vocab)
             ids, bias = self.argmax
@@ -111,7 +111,7 @@ class SamplerChain:
             tok = int(row.argmax())
             top = row[tok]
             row[ids] = saved
-            if not np.isnan(top):  # (numpy's argmax picks a NaN, llama.cpp's greedy does not: it decides then)
+            if not math.isnan(top):  # (numpy's argmax picks a NaN, llama.cpp's greedy does not: it decides then)
                 return tok
         return self._L.llama_sampler_sample(self.ptr, ctx, idx)
 

@@ -173,7 +173,11 @@ class ModelHandle(HandleInfo):
             self.scheduler.watchdog.check_open()  # wedged or dead: 503 at once
 
     async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[Ticket], asyncio.Queue | None]:
-        gens, n = await self._engine_work(prepare, self, kind, req, big=size > _OFFLOAD_BYTES)
+        big = size > _OFFLOAD_BYTES
+        if self.guard_loop or big:
+            gens, n = await self._engine_work(prepare, self, kind, req, big=big)
+        else:  # (what _engine_work does with it, without a coroutine: every request comes here)
+            gens, n = prepare(self, kind, req)
         events = asyncio.Queue() if req.stream else None
         return self.scheduler.submit_all(gens, n, events), events
 

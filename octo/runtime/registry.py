@@ -572,7 +572,10 @@ class Use:
 
     async def __aenter__(self) -> Any:
         registry = self.registry
-        slot = await registry.route(self.model)
+        # a model that is known and loaded (most requests): no coroutine of route's or _ready's to run
+        slot = registry.find(self.model) if self.model else None
+        if slot is None:
+            slot = await registry.route(self.model)
         ka = self.keep_alive
         self.ka = registry._capped(slot, parse_keep_alive(ka)) if ka is not None else ...
         slot.inflight += 1
@@ -580,7 +583,11 @@ class Use:
             registry._busy_changed()
         self.slot = slot
         try:
-            return await registry._ready(slot)
+            handle = slot.handle
+            if handle is None:
+                return await registry._ready(slot)
+            await handle.ensure_ready()  # (what _ready does for a loaded model)
+            return handle
         except BaseException:
             self.slot = None
             registry.leave(slot, self.ka)
