@@ -9,11 +9,13 @@ Whisper model and a llama.cpp model as two deployments behind one URL. And: with
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,11 +36,11 @@ def _models_file(tmp_path: Path, models: list) -> str:
 
 
 def _chat(server, question: str, *, max_tokens: int = 4, stream: bool = False, model: str = "echo-m",
-          timeout: float = 60) -> tuple[int, dict | list, str | None]:
-    """(status, JSON body or SSE payloads, X-Octo-Replica) of one chat request."""
+          timeout: float = 60, client: httpx.Client | None = None) -> tuple[int, dict | list, str | None]:
+    """(status, JSON body or SSE payloads, X-Octo-Replica) of one chat request (on ``client`` when given)."""
     body = {"model": model, "max_tokens": max_tokens, "stream": stream,
             "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": question}]}
-    with httpx.Client(timeout=timeout) as client:
+    with contextlib.nullcontext(client) if client is not None else httpx.Client(timeout=timeout) as client:
         with client.stream("POST", server.url("/v1/chat/completions"), json=body) as r:
             replica = r.headers.get("X-Octo-Replica")
             if not stream or r.status_code != 200:
@@ -161,8 +163,22 @@ def test_two_replicas_behind_the_front_door():
 def test_backpressure_503_when_every_replica_is_full():
     with run_octo("echo-m", "--engine", "echo", "-o", "token_delay_ms=40", "--cluster", "ray", "--replicas", "1",
                   "--max-batch", "1", "--max-queue", "1", "--replica-cpus", "0.5", timeout=START) as server:
-        with concurrent.futures.ThreadPoolExecutor(10) as pool:
-            got = list(pool.map(lambda i: _chat(server, f"q{i}", max_tokens=30), range(10)))
+        # the ten requests leave together: their clients exist before (an httpx client loads its CA bundle, 50-100 ms
+        # of CPU each: made in the threads on a busy host they spread the burst over seconds, and requests that
+        # come after others finished find room)
+        clients = [httpx.Client(timeout=60) for _ in range(10)]
+        start = threading.Barrier(10)
+
+        def burst(i: int) -> tuple[int, dict | list, str | None]:
+            start.wait()
+            return _chat(server, f"q{i}", max_tokens=30, client=clients[i])
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(10) as pool:
+                got = list(pool.map(burst, range(10)))
+        finally:
+            for c in clients:
+                c.close()
         statuses = [s for s, _, _ in got]
         assert statuses.count(200) >= 2 and statuses.count(503) >= 4, statuses
         refused = [b for s, b, _ in got if s == 503]
