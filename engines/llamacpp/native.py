@@ -93,7 +93,8 @@ OPTIONS = {
                    "OCTO_LLAMACPP_KV_UNIFIED sets the default)"),
     "kv_adapt": (auto_bool, "with the unified pool: run bursts of short concurrent sequences in per-sequence streams "
                  "of the same memory (pool / max_batch cells each), back in the pool when a sequence outgrows one: "
-                 "auto (default: when a probe run while idle finds streams faster for short traffic, cached per host), "
+                 "auto (default: on with --max-batch 16 or more until a probe run while idle says otherwise, else when "
+                 "that probe finds streams faster for short traffic; cached per host), "
                  "true, false"),
     "kv_compact": (boolean, "unified pool: rewrite a sequence's cells as one run once decoding beside others has "
                    "scattered them (default true; ggml's CPU attention is slower over scattered cells)"),
