@@ -25,13 +25,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from octo import benchload
 from octo.paths import octo_home
-
-if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
-    pass
 
 log = logging.getLogger("octo.engines.faster_whisper")
 

@@ -15,14 +15,11 @@ draft too. Drafting is greedy (argmax of the draft's logits)."""
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from octo.errors import ConfigError
 
 from .native import Batch, LogTap, check_gguf
-
-if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
-    pass
 
 
 class Drafter:

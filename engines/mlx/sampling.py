@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import TYPE_CHECKING
 
 from octo.engine import SamplingParams
 from octo.logits import top_logprobs
-
-if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
-    pass
 
 SAMPLING_PARAMS = frozenset(
     {

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
@@ -24,9 +24,6 @@ from octo.scheduler.admission import Scheduler
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.posting import safe_free, set_exception, set_result
 from octo.scheduler.prefix_cache import PrefixCache
-
-if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
-    pass
 
 log = logging.getLogger("octo.runtime.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls

@@ -11,7 +11,7 @@ import base64
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -29,9 +29,6 @@ from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
 from octo.server.state import STATE
 from octo.serving import openai as serving
-
-if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
-    pass
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
