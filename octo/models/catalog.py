@@ -258,8 +258,10 @@ class Catalog:
         """``offline``: a Hugging Face id resolves from the local cache only (a request's model never reaches the
         hub; one that is not downloaded is a 404 naming `octo pull`)."""
         found = resolve_direct(spec, engine_formats, offline)
-        if found is not None:
-            return found
+        return found if found is not None else self.resolve_name(spec, engine_formats, offline)
+
+    def resolve_name(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved:
+        """:meth:`resolve` of a spec ``resolve_direct`` left to the catalog (a name, ``org/name``, a bare folder)."""
         spec = spec.strip()
         path = expanduser(Path(spec))
         name, variant = split_variant(spec)

@@ -98,10 +98,11 @@ def expanduser(path: Path) -> Path:
 
 
 def path_exists(path: Path) -> bool:
-    """Whether ``path`` exists; a name the OS cannot look up (too long, a component over 255 bytes) does not."""
+    """Whether ``path`` exists; a name the OS cannot look up (too long, a component over 255 bytes, a NUL byte) does
+    not."""
     try:
         return path.exists()
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
@@ -183,4 +184,4 @@ def resolve(spec: str, engine_formats: dict[str, frozenset[str]], offline: bool 
         return found
     from octo.models.catalog import load_catalog
 
-    return load_catalog().resolve(spec, engine_formats, offline)
+    return load_catalog().resolve_name(spec, engine_formats, offline)

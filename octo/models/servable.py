@@ -18,6 +18,7 @@ from pathlib import Path
 
 from octo.errors import ModelNotFound
 from octo.models.formats import FILE_FORMATS
+from octo.models.resolve import path_exists
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+(:[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
@@ -47,7 +48,7 @@ def request_model(model: str, catalog_names: set[str], dirs: tuple[str, ...], al
         return model
     if allow_any_path:
         path = os.path.expanduser(model) if model.startswith("~") else model
-        return os.path.realpath(path) if _exists(path) else model
+        return os.path.realpath(path) if path_exists(Path(path)) else model
     found = under_dirs(model, dirs)
     if found is not None:
         return found
@@ -70,7 +71,7 @@ def under_dirs(model: str, dirs: tuple[str, ...]) -> str | None:
         return None
     for folder in dirs:  # (real paths: the CLI resolves them)
         lexical = os.path.normpath(os.path.join(folder, model))
-        if not _exists(lexical):
+        if not path_exists(Path(lexical)):
             continue
         real = os.path.realpath(lexical)
         # inside by its spelling (a symlink the operator put in the folder counts) or by its real path
@@ -81,10 +82,3 @@ def under_dirs(model: str, dirs: tuple[str, ...]) -> str | None:
 
 def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
-def _exists(path: str) -> bool:
-    try:
-        return os.path.exists(path)
-    except (OSError, ValueError):  # a name too long for the OS, a NUL byte
-        return False
