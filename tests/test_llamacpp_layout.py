@@ -14,6 +14,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'octo[llamacpp]')")
 
 from octo.engines.llamacpp import LlamaCppEngine, background, layout  # noqa: E402
+from octo.engines.llamacpp.native import bindings  # noqa: E402
 from probefiles import cached_verdict  # noqa: E402
 
 from octo.engine import EngineConfig, Feed, SamplingParams, Sequence  # noqa: E402
@@ -266,7 +267,8 @@ def test_streams_decode_a_step_as_one_micro_batch_in_any_feed_order(gguf_path, m
     import ctypes
     import os
 
-    L = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
+    L = bindings()  # the ctypes bindings the engine calls (llama_cpp.llama_cpp)
     ggml = ctypes.CDLL(os.path.join(os.path.dirname(L.__file__), "lib", "libggml-base.so"))
     ggml.ggml_get_name.restype, ggml.ggml_get_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
     passes = [0]

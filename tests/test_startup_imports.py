@@ -68,3 +68,26 @@ def test_names_go_to_the_catalog():
         resolve_direct("  ", DEFAULT_ENGINE_FORMATS)
     with pytest.raises(ModelNotFound, match="Hugging Face URI"):
         resolve_direct("hf://only-org", DEFAULT_ENGINE_FORMATS)
+
+
+def test_a_worker_loads_llama_cpps_bindings_without_the_rest_of_its_package():
+    """The llama.cpp engine's preload and load import llama-cpp-python's ctypes bindings only (not its ``Llama``
+    class, chat formats, jinja2: 0.1 s of a worker's path to the load); a later ``import llama_cpp`` still gets the
+    whole package, at its first use."""
+    pytest.importorskip("llama_cpp")
+    mods = _modules_after(
+        "import sys\n"
+        "from octo.engines.llamacpp.engine import LlamaCppEngine\n"
+        "LlamaCppEngine.prepare()\n"
+        "L = sys.modules['octo.engines.llamacpp.native'].bindings()\n"
+        "assert callable(L.llama_backend_init) and L.llama_batch\n"
+        "assert sys.modules['llama_cpp'].__version__ == LlamaCppEngine.version()\n")
+    assert {"llama_cpp.llama_cpp", "numpy"} <= mods  # the bindings, and numpy for the load's batch
+    assert not {"llama_cpp.llama", "llama_cpp.llama_chat_format", "jinja2"} & mods
+    mods = _modules_after(
+        "from octo.engines.llamacpp.native import bindings\n"
+        "bindings()\n"
+        "import llama_cpp\n"
+        "assert llama_cpp.Llama.__name__ == 'Llama' and llama_cpp.llama_backend_init\n"
+        "from llama_cpp import LlamaGrammar\n")
+    assert "llama_cpp.llama" in mods

@@ -50,14 +50,14 @@ from octo.engine import (
     Task,
 )
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
-from octo.plugins import installed_version
 
 from . import background, context, layout, loading, lora
 from . import logits as lg
 from .adapt import AdaptiveLayout
 from .embeddings import embed_texts
 from .kvcache import KVCells, Slot
-from .native import CACHE_TYPES, GGUF_MAGIC, Batch, LogTap, parse_options, physical_cores, read_metadata
+from .native import CACHE_TYPES, GGUF_MAGIC, Batch, LogTap, bindings, parse_options, physical_cores, read_metadata
+from .native import version as lib_version
 from .sampling import SamplerChain
 from .speculate import Speculation
 from .template import ChatTemplate
@@ -117,14 +117,15 @@ class LlamaCppEngine(Engine):
 
     @classmethod
     def prepare(cls) -> None:
-        try:
-            import llama_cpp  # noqa: F401 - the native library, ahead of the load
+        try:  # the native library (its bindings only) and numpy (the load's batch), ahead of the load
+            bindings()
+            import numpy  # noqa: F401
         except Exception:  # noqa: BLE001 - the load reports a library that does not load
             pass
 
     @classmethod
     def version(cls) -> str:
-        return installed_version("llama_cpp", "llama_cpp_python") or "0"
+        return lib_version()
 
     @classmethod
     def artifact_format(cls, path: str) -> str | None:
@@ -136,8 +137,7 @@ class LlamaCppEngine(Engine):
 
     # -- life cycle --------------------------------------------------------------------------------
     def load(self, artifact: str, name: str) -> ModelInfo:
-        import llama_cpp as L
-
+        L = bindings()
         self.lib = L
         self._load_model(artifact)
         eog_scan = loading.EogScan(L, self.vocab, self.n_vocab)  # meanwhile: the context is made without the GIL

@@ -40,6 +40,7 @@ from octo.engine import Feed, SamplingParams, Sequence
 from octo.paths import octo_home
 
 from .background import check as _check
+from .native import version
 
 log = logging.getLogger("octo.engines.llamacpp")
 SEQS, PREFIX, OWN, DECODE = 4, 384, 48, 16
@@ -55,7 +56,7 @@ ENV = "OCTO_LLAMACPP_KV_UNIFIED"  # the default of -o kv_unified for this proces
 
 def cache_file(engine: Any, n_ctx: int, cell_bytes: int, kind: str = "layout") -> Path:
     st = os.stat(engine.artifact_path)
-    parts = [cpu_flags(), engine.lib.__version__, os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
+    parts = [cpu_flags(), version(), os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
              cell_bytes, 5]  # the last: this probe's version

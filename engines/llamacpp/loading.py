@@ -8,7 +8,7 @@ from typing import Any
 
 from octo.errors import ConfigError, EngineError
 
-from .native import LogTap, check_gguf
+from .native import LogTap, check_gguf, version
 
 POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
@@ -22,7 +22,7 @@ def load_model(L: Any, artifact: str, opts: dict[str, Any]) -> tuple[str, Any, b
     if "n_gpu_layers" in opts:  # else llama.cpp's default: everything on a GPU backend if there is one
         mp.n_gpu_layers = opts["n_gpu_layers"]
     mp.use_mmap = opts.get("use_mmap", True)
-    repack, source = repack_choice(opts, L.__version__)
+    repack, source = repack_choice(opts, version())
     mp.use_extra_bufts = repack
     LogTap.recent.clear()
     model = L.llama_model_load_from_file(str(path).encode(), mp)
@@ -92,7 +92,7 @@ def describe(engine: Any, arch: str, pooling: int) -> dict[str, Any]:
     ftype = L.llama_ftype_name(L.llama_model_ftype(model))
     spec, n_cache = engine.spec, engine.n_cache_seqs
     return {
-        "backend": f"llama-cpp-python {L.__version__}",
+        "backend": f"llama-cpp-python {version()}",
         "architecture": arch,
         "file_type": ftype.decode() if ftype else engine.metadata.get("general.file_type"),
         "n_params": L.llama_model_n_params(model),

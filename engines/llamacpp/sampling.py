@@ -20,6 +20,7 @@ from octo.engine import SamplingParams
 from octo.errors import InvalidRequest
 
 from .logits import logits_row
+from .native import bindings
 
 if TYPE_CHECKING:  # (numpy is imported where it is used: not on the start-up's path)
     import numpy as np
@@ -37,8 +38,7 @@ class SamplerChain:
         penalty_last_n: int = 64,
         history: list[int] | None = None,
     ) -> None:
-        import llama_cpp as L
-
+        L = bindings()
         self._L = L
         self.n_vocab = n_vocab
         self.argmax: tuple[np.ndarray, np.ndarray] | None = None  # (token ids, biases): the pick is a plain argmax
