@@ -8,6 +8,7 @@ key, in the same words for every engine. Converters take the option's text and r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,3 +106,21 @@ def parse_engine_options(engine: str, spec: Mapping[str, Option | tuple | Callab
         except (ValueError, TypeError) as e:
             raise ConfigError(f"Invalid value for {engine} option '{key}': {e}", param=key) from None
     return out
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of ``text``: a number of seconds or a duration such as "30d", "12h", "1d12h" (ValueError otherwise)."""
+    text = str(text).strip().lower()
+    try:
+        seconds = float(text)
+    except ValueError:
+        parts = _DURATION.findall(text)
+        if not parts or "".join(a + u for a, u in parts) != text.replace(" ", ""):
+            raise ValueError(f"expected seconds or a duration such as '30d' or '12h', got {text!r}") from None
+        seconds = sum(float(a) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[u] for a, u in parts)
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"expected a finite duration >= 0, got {text!r}")
+    return seconds

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 
@@ -128,6 +127,8 @@ def engines(model, engine, bench_seconds, rebench, isolation, as_json):
             opened = await open_model(config, say=lambda m: click.echo(m, err=True))
             await opened[0].close()
             return opened
+
+        import asyncio
 
         try:
             handle, rows = asyncio.run(run())

@@ -4,14 +4,12 @@ then ``octo.cli.startup`` runs the server."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
 import click
 
 from octo.cli.common import envvar
-from octo.cli.startup import run
 from octo.config import ServerConfig
 from octo.errors import OctoError
 
@@ -283,6 +281,10 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
         specs += load_models_file(models_file) if models_file else []
     except OctoError as err:
         raise click.ClickException(err.message) from None
+    import asyncio  # (after the worker's spawn, as everything the server needs: octo.runtime.prespawn)
+
+    from octo.cli.startup import run
+
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(run(config, specs))
 
@@ -303,14 +305,13 @@ def _prespawn(cluster: str | None, isolation: str | None, engine: str | None, wo
     or OCTO_SPARE_WORKER=0."""
     if cluster or isolation == "thread" or engine == "echo" or os.environ.get("OCTO_SPARE_WORKER", "1") == "0":
         return
-    from octo.runtime.prespawn import prespawn
-    from octo.runtime.supervision import beat_interval
+    from octo.runtime.prespawn import beat_interval, prespawn
 
     prespawn(beat_interval(worker_timeout), log_level, plugins_dir, (engine,) if engine else ())
 
 
 def _duration(value: str, param: click.Parameter) -> float:
-    from octo.serving.response_store import parse_duration
+    from octo.options import parse_duration
 
     try:
         return parse_duration(value)

@@ -72,6 +72,12 @@ class Signal(threading.Event):
                 self._calls.remove(fn)
 
 
+def beat_interval(timeout: float) -> float:
+    """Seconds between a worker's heartbeats for a silence bound of ``timeout`` (ten beats in the bound, at most
+    one a second)."""
+    return max(0.05, min(1.0, timeout / 10))
+
+
 _slot: list[Prespawned] = []
 # set once a model load is handed to an engine (a worker's load request sent, or an in-process load begun): `octo
 # serve` lets that happen before its own imports (octo.cli.startup)

@@ -28,6 +28,7 @@ from typing import Any
 
 from octo.engine import Engine
 from octo.paths import bench_dir
+from octo.runtime.prespawn import beat_interval  # noqa: F401 - (there: `octo serve` needs it before its imports)
 
 WORKER_TIMEOUT_S = 10.0  # default --worker-timeout: a serving worker silent this long is killed
 LOAD_SILENCE_S = 30.0  # the silence bound while a worker starts, loads, warms up or is measured (at least)
@@ -41,12 +42,6 @@ FAULT_EXIT = 70  # a worker exits with this after its own watchdog found the eng
 CONFIG_SIGNALS = frozenset(s.value for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
                                               signal.SIGABRT, getattr(signal, "SIGSYS", signal.SIGABRT),
                                               getattr(signal, "SIGTRAP", signal.SIGABRT)))
-
-
-def beat_interval(timeout: float) -> float:
-    """Seconds between a worker's heartbeats for a silence bound of ``timeout`` (ten beats in the bound, at most
-    one a second)."""
-    return max(0.05, min(1.0, timeout / 10))
 
 
 def silence_limit(worker_timeout: float, serving: bool) -> float:

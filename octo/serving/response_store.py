@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from typing import Any
 
 from octo import quarantine
 from octo.errors import OctoError
+from octo.options import parse_duration  # noqa: F401 - (its home: the CLI parses it before the server's imports)
 from octo.paths import octo_home
 
 log = logging.getLogger("octo.serving.response_store")
@@ -51,24 +51,6 @@ CREATE TABLE IF NOT EXISTS responses (
 )
 """
 INDEX = "CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)"
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds of ``text``: a number of seconds or a duration such as "30d", "12h", "1d12h" (ValueError otherwise)."""
-    text = str(text).strip().lower()
-    try:
-        seconds = float(text)
-    except ValueError:
-        parts = _DURATION.findall(text)
-        if not parts or "".join(a + u for a, u in parts) != text.replace(" ", ""):
-            raise ValueError(f"expected seconds or a duration such as '30d' or '12h', got {text!r}") from None
-        seconds = sum(float(a) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[u] for a, u in parts)
-    if not 0 <= seconds < float("inf"):
-        raise ValueError(f"expected a finite duration >= 0, got {text!r}")
-    return seconds
 
 
 class StoreUnavailable(OctoError):
