@@ -60,6 +60,11 @@ def bindings() -> Any:
     low = sys.modules.get("llama_cpp.llama_cpp")
     if low is not None:
         return low
+    with _Package._lock:  # (two engine threads loading at once make one package)
+        return _load_bindings()
+
+
+def _load_bindings() -> Any:
     if "llama_cpp" not in sys.modules:
         spec = importlib.util.find_spec("llama_cpp")
         if spec is None or spec.submodule_search_locations is None:
