@@ -343,6 +343,26 @@ def test_pacer_gathers_only_before_a_long_step():
     assert Pacer(stretch=0).gather_s(4000) == 0.0
 
 
+def test_pacer_gathers_before_a_prompt_step_that_is_long_whatever_its_tokens():
+    """Over a long context a prompt step costs what does not grow with its tokens (the agent bench's next turns on
+    2,000 restored tokens: 10 tokens 2.1 s, 57 tokens 2.5 s, four times 57 2.6 s): after such a step the next
+    57-token prompt of an idle engine waits for the requests sent with it, though its marginal cost says 0.9 s; after
+    cheap prompt steps (a chat's) it does not."""
+    from octo.scheduler.pacer import Pacer
+
+    p = Pacer(stretch=2.0)
+    for _ in range(10):
+        p.observe(0.55, 0, 256)  # a cold 2,000-token prompt in chunks
+    for _ in range(20):
+        p.observe(0.2, 4, 0)
+    assert 57 * p.token_s < 1.0 and p.gather_s(57) == 0.0  # the last prompt step: 0.55 s
+    p.observe(2.59, 0, 228)  # four next turns, 57 new tokens each, in one step
+    assert 57 * p.token_s < 1.0
+    assert p.gather_s(57) == pytest.approx(min(0.05, 0.02 * 2.59))  # 2% of the step, at most 50 ms
+    p.observe(0.3, 4, 8)  # back to cheap prompt steps (a chat's, 0.1 s beyond its decoding)
+    assert p.gather_s(57) == 0.0
+
+
 async def test_requests_sent_together_join_an_idle_engines_long_first_step():
     """An agent's conversations send their next turns together; they reach the engine a few milliseconds apart. On an
     idle engine whose first step would be long, the ones that arrive during the short wait join that step: every

@@ -39,6 +39,7 @@ class Pacer:
         self.short_stretch = short_stretch
         self.decode_s = 0.0  # EWMA seconds of a decode-only step
         self.token_s = 0.0  # EWMA marginal seconds per prompt token in a step
+        self.prompt_step_s = 0.0  # what the last step with prompt tokens cost beyond its decoding (see gather_s)
 
     def budgets(self, chunk: int, decoding: bool, alone: bool = False, urgent: bool = False) -> tuple[int, int]:
         """(prompt tokens this step may carry, the part of them for long prompts). ``alone``: one prompt and nothing
@@ -91,7 +92,11 @@ class Pacer:
         about what one costs alone)."""
         if self.stretch <= 0 or not self.token_s:
             return 0.0
-        estimate = prompt_tokens * self.token_s
+        # a prompt step also costs what does not grow with its tokens: over a long context (an agent's next turn on
+        # 2,000 restored tokens) 10 tokens took 2.1 s, 57 took 2.5 s and four times 57 took 2.6 s here, where the
+        # marginal cost said 0.9 s for 57 (and the others were paced in behind it one by one); the last prompt
+        # step's cost stands for that part
+        estimate = max(prompt_tokens * self.token_s, self.prompt_step_s)
         return 0.0 if estimate < self.GATHER_MIN_S else min(self.GATHER_MAX_S, self.GATHER_SHARE * estimate)
 
     def observe(self, seconds: float, n_decode: int, n_prefill: int) -> None:
@@ -102,7 +107,8 @@ class Pacer:
         base = self.decode_s if n_decode else 0.0
         if n_decode and not base:
             return
-        per = max(seconds - base, 0.0) / n_prefill
+        self.prompt_step_s = max(seconds - base, 0.0)
+        per = self.prompt_step_s / n_prefill
         self.token_s = per if not self.token_s else 0.8 * self.token_s + 0.2 * per
 
 
