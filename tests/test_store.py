@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from octo.options import parse_duration
 from octo.serving import response_store as store_mod
-from octo.serving.response_store import ResponseStore, StoreUnavailable, parse_duration
+from octo.serving.response_store import ResponseStore, StoreUnavailable
 
 
 def response(i: int, created: int | None = None, size: int = 10) -> dict:

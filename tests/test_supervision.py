@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 from octo.runtime import supervision
+from octo.runtime.prespawn import beat_interval
 
 
 def test_only_a_signal_of_the_code_itself_blames_the_configuration():
@@ -26,7 +27,7 @@ def test_the_silence_bound_is_longer_while_a_worker_starts():
     assert supervision.silence_limit(10, serving=True) == 10
     assert supervision.silence_limit(10, serving=False) == 30
     assert supervision.silence_limit(60, serving=False) == 60
-    assert supervision.beat_interval(10) == 1.0 and supervision.beat_interval(2) == 0.2
+    assert beat_interval(10) == 1.0 and beat_interval(2) == 0.2
 
 
 def test_a_fallback_remembered_after_a_sigkill_is_ignored(tmp_path, monkeypatch):

@@ -72,7 +72,7 @@ def _load_bindings() -> Any:
         pkg = _Package("llama_cpp")
         pkg.__dict__.update(__spec__=spec, __loader__=spec.loader, __file__=spec.origin, __package__="llama_cpp",
                             __path__=list(spec.submodule_search_locations), _octo_lazy=True,
-                            __version__=installed_version("llama_cpp", "llama_cpp_python") or "0")
+                            __version__=version())
         sys.modules["llama_cpp"] = pkg
     import llama_cpp.llama_cpp as low
 

@@ -42,7 +42,7 @@ class WorkerProcess:
         self.label = label
         self.proc: Any = None  # asyncio.subprocess.Process, or PopenProcess for the pre-spawned worker
         self.pid = 0
-        self.beat = supervision.beat_interval(supervision.WORKER_TIMEOUT_S)
+        self.beat = prespawn.beat_interval(supervision.WORKER_TIMEOUT_S)
         self.member: Any = None
         self._down: ipc.FrameReader | None = None
         self._pending: dict[int, asyncio.Future] = {}
@@ -78,7 +78,7 @@ class WorkerProcess:
         down_g, down_w = socket.socketpair()
         up_g, up_w = socket.socketpair()
         arb_g, arb_w = socket.socketpair()
-        beat = supervision.beat_interval(worker_timeout)
+        beat = prespawn.beat_interval(worker_timeout)
         try:
             fds = (down_w.fileno(), up_w.fileno(), arb_w.fileno())
             env = prespawn.worker_env(logging.getLogger().level, *(preload or (None, None)))
@@ -103,7 +103,7 @@ class WorkerProcess:
                       worker_timeout: float) -> WorkerProcess:
         loop = asyncio.get_running_loop()
         self.silence_limit = supervision.silence_limit(worker_timeout, serving=False)
-        self.beat = supervision.beat_interval(worker_timeout)
+        self.beat = prespawn.beat_interval(worker_timeout)
         self.exited = loop.create_future()
         self.proc = proc
         self.pid = proc.pid
@@ -267,7 +267,7 @@ class SpareWorker:
     async def take(self, worker_timeout: float) -> WorkerProcess | None:
         """The spare (the pre-spawned worker first), if one is alive and beats as ``worker_timeout`` wants; a new
         spare is started behind it."""
-        beat = supervision.beat_interval(worker_timeout)
+        beat = prespawn.beat_interval(worker_timeout)
         pre = prespawn.take()
         if pre is not None:
             if pre.beat == beat:

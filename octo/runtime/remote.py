@@ -25,6 +25,7 @@ from octo.engine import Engine, ModelInfo
 from octo.errors import EngineCrashed, ModelFailed, OctoError, QueueTimeout
 from octo.runtime import supervision
 from octo.runtime.handle import Forwarder, WireTicket, consume_exception
+from octo.runtime.prespawn import beat_interval
 from octo.runtime.process import IDS, WorkerProcess, options_text, start_worker
 from octo.runtime.supervision import configs_for, remember
 from octo.serving import openai as serving
@@ -87,7 +88,7 @@ class RemoteHandle(Forwarder):
     def silent(self) -> bool:
         """Not heard from for three heartbeats (2 s at least): /health and /v1/models say "unresponsive"."""
         worker = self.worker
-        quiet = max(2.0, 3 * supervision.beat_interval(self.config.worker_timeout))
+        quiet = max(2.0, 3 * beat_interval(self.config.worker_timeout))
         return worker.alive and time.monotonic() - worker.heard > quiet
 
     async def limit_threads(self, n: int | None) -> None:

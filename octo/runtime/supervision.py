@@ -28,7 +28,6 @@ from typing import Any
 
 from octo.engine import Engine
 from octo.paths import bench_dir
-from octo.runtime.prespawn import beat_interval  # noqa: F401 - (there: `octo serve` needs it before its imports)
 
 WORKER_TIMEOUT_S = 10.0  # default --worker-timeout: a serving worker silent this long is killed
 LOAD_SILENCE_S = 30.0  # the silence bound while a worker starts, loads, warms up or is measured (at least)

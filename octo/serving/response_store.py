@@ -30,7 +30,6 @@ from typing import Any
 
 from octo import quarantine
 from octo.errors import OctoError
-from octo.options import parse_duration  # noqa: F401 - (its home: the CLI parses it before the server's imports)
 from octo.paths import octo_home
 
 log = logging.getLogger("octo.serving.response_store")
