@@ -505,6 +505,7 @@ class EngineLoop:
                 return False
         tokens = t.seq.tokens
         tokens.append(tok)
+        n = len(tokens)
         if not t.t_first:
             t.t_first = time.perf_counter()
         self.generated_tokens += 1
@@ -513,13 +514,13 @@ class EngineLoop:
             self._finish(t, "stop", posts)
             return False
         try:
-            piece, stopped = t.stream.push(token_bytes(tok), len(tokens) - t.n_prompt >= t.req.min_tokens)
+            piece, stopped = t.stream.push(token_bytes(tok), n >= t.min_len)
         except Exception as exc:  # noqa: BLE001 - an engine that cannot spell its own token: this sequence fails
             log.exception("token_bytes(%d) failed", tok)
             self._fail(t, exc, posts)
             return False
         if piece:
-            if t.thinker is None and t.parser is None:  # plain text: Emission.emit's work for it, inline
+            if t.plain:  # no reasoning split, no tool-call parser: Emission.emit's work for it, inline
                 t.text.append(piece)
                 if t.req.stream:
                     posts.append((put_event, t.events, Text(t.index, piece)))
@@ -529,8 +530,7 @@ class EngineLoop:
             self._finish(t, "stop", posts, flush=False)
         elif t.matcher is not None and t.matcher.is_done():  # nothing but the end can follow
             self._finish(t, "stop", posts)
-        elif (t.req.max_tokens is not None and len(tokens) - t.n_prompt >= t.req.max_tokens) \
-                or len(tokens) >= n_ctx:
+        elif n >= t.stop_len or n >= n_ctx:  # max_tokens, or the context
             self._finish(t, "length", posts)
         else:
             return True

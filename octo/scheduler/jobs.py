@@ -84,7 +84,8 @@ class Ticket(Job):
 
     __slots__ = ("id", "index", "req", "seq", "events", "result", "stream", "text", "n_prompt", "cached",
                  "finish", "hit_eos", "cancel_requested", "swap", "preemptions", "lead", "lead_n", "matcher", "parser",
-                 "calls", "lps", "prompt_lps", "extra", "thinker", "reasoning", "t_admit", "t_first")
+                 "calls", "lps", "prompt_lps", "extra", "thinker", "reasoning", "t_admit", "t_first", "plain",
+                 "stop_len", "min_len")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, req: GenerationRequest, sampling: SamplingParams,
                  events: asyncio.Queue, index: int = 0) -> None:
@@ -122,6 +123,11 @@ class Ticket(Job):
         # anything the engine step must be told beyond tokens (a mask, logprobs)
         self.extra = (self.matcher is not None or req.logprobs >= 0 or req.prompt_logprobs >= 0 or req.min_tokens > 0
                       or req.ignore_eos)
+        # the per-token path's answers, worked out once: text goes straight out (no reasoning split, no tool-call
+        # parser); the length at which max_tokens ends it; the length from which a stop string may end it
+        self.plain = self.thinker is None and self.parser is None
+        self.stop_len = self.n_prompt + req.max_tokens if req.max_tokens is not None else 1 << 62
+        self.min_len = self.n_prompt + req.min_tokens
 
     def cancel(self) -> None:
         """Called from the event loop (client gone): the sequence leaves the batch at the next step."""
