@@ -6,6 +6,11 @@ process) alternates the servers' rounds at each concurrency so that machine nois
 with requests/s, p50 and p99 per server and concurrency, the ratio octo / bare, and each server's CPU per request
 (its processes in all, and its event loop's thread alone: the rest of an octo is its engine thread).
 
+On a host with few cores the ratio also depends on the load generator's own CPU a request (C, reported as
+``client_cpu_us_per_request``) and on what a wake-up of another thread costs there (``host.thread_round_trip_us``,
+measured at the start): with both machines' cores busy, octo / bare ~ (C + bare's CPU) / (C + octo's CPU), so each
+result also says how much CPU a request octo may spend for 0.9x (``octo_cpu_budget_us_for_0_9x``).
+
 ``--base REV...`` (default ``369e4c5``, the earlier core, 0.92x on a 2-core host) serves octo at those git revisions
 too (bench/revtree.py), in the same rounds: a change that costs the gateway speed shows as a ratio below its
 base's the day it lands. ``--base`` with no revision leaves them out.
@@ -59,6 +64,30 @@ if sys.argv[2] == "uvloop":
     loop = uvloop.new_event_loop()
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None, loop=loop)
 '''
+
+
+def thread_round_trip_us(n: int = 5000) -> dict:
+    """One thread wakes another through a queue and is woken back, ``n`` times: the wall time and this thread's CPU
+    of one round trip (what each hand-off between octo's event loop and its engine thread costs on this host)."""
+    import queue
+    import threading
+
+    there, back = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def echo() -> None:
+        while there.get() is not None:
+            back.put(1)
+
+    th = threading.Thread(target=echo)
+    th.start()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        there.put(1)
+        back.get()
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    there.put(None)
+    th.join()
+    return {"wall": round(1e6 * wall / n, 1), "cpu": round(1e6 * cpu / n, 1)}
 
 
 def start(cmd: list[str], port: int, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -159,8 +188,11 @@ async def main(args) -> dict:
     targets = {name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, (_, port, _) in servers.items()}
     pids = dict(zip(targets, (p.pid for p in procs), strict=True))
     results: dict = {"host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                              "python": platform.python_version()}, "loop": loop, "isolation": args.isolation,
-                     "requests_per_round": args.requests, "rounds": args.rounds, "concurrency": {}}
+                              "python": platform.python_version(), "thread_round_trip_us": thread_round_trip_us()},
+                     "loop": loop, "isolation": args.isolation, "requests_per_round": args.requests,
+                     "rounds": args.rounds, "concurrency": {}}
+    rt = results["host"]["thread_round_trip_us"]
+    print(f"host: a thread round trip costs {rt['wall']:.0f} us wall, {rt['cpu']:.0f} us CPU of the waker", flush=True)
     try:
         for url in targets.values():  # warm-up
             await load(url, 8, 200)
@@ -169,7 +201,9 @@ async def main(args) -> dict:
             for _ in range(args.rounds):  # alternate A and B
                 for name, url in targets.items():
                     cpu0, loop0 = cpu_seconds(pids[name]), loop_cpu_seconds(pids[name])
+                    client0 = time.process_time()
                     runs[name].append(await load(url, c, args.requests))
+                    runs[name][-1]["client_cpu_us"] = 1e6 * (time.process_time() - client0) / args.requests
                     runs[name][-1]["cpu_us"] = 1e6 * (cpu_seconds(pids[name]) - cpu0) / args.requests
                     runs[name][-1]["loop_cpu_us"] = 1e6 * (loop_cpu_seconds(pids[name]) - loop0) / args.requests
             row = {}
@@ -179,6 +213,7 @@ async def main(args) -> dict:
                              "p99_ms": statistics.median(r["p99_ms"] for r in rs),
                              "cpu_us_per_request": round(statistics.median(r["cpu_us"] for r in rs), 1),
                              "loop_cpu_us_per_request": round(statistics.median(r["loop_cpu_us"] for r in rs), 1),
+                             "client_cpu_us_per_request": round(statistics.median(r["client_cpu_us"] for r in rs), 1),
                              "errors": sum(r["errors"] for r in rs)}
             for name, rs in runs.items():  # per-round ratios: their spread is the noise
                 if name != "bare":
@@ -186,6 +221,8 @@ async def main(args) -> dict:
                     row[name]["ratio_rps"] = statistics.median(ratios)
                     row[name]["ratio_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
             row["ratio_rps"] = row["octo"]["ratio_rps"]
+            client = statistics.median(r["client_cpu_us"] for rs in runs.values() for r in rs)
+            row["octo_cpu_budget_us_for_0_9x"] = round((client + row["bare"]["cpu_us_per_request"]) / 0.9 - client, 1)
             results["concurrency"][str(c)] = row
             print(f"c={c:3d}  bare {row['bare']['rps']:8.0f} req/s p50 {row['bare']['p50_ms']:6.2f} ms, "
                   f"{row['bare']['cpu_us_per_request']:.0f} us CPU a request", flush=True)
@@ -196,6 +233,8 @@ async def main(args) -> dict:
                           f"ms, {r['cpu_us_per_request']:.0f} us CPU a request ({r['loop_cpu_us_per_request']:.0f} on "
                           f"the event loop's thread) | {r['ratio_rps']:.2f}x of bare "
                           f"(rounds {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})", flush=True)
+            print(f"       the client: {client:.0f} us CPU a request; 0.9x of bare needs octo at "
+                  f"<= {row['octo_cpu_budget_us_for_0_9x']:.0f} us CPU a request here", flush=True)
     finally:
         for p in procs:
             p.terminate()
