@@ -83,7 +83,7 @@ def test_cache_type_makes_the_kv_smaller(demo_gguf):
             sizes[t] = _state_bytes_per_token(e)
             engine_bytes[t] = e.info.extra["kv_bytes_per_token"]
             assert e.info.extra["cache_type"] == t
-            assert e.info.extra["flash_attn"] == ("off" if t == "f16" else "on")  # a quantized V needs it
+            assert e.info.extra["flash_attn"] == ("auto" if t == "f16" else "on")  # a quantized V needs it
         finally:
             e.unload()
     f16 = 4 * 2 * 2 * 64 * 2  # layers * (K, V) * KV heads * head size * 2 bytes

@@ -118,24 +118,6 @@ def test_unknown_and_bad_options_are_config_errors():
         LlamaCppEngine(EngineConfig(options={"flash_attn": "maybe"}))
 
 
-def test_flash_attention_is_off_by_default_on_the_cpu_only():
-    """llama.cpp's CPU flash-attention kernel is 1.8x slower on decode over a 2,000-token context and 4.6x on a 57-token
-    step (bench/flash_attn.py): off where the model computes on the CPU, llama.cpp's auto where layers go to a GPU."""
-    from octo.engines.llamacpp.context import default_flash_attn
-
-    class Build:
-        def __init__(self, gpu: bool) -> None:
-            self.gpu = gpu
-
-        def llama_supports_gpu_offload(self) -> bool:
-            return self.gpu
-
-    assert default_flash_attn(Build(False), {}) == "off"
-    assert default_flash_attn(Build(True), {}) == "auto"
-    assert default_flash_attn(Build(True), {"n_gpu_layers": 0}) == "off"  # a GPU build asked to stay on the CPU
-    assert default_flash_attn(Build(True), {"n_gpu_layers": 12}) == "auto"
-
-
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "not_gguf", "missing"])
 def test_corrupt_file_is_a_clear_config_error(gguf_path, tmp_path, damage):
     data = Path(gguf_path).read_bytes()
@@ -230,8 +212,8 @@ def test_full_kv_pool_refuses_new_sequences_with_503(gguf_path):
 # -- tokenizer and chat template ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bare(gguf_path):
-    """Bare llama-cpp-python on the same file, same flash-attention setting as the engine's default on the CPU (off)."""
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=2048, n_threads=physical_cores(), flash_attn=False, verbose=False)
+    """Bare llama-cpp-python on the same file, same flash-attention setting as the engine's default (auto=on)."""
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=2048, n_threads=physical_cores(), flash_attn=True, verbose=False)
     yield llm
     llm.close()
 

@@ -61,7 +61,7 @@ def test_served_with_llamacpp(client, server):
 
 def test_completion_equals_bare_llama_cpp_python(client, gguf_path):
     prompt = "The old lighthouse stood at the edge of the harbor, and"
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=2048, n_threads=physical_cores(), flash_attn=False, verbose=False)
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=2048, n_threads=physical_cores(), flash_attn=True, verbose=False)
     try:
         ref = llm.create_completion(prompt, max_tokens=24, temperature=0)
     finally:

@@ -80,8 +80,8 @@ def engine(gguf_path):
 
 @pytest.fixture(scope="module")
 def bare(gguf_path):
-    """Bare llama-cpp-python keeping the logits of every position (same flash-attention setting: off on the CPU)."""
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=1024, n_threads=physical_cores(), flash_attn=False,
+    """Bare llama-cpp-python keeping the logits of every position (same flash-attention setting: auto = on)."""
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=1024, n_threads=physical_cores(), flash_attn=True,
                           logits_all=True, verbose=False)
     yield llm
     llm.close()

@@ -23,15 +23,6 @@ class ContextPlan:
     flash_attn: str
 
 
-def default_flash_attn(L: Any, opts: dict[str, Any]) -> str:
-    """``off`` where the model computes on the CPU, else llama.cpp's ``auto``. On the CPU, llama.cpp's flash-attention
-    kernel takes a step of under 64 new tokens over a long context a query row at a time: over a 2,000-token context
-    a decode step costs 1.8x, and an agent's next turn of 57 tokens 4.6x, what the same steps cost without it, while
-    a step of 64 tokens or more costs the same and a cold prefill 8% less (``bench/flash_attn.py``)."""
-    on_gpu = L.llama_supports_gpu_offload() and opts.get("n_gpu_layers", -1) != 0
-    return "auto" if on_gpu else "off"
-
-
 def plan(L: Any, model: Any, opts: dict[str, Any], *, is_embedding: bool, pooling: int, max_batch: int,
          prefill_chunk: int, n_ctx: int, unified: bool, stream_cells: int | None, n_threads: int,
          n_threads_batch: int, cache_type: str) -> ContextPlan:
@@ -79,14 +70,12 @@ def plan(L: Any, model: Any, opts: dict[str, Any], *, is_embedding: bool, poolin
     cp.n_threads_batch = n_threads_batch
     # KV cache type (K and V alike): llama.cpp reads a quantized V cache only inside flash attention, so a
     # quantized cache turns flash attention on (an explicit flash_attn=off with one is refused)
-    flash_attn = opts.get("flash_attn")
+    flash_attn = opts.get("flash_attn", "auto")
     if cache_type in ("q8_0", "q4_0"):
         if flash_attn == "off":
             raise ConfigError(f"cache_type={cache_type} needs flash attention (llama.cpp reads a quantized "
                               "V cache only there); drop flash_attn=off", param="cache_type")
         flash_attn = "on"
-    elif flash_attn is None:
-        flash_attn = default_flash_attn(L, opts)
     cp.type_k = cp.type_v = getattr(L, f"GGML_TYPE_{cache_type.upper()}")
     cp.flash_attn_type = FLASH[flash_attn]
     cp.no_perf = True

@@ -59,7 +59,7 @@ def cache_file(engine: Any, n_ctx: int, cell_bytes: int, kind: str = "layout") -
     parts = [cpu_flags(), version(), os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
-             cell_bytes, 6]  # the last: this probe's version (6: flash attention off by default on the CPU)
+             cell_bytes, 5]  # the last: this probe's version
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
     return octo_home() / "probe" / f"llamacpp-{kind}-{key}.json"
 
