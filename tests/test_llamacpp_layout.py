@@ -349,3 +349,59 @@ def test_a_probe_that_others_disturb_stops_and_leaves_the_engine_as_it_serves(gg
         assert e.layout.verdicts["source"] == "measured" and cached_verdict(auto, "layout", False)
     finally:
         e.unload()
+
+
+def test_flash_attention_follows_the_layout_the_model_loads_with(gguf_path):
+    """On the CPU a model loaded into per-sequence streams computes without flash attention (llama.cpp's CPU kernel
+    takes steps of under 64 tokens a query row at a time; in streams a query's cells are its own: bench/agent.py
+    --octo-ab, 0.44x the wall time); in the unified pool it keeps llama.cpp's auto; an explicit option wins; and an
+    engine keeps its load's setting in every context it builds, so KV snapshots move between them."""
+    if bindings().llama_supports_gpu_offload():
+        pytest.skip("a GPU build of llama.cpp keeps auto in both layouts")
+    for opts, want in (({"kv_unified": "false"}, "off"), ({"kv_unified": "true"}, "auto"),
+                       ({"kv_unified": "false", "flash_attn": "on"}, "on")):
+        e = _load(gguf_path, **opts)
+        try:
+            assert e.flash_attn == want and e.info.extra["flash_attn"] == want, opts
+            if opts["kv_unified"] == "true":
+                e.rebuild_context(False, None)  # streams built later (a layout switch) keep the load's setting
+                assert not e.kv_unified and e.flash_attn == "auto"
+        finally:
+            e.unload()
+
+
+def test_flash_attention_default_by_build_and_layout():
+    from octo.engines.llamacpp.context import default_flash_attn
+
+    class Build:
+        def __init__(self, gpu: bool) -> None:
+            self.gpu = gpu
+
+        def llama_supports_gpu_offload(self) -> bool:
+            return self.gpu
+
+    assert default_flash_attn(Build(False), {}, unified=False) == "off"
+    assert default_flash_attn(Build(False), {}, unified=True) == "auto"
+    assert default_flash_attn(Build(True), {}, unified=False) == "auto"  # layers on a GPU: llama.cpp's choice
+    assert default_flash_attn(Build(True), {"n_gpu_layers": 0}, unified=False) == "off"  # a GPU build kept on the CPU
+
+
+def test_the_probe_times_streams_as_a_load_into_streams_serves(gguf_path, auto):
+    """The layout probe's streams run without flash attention on the CPU (what the next load into streams gets), its
+    pool with it; the engine then serves as before the probe."""
+    if bindings().llama_supports_gpu_offload():
+        pytest.skip("a GPU build of llama.cpp keeps auto in both layouts")
+    e = _load(gguf_path)
+    seen, real = [], e.rebuild_context
+
+    def spy(unified, cells):
+        real(unified, cells)
+        seen.append((e.kv_unified, e.flash_attn))
+
+    e.rebuild_context = spy
+    try:
+        background.settle(e.layout)
+        assert (False, "off") in seen and seen[-1] == (True, "auto"), seen
+        assert e.kv_unified and e.flash_attn == "auto" and e.flash_default == "auto"
+    finally:
+        e.unload()

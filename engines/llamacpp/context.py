@@ -23,9 +23,25 @@ class ContextPlan:
     flash_attn: str
 
 
+def default_flash_attn(L: Any, opts: dict[str, Any], unified: bool) -> str:
+    """llama.cpp's ``auto`` (on), but ``off`` for a model loaded into a stream per sequence (``unified`` false: the
+    layout its load serves with, given or cached; it keeps it in every context it builds, so that KV snapshots move
+    between them) where the model computes on the CPU.
+
+    On the CPU, llama.cpp's flash-attention kernel takes a step of under 64 new tokens one query row at a time: over a
+    2,000-token context a decode step costs 1.8x, and a 57-token step 4.6x, what it costs without it
+    (``bench/flash_attn.py``). Without it, every query attends to all the cells in use up to the last one, so in the
+    unified pool (shared with other sequences and prefix-cache entries) prompt steps grow with the pool: there the
+    agent workload ran in 0.67x the wall time but 1.11x the mean time to first token with it off, so the pool keeps
+    it. In streams a query's cells are its own sequence's: with it off there, the workload ran in 0.44x the wall time
+    and 0.40x the mean time to first token of the same streams with it on (``bench/agent.py --octo-ab``)."""
+    on_cpu = not L.llama_supports_gpu_offload() or opts.get("n_gpu_layers", -1) == 0
+    return "off" if on_cpu and not unified else "auto"
+
+
 def plan(L: Any, model: Any, opts: dict[str, Any], *, is_embedding: bool, pooling: int, max_batch: int,
          prefill_chunk: int, n_ctx: int, unified: bool, stream_cells: int | None, n_threads: int,
-         n_threads_batch: int, cache_type: str) -> ContextPlan:
+         n_threads_batch: int, cache_type: str, flash_default: str = "auto") -> ContextPlan:
     """The context of ``max_batch`` sequences of up to ``n_ctx`` tokens in the given layout (streams of
     ``stream_cells`` each, default ``n_ctx``)."""
     if max_batch > L.llama_max_parallel_sequences():
@@ -70,12 +86,14 @@ def plan(L: Any, model: Any, opts: dict[str, Any], *, is_embedding: bool, poolin
     cp.n_threads_batch = n_threads_batch
     # KV cache type (K and V alike): llama.cpp reads a quantized V cache only inside flash attention, so a
     # quantized cache turns flash attention on (an explicit flash_attn=off with one is refused)
-    flash_attn = opts.get("flash_attn", "auto")
+    flash_attn = opts.get("flash_attn")
     if cache_type in ("q8_0", "q4_0"):
         if flash_attn == "off":
             raise ConfigError(f"cache_type={cache_type} needs flash attention (llama.cpp reads a quantized "
                               "V cache only there); drop flash_attn=off", param="cache_type")
         flash_attn = "on"
+    elif flash_attn is None:
+        flash_attn = flash_default
     cp.type_k = cp.type_v = getattr(L, f"GGML_TYPE_{cache_type.upper()}")
     cp.flash_attn_type = FLASH[flash_attn]
     cp.no_perf = True

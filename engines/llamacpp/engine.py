@@ -173,6 +173,7 @@ class LlamaCppEngine(Engine):
             # idle (.background)
             unified, verdicts = layout.decide(self, self.n_ctx_opt, self.cell_bytes)
             if unified != self.kv_unified or not self.ctx:
+                self.flash_default = context.default_flash_attn(L, self.opts, unified)
                 self._build_context(pooling, self.n_ctx_opt, unified)
             self.layout.start(verdicts)
             if self.opts.get("draft"):
@@ -225,7 +226,9 @@ class LlamaCppEngine(Engine):
         self.active = {}
         self.cells = KVCells(self)
         self.layout = AdaptiveLayout(self)
-        self._build_context(pooling, n_ctx, (layout.given(self) or (True, None))[0])  # measured after the load
+        unified = (layout.given(self) or (True, None))[0]  # measured after the load
+        self.flash_default = context.default_flash_attn(L, self.opts, unified)  # the load's layout decides it
+        self._build_context(pooling, n_ctx, unified)
 
     def _build_context(self, pooling: int, n_ctx: int, unified: bool, stream_cells: int | None = None) -> None:
         """The serving context with a KV layout (freeing one built before: the layout probe builds both); streams of
@@ -241,7 +244,7 @@ class LlamaCppEngine(Engine):
         p = context.plan(L, self.model, self.opts, is_embedding=self.is_embedding, pooling=pooling,
                          max_batch=max_batch, prefill_chunk=self.prefill_chunk, n_ctx=n_ctx, unified=unified,
                          stream_cells=stream_cells, n_threads=self.n_threads, n_threads_batch=self.n_threads_batch,
-                         cache_type=self.cache_type)
+                         cache_type=self.cache_type, flash_default=self.flash_default)
         self.n_batch, self.stream_cells, self.n_cache_seqs, self.flash_attn = (p.n_batch, p.stream_cells, p.n_cache,
                                                                                p.flash_attn)
         LogTap.recent.clear()

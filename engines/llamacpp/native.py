@@ -131,7 +131,8 @@ OPTIONS = {
     "n_batch": (positive_int, "tokens per llama_decode call (default: max(512, max_batch + prefill_chunk))"),
     "n_ubatch": (positive_int, "physical micro-batch (default: min(n_batch, 512))"),
     "prefill_chunk": (positive_int, "prompt tokens fed per step while other sequences decode (default 256)"),
-    "flash_attn": (_flash, "auto | on | off (default auto; on when cache_type quantizes the KV cache)"),
+    "flash_attn": (_flash, "auto | on | off (default auto, but off in per-sequence streams on the CPU; on when "
+                           "cache_type quantizes the KV cache)"),
     "cache_type": (_cache_type, "KV cache element type: f16 (default), q8_0, q4_0 or f32 (K and V both; a quantized "
                    "V cache needs flash attention, which is then turned on)"),
     "lora": (parse_lora, "LoRA adapters (GGUF) a request picks by model name base:NAME: {\"NAME\": \"PATH\"} or "
