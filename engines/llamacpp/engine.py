@@ -38,17 +38,7 @@ import logging
 import threading
 from typing import Any, ClassVar
 
-from octo.engine import (
-    Detection,
-    Embeddings,
-    Engine,
-    EngineConfig,
-    Feed,
-    KVHandle,
-    ModelInfo,
-    Sequence,
-    Task,
-)
+from octo.engine import Detection, Embeddings, Engine, EngineConfig, Feed, KVHandle, ModelInfo, Sequence, Task
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
 from . import background, context, layout, loading, lora
