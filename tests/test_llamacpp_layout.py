@@ -385,23 +385,3 @@ def test_flash_attention_default_by_build_and_layout():
     assert default_flash_attn(Build(True), {}, unified=False) == "auto"  # layers on a GPU: llama.cpp's choice
     assert default_flash_attn(Build(True), {"n_gpu_layers": 0}, unified=False) == "off"  # a GPU build kept on the CPU
 
-
-def test_the_probe_times_streams_as_a_load_into_streams_serves(gguf_path, auto):
-    """The layout probe's streams run without flash attention on the CPU (what the next load into streams gets), its
-    pool with it; the engine then serves as before the probe."""
-    if bindings().llama_supports_gpu_offload():
-        pytest.skip("a GPU build of llama.cpp keeps auto in both layouts")
-    e = _load(gguf_path)
-    seen, real = [], e.rebuild_context
-
-    def spy(unified, cells):
-        real(unified, cells)
-        seen.append((e.kv_unified, e.flash_attn))
-
-    e.rebuild_context = spy
-    try:
-        background.settle(e.layout)
-        assert (False, "off") in seen and seen[-1] == (True, "auto"), seen
-        assert e.kv_unified and e.flash_attn == "auto" and e.flash_default == "auto"
-    finally:
-        e.unload()

@@ -26,7 +26,7 @@ class ContextPlan:
 def default_flash_attn(L: Any, opts: dict[str, Any], unified: bool) -> str:
     """llama.cpp's ``auto`` (on), but ``off`` for a model loaded into a stream per sequence (``unified`` false: the
     layout its load serves with, given or cached; it keeps it in every context it builds, so that KV snapshots move
-    between them) where the model computes on the CPU.
+    between them, the layout probe's included) where the model computes on the CPU.
 
     On the CPU, llama.cpp's flash-attention kernel takes a step of under 64 new tokens one query row at a time: over a
     2,000-token context a decode step costs 1.8x, and a 57-token step 4.6x, what it costs without it

@@ -59,7 +59,7 @@ def cache_file(engine: Any, n_ctx: int, cell_bytes: int, kind: str = "layout") -
     parts = [cpu_flags(), version(), os.path.realpath(engine.artifact_path), st.st_size, st.st_mtime_ns,
              n_ctx, engine.config.max_batch, engine.n_threads, engine.opts.get("flash_attn", "auto"),
              engine.opts.get("cache_type", "f16"), engine.prefill_chunk, engine.repack, engine.opts.get("lora"),
-             cell_bytes, 6]  # the last: this probe's version (6: streams timed without flash attention on the CPU)
+             cell_bytes, 5]  # the last: this probe's version
     key = hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:20]
     return octo_home() / "probe" / f"llamacpp-{kind}-{key}.json"
 
@@ -128,17 +128,15 @@ def measure(engine: Any, n_ctx: int, cell_bytes: int, attempts: int = 0) -> tupl
     from octo.benchload import LoadMonitor
 
     from .background import ProbeInterrupted, drop_leftovers, retry_at
-    from .context import default_flash_attn
 
     mon = LoadMonitor().start()
     t0 = time.perf_counter()
-    serving, serving_flash = engine.kv_unified, engine.flash_default
+    serving = engine.kv_unified
     before = set(engine.active)
     times: dict[bool, tuple[list[float], list[float]]] = {}
     try:
         shape = None
-        for unified in (True, False):  # each with the flash attention a load into that layout gets
-            engine.flash_default = default_flash_attn(engine.lib, engine.opts, unified)
+        for unified in (True, False):
             engine.layout.relayout(unified, n_ctx)
             if engine.kv_unified is not unified:
                 raise RuntimeError(f"could not build the {'unified' if unified else 'streams'} context")
@@ -152,7 +150,6 @@ def measure(engine: Any, n_ctx: int, cell_bytes: int, attempts: int = 0) -> tupl
         return True, {"source": f"probe failed ({type(exc).__name__}: {exc})"}
     finally:
         drop_leftovers(engine, before)
-        engine.flash_default = serving_flash
         engine.layout.relayout(serving, n_ctx)
     conditions = mon.stop()
     unified_s, streams_s = min(times[True][0]), min(times[False][0])
