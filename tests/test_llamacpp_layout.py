@@ -384,4 +384,3 @@ def test_flash_attention_default_by_build_and_layout():
     assert default_flash_attn(Build(False), {}, unified=True) == "auto"
     assert default_flash_attn(Build(True), {}, unified=False) == "auto"  # layers on a GPU: llama.cpp's choice
     assert default_flash_attn(Build(True), {"n_gpu_layers": 0}, unified=False) == "off"  # a GPU build kept on the CPU
-

@@ -115,5 +115,5 @@ class Pacer:
 def work_left(t: Any, n_ctx: int) -> int:
     """Tokens ``t`` has left to feed and generate (its prompt's rest, and up to max_tokens)."""
     seq = t.seq
-    limit = n_ctx if t.req.max_tokens is None else min(n_ctx, t.n_prompt + t.req.max_tokens)
+    limit = min(n_ctx, t.stop_len)  # the context, or the prompt plus max_tokens (Ticket.stop_len)
     return (len(seq.tokens) - seq.n_cached) + max(0, limit - len(seq.tokens))
