@@ -39,10 +39,8 @@ def test_serve_demo_offline_benchmarks_then_uses_the_cache(fresh_home):
                               "seconds", "error"}
         with run_octo("demo", "--bench-seconds", "1", env=fresh_home, timeout=600) as server:
             second = engines_json(server)
-        # a measurement disturbed by other load on the host is not cached (it is measured again next start), so
-        # only the undisturbed ones must come from the cache; when all did, the same engine wins
-        undisturbed = {n for n, b in bench.items() if not (b.get("conditions") or {}).get("disturbed")}
-        assert all(e["benchmark"]["cached"] for e in second["data"] if e["name"] in undisturbed
+        # every measurement is cached, one disturbed by other load as provisional (measured again while a gateway
+        # is idle, never at start): the second start measures nothing, and the same engine wins
+        assert all(e["benchmark"]["cached"] for e in second["data"] if e["name"] in candidates
                    and not ((e["benchmark"] or {}).get("error") or "").startswith("artifact"))
-        if undisturbed == set(candidates):
-            assert second["active"] == active
+        assert second["active"] == active

@@ -22,7 +22,7 @@ from octo.runtime.benchmark import (
     upper_bound,
 )
 from octo.runtime.loader import LocalCandidate
-from octo.runtime.selection import artifact_digest, distrust, host_fingerprint, select
+from octo.runtime.selection import artifact_digest, distrust, host_fingerprint, provisional, select
 
 LOADS: list[str] = []
 UNLOADS: list[str] = []
@@ -300,20 +300,27 @@ def test_a_tiny_budget_still_measures_the_floor_and_the_fastest_wins(home, monit
     assert sum("--bench-seconds 0.05 is too small to measure meaningfully" in line for line in lines) == 2
 
 
-def test_a_disturbed_measurement_is_repeated_and_one_that_stays_disturbed_is_not_cached(home, monitor):
+def test_a_disturbed_measurement_is_repeated_and_one_that_stays_disturbed_is_cached_as_provisional(home, monitor):
     _Quiet.verdicts = [True]  # fast's first measurement is disturbed, its second is not
     lines: list[str] = []
     name, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
     fast = results["fast"]["conditions"]
     assert [a["disturbed"] for a in fast["attempts"]] == [True, False] and not fast["disturbed"]
     assert len(monitor) == 1 and "fast" in _stored(home)  # waited for quiet once; the quiet result is cached
-    _Quiet.verdicts = [True, True]  # disturbed both times: used for this start, not cached
+    _Quiet.verdicts = [True, True]  # disturbed both times: decides this start, cached as provisional
     (home.parent / "bench").rename(home.parent / "old-bench")
-    name, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
-    assert name == "fast" and results["fast"]["conditions"]["disturbed"]
-    assert len(results["fast"]["conditions"]["attempts"]) == 2 and _stored(home) == {}
-    assert any("other processes were busy" in line and "not kept" in line for line in lines)
+    name, _, results, reason = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
+    assert name == "fast" and results["fast"]["conditions"]["disturbed"] and results["fast"]["provisional"]
+    assert len(results["fast"]["conditions"]["attempts"]) == 2 and _stored(home)["fast"]["conditions"]["disturbed"]
+    assert any("other processes were busy" in line and "decides provisionally" in line for line in lines)
     assert not any("DISTURBED" in line for line in lines)
+    assert "provisional: fast measured while other processes were busy" in reason
+    n_monitor = len(monitor)
+    lines.clear()  # the next start measures nothing: the provisional result stands until measured again
+    name, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
+    assert name == "fast" and results["fast"]["cached"] and results["fast"]["provisional"]
+    assert len(monitor) == n_monitor and not any("loading and measuring" in line for line in lines)
+    assert any("measured again when the model is idle" in line for line in lines)
 
 
 def test_a_cached_result_stands_only_for_a_budget_it_covered_and_undisturbed(home, monitor):
@@ -327,7 +334,8 @@ def test_a_cached_result_stands_only_for_a_budget_it_covered_and_undisturbed(hom
     _, _, results, _ = run_select(cands, seconds=0.2, say=lambda m: None)  # a smaller one: the cache stands
     assert all(r["cached"] for r in results.values())
     assert distrust({"score": 1.0}, 0.2) == "it does not record how it was measured"  # an older octo's result
-    assert distrust({"conditions": {"budget_s": 5, "disturbed": True}}, 0.2).startswith("it was measured while")
+    assert distrust({"conditions": {"budget_s": 5, "disturbed": True}}, 0.2) is None  # stands, provisionally
+    assert provisional({"conditions": {"budget_s": 5, "disturbed": True}})
     assert distrust({"error": "crashed: x", "conditions": {"budget_s": 0.2, "disturbed": False}}, 3.0) is None
 
 
@@ -400,18 +408,46 @@ def test_a_busy_neighbour_during_the_whole_selection(tmp_path):
     mark, spinners = tmp_path / "mark", []
     # both cores busy from the first candidate's first step to the end of the start-up
     watcher = _when_marked(mark, "slowone", lambda: spinners.extend(spin(2, 60)))
+    cached = lambda: {json.loads(f.read_text())["key"]["engine"]: json.loads(f.read_text())["result"]  # noqa: E731
+                      for f in (tmp_path / "octo" / "bench").glob("*one-*.json")}
     try:
         with _serve_timed(tmp_path, ("slowone", "fastone"), "-o", f"timed_mark={mark}", bench="0.3") as server:
+            active, bench = _benchmarks(server)
+            assert active == "fastone", bench
+            for r in bench.values():  # seen, measured again once, and cached as provisional
+                assert r["conditions"]["disturbed"] and len(r["conditions"]["attempts"]) == 2, r
+                assert r["provisional"], r
+            assert {n: r["conditions"]["disturbed"] for n, r in cached().items()} == {"slowone": True, "fastone": True}
+            assert "provisional: slowone, fastone measured while other processes were busy" in server.log()
+            watcher.join(5)
+            for p in spinners:  # the host calms down: both are measured again while the model is idle
+                p.kill()
+                p.wait()
+            deadline = time.monotonic() + 90
+            while "again while the model is idle" not in server.log() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            t0 = time.monotonic()  # a request now stops that measurement (its worker is killed) and is answered
+            status, body = server.post_json("/v1/chat/completions", {
+                "model": "timed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
+            assert time.monotonic() - t0 < 5
+            while "measured again while idle" not in server.log() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            log = server.log()
+            assert "a request came; measuring" in log and "at the next idle moment" in log, log[-3000:]
             active, bench = _benchmarks(server)
     finally:
         watcher.join(5)
         for p in spinners:
             p.kill()
             p.wait()
-    assert active == "fastone", bench
-    for r in bench.values():  # seen, measured again, and kept out of the cache
-        assert r["conditions"]["disturbed"] and len(r["conditions"]["attempts"]) == 2, r
-    assert list((tmp_path / "octo" / "bench").glob("*one-*.json")) == []
+    assert "'timed-model': measured again while idle: fastone" in log, log[-3000:]
+    assert active == "fastone"  # the serving engine is not switched; here it stays the choice anyway
+    for name, r in cached().items():  # undisturbed now, in the cache and in /v1/engines
+        assert not r["conditions"]["disturbed"] and not r.get("provisional"), (name, r)
+        assert not bench[name]["conditions"]["disturbed"], bench[name]
+    choice = list((tmp_path / "octo" / "bench" / "choice").glob("*.json"))
+    assert len(choice) == 1 and json.loads(choice[0].read_text())["engine"] == "fastone"
 
 
 def test_a_neighbour_that_disturbs_the_fastest_engines_measurement_is_waited_out(tmp_path):

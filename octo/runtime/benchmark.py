@@ -41,7 +41,7 @@ MAX_PREFILL_TOKENS = 512  # ... and more prompts while within 20% of the budget,
 MIN_DECODE_STEPS = 8  # single-stream decode: at least 8 timed steps per thread count (after 1 untimed one)
 MIN_BATCH_STEPS = 8  # batched decode: at least 8 timed steps of BATCH sequences (32 tokens; after 1 untimed)
 FLOOR_GRACE = 10.0  # the floor gives up this long after the budget (a very slow engine measures what it can)
-MAX_ATTEMPTS = 2  # a disturbed measurement is repeated once; one still disturbed is not cached
+MAX_ATTEMPTS = 2  # a disturbed measurement is repeated once; one still disturbed is cached as provisional
 _TEXT = ("The quick brown fox jumps over the lazy dog while the busy engineers measure how fast each engine "
          "decodes tokens on this machine, one step at a time. ")
 

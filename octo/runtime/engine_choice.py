@@ -33,7 +33,9 @@ def incumbent(keys: dict[str, dict[str, Any]]) -> str | None:
 
 
 def measured_quietly(res: dict[str, Any]) -> bool:
-    return bool(res.get("cached")) or not (res.get("conditions") or {}).get("disturbed")
+    """Measured without disturbance from other processes (a cached result too: a disturbed one is cached as
+    provisional, ``octo.runtime.selection.provisional``)."""
+    return not (res.get("conditions") or {}).get("disturbed")
 
 
 def beats(name: str, res: dict[str, Any], best: str, best_res: dict[str, Any], kept: str | None) -> bool:

@@ -139,14 +139,17 @@ class WorkerCandidate(Candidate):
     def __init__(self, cls: type[Engine], artifact: str, name: str, config: ServerConfig,
                  say: Callable[[str], None]) -> None:
         self.cls, self.artifact, self.name, self.config, self.say = cls, artifact, name, config, say
-        self.worker = self.loaded = None
+        self.worker = self.loaded = self.spawned = None  # spawned: the worker while it loads (one to kill)
+        self.spare = True  # the spare worker may take it (not a background measurement's: octo.runtime.remeasure)
 
     async def open(self, bench):
         from octo.runtime.process import remembered, start_worker
 
         first = remembered(self.cls, self.artifact, self.config.options)
         self.worker, self.loaded = await start_worker(self.cls, self.artifact, self.name, self.config, first=first,
-                                                      bench=bench, say=self.say)
+                                                      bench=bench, say=self.say,
+                                                      spawned=lambda w: setattr(self, "spawned", w),
+                                                      spare=self.spare)
         return self.loaded["load_seconds"], self.loaded.get("benchmark")
 
     async def set_threads(self, n: int) -> None:
@@ -296,7 +299,28 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     handle = cand.handle(tuple(resolved.aliases), selection={"reason": reason,
                                                              "candidates": sorted([*paths, *failed])},
                          benchmarks=results)
+    handle.remeasure = _pending(resolved.name, chosen, cands, results, config)
     return handle, _rows(lazy_rows, registry, chosen, results, engine=_engine_view(handle))
+
+
+def _pending(model: str, chosen: str, cands: dict[str, Candidate], results: dict[str, Any], config: ServerConfig
+             ) -> Any:
+    """What the selection left provisional, for the gateway to measure again while the model is idle
+    (``octo.runtime.remeasure``), each candidate in a worker of its own whatever ``--isolation`` says."""
+    names = sorted((n for n in cands if results.get(n, {}).get("provisional")),  # the serving one first: the leader
+                   key=lambda n: (n != chosen, -(results[n].get("score") or 0.0)))
+    if not names:
+        return None
+    from octo.runtime.remeasure import Pending
+    from octo.runtime.selection import cache_key
+
+    def make(n: str) -> WorkerCandidate:  # a new process: taking the spare would start its replacement meanwhile
+        cand = WorkerCandidate(cands[n].cls, cands[n].artifact, model, config, log.info)
+        cand.spare = False
+        return cand
+
+    return Pending(model, chosen, config.bench_seconds, {n: cache_key(c.cls, c.artifact) for n, c in cands.items()},
+                   results, make, {n: c.artifact for n, c in cands.items()}, names)
 
 
 async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,

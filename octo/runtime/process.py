@@ -357,15 +357,14 @@ SPARE = SpareWorker()
 
 # -- starting a worker with fallbacks ------------------------------------------------------------------------
 async def start_worker(cls: type[Engine], artifact: str, name: str, config: ServerConfig, *, first: int = 0,
-                       bench: tuple[float, float | None] | None = None,
-                       say: Callable[[str], None] = log.info) -> tuple[WorkerProcess, dict[str, Any]]:
-    """Spawn a worker and load ``artifact`` with ``cls`` in it (warm-up, or the start-up benchmark with ``bench``:
-    (seconds, leader's score)); on a crash of the configuration (``supervision.config_fault``), go on with the
-    next fallback configuration; after a SIGKILL from outside, try the same configuration once more.
-
-    Returns the worker and {"info", "batching", "load_seconds", "fallback": overlay, "fallback_reason",
-    "config_index", "benchmark"}. Raises the load error, or EngineCrashed when every configuration crashed.
-    """
+                       bench: tuple[float, float | None] | None = None, say: Callable[[str], None] = log.info,
+                       spawned: Callable[[WorkerProcess], None] | None = None, spare: bool = True
+                       ) -> tuple[WorkerProcess, dict[str, Any]]:
+    """Spawn a worker (the spare unless not ``spare``; ``spawned`` sees it at once: one to kill) and load ``artifact``
+    with ``cls`` in it (warm-up, or the start-up benchmark with ``bench``: (seconds, leader's score)); on a crash of
+    the configuration (``supervision.config_fault``), go on with the next fallback configuration; after a SIGKILL
+    from outside, try the same configuration once more. Returns the worker and {"info", "batching", "load_seconds",
+    "fallback": overlay, "fallback_reason", "config_index", "benchmark"}; raises the load error, or EngineCrashed."""
     configs = configs_for(cls, config.options)
     i = min(first, len(configs) - 1)
     killed = 0  # outside SIGKILLs so far
@@ -373,7 +372,8 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
         overlay, _ = configs[i]
         label = f"{cls.name} worker for '{name}'"
         SPARE.note(cls.name, config.plugins_dir)
-        worker = await WorkerProcess.spawn(label, config.worker_timeout)
+        worker = await (WorkerProcess.spawn if spare else WorkerProcess.start)(label, config.worker_timeout)
+        (spawned or bool)(worker)  # the caller sees it at once (bool: no one looks)
         cfg = ServerConfig(**{**config.__dict__, "options": {**config.options, **overlay}})
         spec = {"engine": cls.name, "artifact": artifact, "name": name, "config": cfg,
                 "plugins_dir": config.plugins_dir, "warmup": bench is None}

@@ -56,12 +56,12 @@ class Slot:
         self.estimated_bytes = 0
         self.load_seconds: float | None = None
         self.no_room = ""  # why its load waits for room (a loaded model to become idle); "" when it does not
+        self.remeasure: asyncio.Task | None = None  # measuring again what selection left provisional
 
     @property
     def rows(self) -> list[dict[str, Any]]:
         """The /v1/engines rows of its engines, made the first time they are asked for (``open_model``'s
-        ``lazy_rows``: detecting every engine imports its library into the gateway, which is not done before it
-        serves)."""
+        ``lazy_rows``: detecting every engine imports its library into the gateway, not done before it serves)."""
         if callable(self._rows):
             self._rows = self._rows()
         return self._rows
@@ -391,10 +391,10 @@ class Registry:
         return slot.loading
 
     async def _do_load(self, slot: Slot) -> None:
+        from octo.runtime import process, remeasure
         from octo.runtime.loader import open_model
-        from octo.runtime.process import SPARE
 
-        SPARE.hurry()  # (a no-op unless a spare's replacement waits: a switch right after the one before)
+        process.SPARE.hurry()  # (a no-op unless a spare's replacement waits: a switch right after the one before)
         config = self.config_for(slot.spec)
         t0 = time.monotonic()
         try:
@@ -421,6 +421,7 @@ class Registry:
             self.loads += 1
             self.say(f"octo: '{slot.name}' ready with {handle.engine_name} ({handle.isolation}) in "
                      f"{slot.load_seconds:.2f} s")
+            slot.remeasure = remeasure.start(getattr(handle, "remeasure", None), remeasure.watch(self), self.say)
             await self._share_cores()
         except Overloaded:
             raise  # no room now: only the requests waiting for this load are refused, the next one tries again
@@ -496,6 +497,8 @@ class Registry:
         handle, slot.handle = slot.handle, None
         if handle is None:
             return
+        if slot.remeasure is not None:  # (its measurement's worker is killed)
+            slot.remeasure.cancel()
         slot.rows = []
         if not slot.spec.declared:
             slot.keep_alive = self.config.keep_alive
@@ -530,8 +533,7 @@ class Registry:
 
     async def _share_cores(self) -> None:
         """With --share-cores turns, two or more models in workers compute in turns (octo.runtime.arbiter); a model
-        alone
-        always computes freely."""
+        alone always computes freely."""
         workers = [s.handle for s in self.loaded() if hasattr(s.handle, "share_cores")]
         on = len(workers) >= 2 and self.config.share_cores == "turns"
         for handle in workers:

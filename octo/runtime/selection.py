@@ -1,18 +1,19 @@
-"""Start-up engine selection: the candidate engines measured one at a time (``octo.runtime.benchmark``), the
-results cached per host, the winner kept loaded.
+"""Start-up engine selection: the candidate engines measured one at a time (``octo.runtime.benchmark``), the results
+cached per host, the winner kept loaded.
 
-A measurement still disturbed by other processes after its repeat (``conditions.disturbed``) is used for this start
-but not cached. A cached result records its budget and conditions (``conditions``) and is used only when it was
-undisturbed and measured with at least the budget asked. A candidate that fails to load or errors during its
-benchmark gets ``error`` set and can never win. The winner stays loaded (no second load); losers are unloaded before
-serving starts. Results are cached in ``OCTO_HOME/bench`` keyed by host fingerprint, engine name and version, and
-artifact digest, written atomically (``octo.atomic``).
+A measurement still disturbed by other processes after its repeat (``conditions.disturbed``) decides this start and
+is cached as **provisional** (``provisional`` in the result): later starts use it without measuring, and the gateway
+measures it again while the model is idle (``octo.runtime.remeasure``), never on the start path and never on every
+start. A cached result records its budget and conditions (``conditions``) and is measured again at start only when
+it was measured with less than the budget asked (or records no conditions: an older octo's). A candidate that fails
+to load or errors during its benchmark gets ``error`` set and can never win. The winner stays loaded (no second
+load); losers are unloaded before serving starts. Results are cached in ``OCTO_HOME/bench`` keyed by host
+fingerprint, engine name and version, and artifact digest, written atomically (``octo.atomic``).
 
-While the first candidate loads, the others' ``Engine.prepare`` (slow imports) runs in a background thread;
-every measurement waits for it. Candidates run one at a time, the one with the best earlier result on this host
-first. Once a leader exists,
-a candidate stops as soon as it cannot win even with perfect batching (``upper_bound`` below the leader's
-score after its single-stream decode): its result says ``stopped`` and its batch figure stays null.
+While the first candidate loads, the others' ``Engine.prepare`` (slow imports) runs in a background thread; every
+measurement waits for it. Candidates run one at a time, the one with the best earlier result on this host first.
+Once a leader exists, a candidate stops as soon as it cannot win even with perfect batching (``upper_bound`` below
+the leader's score after its single-stream decode): its result says ``stopped`` and its batch figure stays null.
 """
 
 from __future__ import annotations
@@ -101,15 +102,13 @@ def cached_result(key: dict[str, Any]) -> dict[str, Any] | None:
 def distrust(result: dict[str, Any], seconds: float) -> str | None:
     """Why a cached ``result`` must not stand for a measurement with a ``seconds`` budget (None: it may).
 
-    Not trusted: a result that does not say how it was measured (an older octo's), one measured with a smaller
-    budget than asked, or one that was disturbed by other load. A crash or a failed load does not depend on
-    the budget and stands.
+    Not trusted: a result that does not say how it was measured (an older octo's), or one measured with a smaller
+    budget than asked. A crash or a failed load does not depend on the budget and stands. One disturbed by other
+    load stands provisionally (:func:`provisional`).
     """
     cond = result.get("conditions")
     if not isinstance(cond, dict):
         return "it does not record how it was measured"
-    if cond.get("disturbed"):
-        return "it was measured while other processes competed for the cores"
     err = result.get("error") or ""
     if err.startswith(("crashed", "load failed")):
         return None
@@ -119,8 +118,19 @@ def distrust(result: dict[str, Any], seconds: float) -> str | None:
     return None
 
 
+def provisional(result: dict[str, Any]) -> bool:
+    """Whether ``result`` was measured while other processes competed for the cores: it decides, but only until it is
+    measured again undisturbed (``octo.runtime.remeasure``)."""
+    return bool((result.get("conditions") or {}).get("disturbed")) and not result.get("error")
+
+
 def store_result(key: dict[str, Any], result: dict[str, Any]) -> None:
-    write_json(_cache_file(key), {"key": key, "result": result}, indent=2)
+    """Cache ``result``; a disturbed one never replaces an undisturbed one (``--rebench`` on a busy host)."""
+    if provisional(result) and (old := cached_result(key)) is not None and not provisional(old) \
+            and not distrust(old, float((result.get("conditions") or {}).get("budget_s") or 0.0)):
+        return
+    write_json(_cache_file(key), {"key": key, "result": {k: v for k, v in result.items() if k != "cached"}},
+               indent=2)
 
 
 # -- selection ---------------------------------------------------------------------------------------
@@ -169,14 +179,16 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
         key, cached = keys[name], cached_results[name]
         loaded = False
         if cached is not None:
-            res = {**cached, "cached": True}
+            res = {**cached, "cached": True, **({"provisional": True} if provisional(cached) else {})}
             results[name] = res
             say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  (prefill {res['prefill_tok_s']} tok/s, "
                 f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
+                + ("; measured while other processes were busy: measured again when the model is idle"
+                   if res.get("provisional") else "")
                 if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
         else:
             cand.wait_prepare = prep.join
-            res, loaded = await _bench_one(name, cand, key, seconds, best[3] if best is not None else None, say)
+            res, loaded = await measure(name, cand, key, seconds, best[3] if best is not None else None, say)
             results[name] = res
         if res.get("error"):
             if loaded:
@@ -196,17 +208,18 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
         await _load(cand, results[name].get("threads"))
     ranked = sorted(results, key=lambda n: -results[n]["score"])
     _table(results, ranked, name, say)
-    why = choice.reason(name, kept, results)
+    why = choice.reason(name, kept, results) + _provisional_note(results)
     say(f"octo: serving with {why}")  # the one line that says which engine serves and why
     reason = why + f"; selection took {time.perf_counter() - t0:.2f} s"
     choice.keep(keys, name, results[name])
     return name, cand, results, reason
 
 
-async def _bench_one(name: str, cand: Candidate, key: dict[str, Any], seconds: float, beat: float | None,
-                     say: Callable[[str], None]) -> tuple[dict[str, Any], bool]:
-    """Load and measure ``cand`` (``beat``: the leader's score), cache an undisturbed result and say it; returns
-    (the result, whether the candidate is loaded). A candidate that fails, crashes or hangs gets ``error``."""
+async def measure(name: str, cand: Candidate, key: dict[str, Any], seconds: float, beat: float | None,
+                  say: Callable[[str], None], store: bool = True) -> tuple[dict[str, Any], bool]:
+    """Load and measure ``cand`` (``beat``: the leader's score), cache the result (``store``) and say it; returns
+    (the result, whether the candidate is loaded). A candidate that fails, crashes or hangs gets ``error``; one
+    disturbed by other processes, ``provisional``."""
     say(f"octo: bench {name:9s} loading and measuring (at most {seconds:g} s after the load) ...")
     loaded = False
     t_load = time.perf_counter()
@@ -219,8 +232,10 @@ async def _bench_one(name: str, cand: Candidate, key: dict[str, Any], seconds: f
                "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
                "error": _failure(exc), "conditions": {"budget_s": seconds, "disturbed": False}}
     cond = res.setdefault("conditions", {"budget_s": seconds, "disturbed": False})
-    if not cond.get("disturbed"):
-        store_result(key, {k: v for k, v in res.items() if k != "cached"})
+    if provisional(res):
+        res["provisional"] = True
+    if store:
+        store_result(key, res)
     say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
         f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
         f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
@@ -236,6 +251,12 @@ async def _load(cand: Candidate, threads: int | None) -> None:
         await cand.set_threads(threads)
 
 
+def _provisional_note(results: dict[str, dict[str, Any]]) -> str:
+    again = [n for n, r in results.items() if r.get("provisional")]
+    return (f"; provisional: {', '.join(again)} measured while other processes were busy, measured again when the "
+            "model is idle") if again else ""
+
+
 def _notes(cond: dict[str, Any], seconds: float) -> str:
     """What the progress line says about how a measurement went: a budget too small, disturbance."""
     notes = ""
@@ -249,7 +270,8 @@ def _notes(cond: dict[str, Any], seconds: float) -> str:
         notes += f"; disturbed by other load, measured {len(tries)} times"
     if cond.get("disturbed"):
         notes += (f"; other processes were busy (they used {cond.get('foreign_load')} of the cores, this one "
-                  f"waited {cond.get('run_wait')} of the time for a core), so this measurement is not kept")
+                  f"waited {cond.get('run_wait')} of the time for a core), so it decides provisionally and is "
+                  "measured again when the model is idle")
     return notes
 
 

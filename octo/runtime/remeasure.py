@@ -1,0 +1,205 @@
+"""Engine measurements that other processes disturbed, taken again while the model is idle, never on the start path.
+
+Start-up selection (``octo.runtime.selection``) decides with what it has: a measurement that other processes disturbed
+decides that start and every later one (it is cached as *provisional*), and this module measures it again in the
+gateway's background, in a worker process of its own, under the rules the llama.cpp engine's KV-layout probes follow
+(``engines/llamacpp/background.py``):
+
+* only once every model has been idle for ``IDLE_S`` (no request running, none ended since) and no model is loading,
+  and only on a quiet host: it first looks at the cores for ``QUIET_WINDOW_S`` (``octo.benchload.quiet_now``) and,
+  if other processes keep them busy, waits ``BUSY_RETRY_S`` without counting an attempt;
+* the first request that arrives stops it at once: the candidate's worker is killed and the measurement is taken
+  again at the next idle moment (an interrupted measurement counts no attempt);
+* a measurement disturbed again is retried later: after ``RETRY_S`` (10 minutes, then an hour, 6 hours, a day), a
+  schedule kept in the cached result (``remeasure``), so a restarted gateway keeps it: never on every start;
+* one that concludes undisturbed replaces the provisional result in the cache; when every provisional result has
+  been measured again, the engine choice (``octo.runtime.engine_choice``) is settled by the same rule as at start
+  (the engine chosen before stays unless a challenger wins by ``MARGIN``, undisturbed) and one line says which
+  engine the next start serves with. The running model is not switched: its engine serves until the gateway stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from octo import benchload
+from octo.runtime import engine_choice as choice
+from octo.runtime.selection import Candidate, cached_result, measure, provisional, store_result
+
+log = logging.getLogger("octo.runtime.remeasure")
+
+IDLE_S = 8.0  # every model idle this long before a measurement starts (the llama.cpp probes wait 5 s)
+QUIET_WINDOW_S = 0.3
+BUSY_RETRY_S = 30.0
+RETRY_S = (600.0, 3600.0, 6 * 3600.0, 86400.0)  # after the 1st, 2nd, 3rd, 4th+ disturbed measurement again
+LOOK_S = 0.05  # how often a running measurement looks for a request
+
+
+@dataclass
+class Pending:
+    """What a model's selection left to measure again (``octo.runtime.loader.open_model`` makes it)."""
+
+    model: str
+    serving: str  # the engine that serves the model now
+    seconds: float  # the selection's budget
+    keys: dict[str, dict[str, Any]]  # every candidate's cache key
+    results: dict[str, dict[str, Any]]  # the selection's results (updated in place: /v1/engines shows them)
+    make: Callable[[str], Candidate]  # a fresh candidate of that engine, in a worker process of its own
+    artifacts: dict[str, str]  # every candidate's artifact path
+    names: list[str] = field(default_factory=list)  # the engines whose result is provisional
+
+
+class Activity:
+    """What the gateway's models are doing, as the registry sees it: ``busy()`` while a request runs or a model loads,
+    ``last()`` the time the last request ended."""
+
+    def __init__(self, busy: Callable[[], bool], last: Callable[[], float]) -> None:
+        self.busy, self.last = busy, last
+
+    def idle_for(self) -> float:
+        return 0.0 if self.busy() else time.monotonic() - self.last()
+
+
+def watch(registry: Any) -> Activity:
+    """The activity of every model of ``registry`` (``octo.runtime.registry``): a request running, or a load, on any
+    of them makes it busy (one model's measurement must not compete with another's requests either)."""
+    slots = registry.slots
+    return Activity(lambda: any(s.inflight or s.loading is not None for s in slots),
+                    lambda: max((s.last_used for s in slots), default=0.0))
+
+
+def due_at(result: dict[str, Any]) -> float:
+    """When a provisional ``result`` may be measured again (wall-clock seconds; 0: at the first idle moment)."""
+    return float((result.get("remeasure") or {}).get("next_at") or 0.0)
+
+
+async def run(pending: Pending, activity: Activity, say: Callable[[str], None]) -> None:
+    """Measure ``pending.names`` again, one at a time, as the module's rules allow; returns when none is left."""
+    while pending.names:
+        name = min(pending.names, key=lambda n: due_at(pending.results[n]))
+        wait = due_at(pending.results[name]) - time.time()
+        if wait > 0:
+            await asyncio.sleep(min(wait, 60.0))
+            continue
+        if activity.idle_for() < IDLE_S:
+            await asyncio.sleep(max(0.5, IDLE_S - activity.idle_for()))
+            continue
+        if not _room_for(pending, name):
+            log.info("%s: too little free memory to load %s beside the models; measuring it again later",
+                     pending.model, name)
+            await asyncio.sleep(RETRY_S[0])
+            continue
+        if not await asyncio.to_thread(benchload.quiet_now, QUIET_WINDOW_S):
+            log.debug("%s: the host is busy; measuring %s again in %g s", pending.model, name, BUSY_RETRY_S)
+            await asyncio.sleep(BUSY_RETRY_S)
+            continue
+        res = await measure_once(pending, name, activity)
+        if res is not None:
+            record(pending, name, res, say)
+
+
+def _leader(pending: Pending, name: str) -> float | None:
+    """The best undisturbed score of the other engines: a candidate that cannot reach it stops early, as at start."""
+    scores = [r["score"] for n, r in pending.results.items()
+              if n != name and not r.get("error") and not provisional(r) and not r.get("stopped")]
+    return max(scores, default=None)
+
+
+def _room_for(pending: Pending, name: str) -> bool:
+    """Whether this host has the memory to load ``name``'s artifact beside what it serves (a second copy of the
+    serving engine's model, for that one)."""
+    from pathlib import Path
+
+    from octo.runtime.memguard import available, model_bytes
+
+    room = available()
+    return room is None or model_bytes(Path(pending.artifacts[name])) <= room[0]
+
+
+async def measure_once(pending: Pending, name: str, activity: Activity) -> dict[str, Any] | None:
+    """One measurement of ``name`` in a worker of its own; None when a request (or a load) stopped it."""
+    cand = pending.make(name)
+    mark = activity.last()
+    log.info("%s: measuring %s again while the model is idle", pending.model, name)
+    task = asyncio.ensure_future(measure(name, cand, pending.keys[name], pending.seconds, _leader(pending, name),
+                                         log.debug, store=False))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=LOOK_S)
+            if not task.done() and (activity.busy() or activity.last() != mark):
+                log.info("%s: a request came; measuring %s again at the next idle moment", pending.model, name)
+                task.cancel()
+                worker = getattr(cand, "spawned", None)
+                if worker is not None:
+                    worker.kill()  # at once: the request must not share the cores with a measurement
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+        res, loaded = task.result()
+    except asyncio.CancelledError:  # the gateway stops or unloads the model
+        task.cancel()
+        worker = getattr(cand, "spawned", None)
+        if worker is not None:
+            worker.kill()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    if loaded:
+        await cand.discard()
+    return res
+
+
+def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str], None]) -> None:
+    """Cache a new measurement of ``name``: an undisturbed one (or a failure) replaces the provisional result; a
+    disturbed one keeps it and sets the next try. Once none is provisional, settle the choice and say it."""
+    key = pending.keys[name]
+    if provisional(res):
+        old = cached_result(key) or pending.results[name]
+        tries = int((old.get("remeasure") or {}).get("attempts") or 0) + 1
+        delay = RETRY_S[min(tries, len(RETRY_S)) - 1]
+        kept = {**old, "remeasure": {"attempts": tries, "next_at": time.time() + delay}}
+        store_result(key, kept)
+        pending.results[name].update(kept, cached=True, provisional=True)
+        log.info("%s: %s was disturbed by other processes again; next try in %g s", pending.model, name, delay)
+        return
+    store_result(key, res)
+    pending.results[name].clear()  # in place: /v1/engines rows made before show the new result
+    pending.results[name].update(res)
+    pending.names.remove(name)
+    log.info("%s: %s measured again undisturbed: score %.2f", pending.model, name, res.get("score") or 0.0)
+    if not pending.names:
+        say(settle(pending))
+
+
+def settle(pending: Pending) -> str:
+    """Choose among the results as start-up selection does, keep the choice, and say it in one line."""
+    ok = {n: r for n, r in pending.results.items() if not r.get("error")}
+    kept = choice.incumbent(pending.keys) or pending.serving  # the engine serving now was this host's choice too
+    best = kept if kept in ok else next(iter(ok), None)
+    if best is None:
+        return f"octo: '{pending.model}': no engine could be measured again"
+    for n in sorted(ok, key=lambda n: -ok[n]["score"]):
+        if n != best and choice.beats(n, ok[n], best, ok[best], kept):
+            best = n
+    choice.keep(pending.keys, best, ok[best])
+    why = choice.reason(best, kept, pending.results)
+    if best == pending.serving:
+        return f"octo: '{pending.model}': measured again while idle: {why}"
+    return f"octo: '{pending.model}': measured again while idle: the next start serves it with {why}"
+
+
+def start(pending: Pending | None, activity: Activity, say: Callable[[str], None]) -> asyncio.Task | None:
+    """The background task of a model whose selection left provisional results (None: nothing to measure)."""
+    if pending is None or not pending.names:
+        return None
+    task = asyncio.get_running_loop().create_task(run(pending, activity, say), name=f"remeasure {pending.model}")
+    task.add_done_callback(_log_failure)
+    return task
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("measuring again failed", exc_info=task.exception())
