@@ -112,15 +112,27 @@ def test_the_engine_chosen_before_stays_unless_the_challenger_wins_by_the_margin
     engine_choice.keep(pending.keys, "slow", {"score": 100.0, "conditions": {"disturbed": False}})
     quiet = {"conditions": {"disturbed": False}}
     pending.results.update(slow={**quiet, "score": 100.0}, fast={**quiet, "score": 108.0})  # within 10%
-    line = remeasure.settle(pending)
-    assert engine_choice.incumbent(pending.keys) == "slow"
+    best, line = remeasure.settle(pending)
+    assert best == "slow" and engine_choice.incumbent(pending.keys) == "slow"
     assert line == ("octo: 'm': measured again while idle: the next start serves it with slow, as chosen before on "
                     "this host (fast scored 1.08x of it; a switch needs more than 1.10x measured undisturbed)"), line
     pending.results["fast"]["score"] = 115.0  # a clear win
-    line = remeasure.settle(pending)
-    assert engine_choice.incumbent(pending.keys) == "fast"
+    best, line = remeasure.settle(pending)
+    assert best == "fast" and engine_choice.incumbent(pending.keys) == "fast"
     assert line == ("octo: 'm': measured again while idle: fast: it scored more than 1.10x slow, the engine chosen "
                     "before"), line
+
+
+def test_without_a_switch_the_winner_serves_from_the_next_load(home):
+    pending = _pending(home, "slow", {"fast": 100.0, "slow": 100.0}, [])
+    quiet = {"conditions": {"disturbed": False}}
+    pending.results.update(slow={**quiet, "score": 100.0}, fast={**quiet, "score": 300.0})
+    pending.switch = lambda best: None
+    best, line = remeasure.settle(pending)  # no serving candidate (in the gateway's process): no switch now
+    assert best == "fast" and line == ("octo: 'm': measured again while idle: the next start serves it with fast: it "
+                                       "scored more than 1.10x slow, the engine chosen before"), line
+    pending.serving_candidate = lambda n: object()
+    assert remeasure.settle(pending)[1].startswith("octo: 'm': measured again while idle: switching to fast")
 
 
 def test_a_request_stops_the_measurement_at_once_and_it_runs_again_at_the_next_idle_moment(home):
@@ -208,11 +220,15 @@ def test_a_selection_with_provisional_results_hands_them_to_the_gateway(home):
 
     cands = {"fast": C(Fast), "slow": C(Slow)}
     results = {"fast": {"score": 2.0, "provisional": True}, "slow": {"score": 1.0}}
-    p = _pending("m", "fast", cands, results, ServerConfig(bench_seconds=0.7))
+    p = _pending("m", ("alias",), "fast", cands, results, ServerConfig(bench_seconds=0.7), {})
     assert p.names == ["fast"] and p.serving == "fast" and p.seconds == 0.7 and set(p.keys) == {"fast", "slow"}
     cand = p.make("fast")
     assert isinstance(cand, WorkerCandidate) and cand.cls is Fast and cand.worker is None  # nothing spawned yet
     assert cand.spare is False  # its own process: taking the spare would start a replacement while it measures
     assert p.artifacts == {"fast": str(home), "slow": str(home)}
-    assert _pending("m", "fast", cands, {"fast": {"score": 2.0}}, ServerConfig()) is None
+    assert _pending("m", (), "fast", cands, {"fast": {"score": 2.0}}, ServerConfig(), {}) is None
+    # the engine that takes over serves as it would load: in a worker unless --isolation thread says otherwise
+    assert isinstance(p.serving_candidate("slow"), WorkerCandidate) and p.serving_candidate("slow").spare
+    thread = _pending("m", (), "fast", cands, results, ServerConfig(isolation="thread"), {})
+    assert thread.serving_candidate("slow") is None  # no switch while running: the next load serves with it
     assert json.loads(json.dumps(p.keys))  # cache keys, as selection wrote them

@@ -468,6 +468,39 @@ def test_a_neighbour_that_disturbs_the_fastest_engines_measurement_is_waited_out
     assert active == "fastone", bench
 
 
+def test_an_engine_that_only_lost_because_the_host_was_busy_takes_over_once_measured_idle(tmp_path):
+    mark, spinners = tmp_path / "mark", []
+    stop = lambda: [(p.kill(), p.wait()) for p in spinners]  # noqa: E731
+    # 8 processes on 2 cores through both of fastone's measurements, gone when slowone's starts: fastone looks
+    # slower than slowone (disturbed: provisional), slowone wins and serves
+    watchers = [_when_marked(mark, "fastone", lambda: spinners.extend(spin(8, 60))),
+                _when_marked(mark, "slowone", stop)]
+    try:
+        with _serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
+            active, bench = _benchmarks(server)
+            assert active == "slowone" and bench["fastone"]["provisional"], bench
+            deadline = time.monotonic() + 90  # idle now: fastone is measured again, wins clearly, and takes over
+            while "now served by fastone" not in server.log() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            log = server.log()
+            active, bench = _benchmarks(server)
+            engines = server.get_json("/v1/engines")
+            status, body = server.post_json("/v1/chat/completions", {
+                "model": "timed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "after"}]})
+    finally:
+        for w in watchers:
+            w.join(5)
+        stop()
+    assert "'timed-model': measured again while idle: switching to fastone: it scored more than 1.10x slowone" in log
+    assert "'timed-model' now served by fastone (switched from slowone in" in log, log[-3000:]
+    assert active == "fastone" and not bench["fastone"]["conditions"]["disturbed"], bench
+    assert bench["fastone"]["score"] > 1.5 * bench["slowone"]["score"]
+    assert engines["selection"]["reason"].startswith("fastone: measured again while idle, switched from slowone")
+    assert status == 200 and body["choices"][0]["message"]["content"] == "after", body  # served by the new engine
+    choice = list((tmp_path / "octo" / "bench" / "choice").glob("*.json"))
+    assert len(choice) == 1 and json.loads(choice[0].read_text())["engine"] == "fastone"
+
+
 class _Busy(_Fake):
     """Computes (spins) through its steps, so other processes on the cores slow it down and show as run-queue
     wait, as they would a real engine."""

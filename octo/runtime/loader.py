@@ -299,14 +299,15 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     handle = cand.handle(tuple(resolved.aliases), selection={"reason": reason,
                                                              "candidates": sorted([*paths, *failed])},
                          benchmarks=results)
-    handle.remeasure = _pending(resolved.name, chosen, cands, results, config)
+    handle.remeasure = _pending(resolved.name, tuple(resolved.aliases), chosen, cands, results, config, registry)
     return handle, _rows(lazy_rows, registry, chosen, results, engine=_engine_view(handle))
 
 
-def _pending(model: str, chosen: str, cands: dict[str, Candidate], results: dict[str, Any], config: ServerConfig
-             ) -> Any:
+def _pending(model: str, aliases: tuple[str, ...], chosen: str, cands: dict[str, Candidate], results: dict[str, Any],
+             config: ServerConfig, engines: dict[str, type[Engine]]) -> Any:
     """What the selection left provisional, for the gateway to measure again while the model is idle
-    (``octo.runtime.remeasure``), each candidate in a worker of its own whatever ``--isolation`` says."""
+    (``octo.runtime.remeasure``), each candidate in a worker of its own whatever ``--isolation`` says, and how to
+    serve the model with another engine if one wins (in a worker, as it would load)."""
     names = sorted((n for n in cands if results.get(n, {}).get("provisional")),  # the serving one first: the leader
                    key=lambda n: (n != chosen, -(results[n].get("score") or 0.0)))
     if not names:
@@ -319,8 +320,16 @@ def _pending(model: str, chosen: str, cands: dict[str, Candidate], results: dict
         cand.spare = False
         return cand
 
+    def serving_candidate(n: str) -> Candidate | None:
+        cand = candidate(cands[n].cls, cands[n].artifact, model, config, log.info)
+        return cand if isinstance(cand, WorkerCandidate) else None
+
+    def handle_of(cand: Candidate, n: str, reason: str) -> tuple[Any, Any]:
+        handle = cand.handle(aliases, selection={"reason": reason, "candidates": sorted(results)}, benchmarks=results)
+        return handle, _rows(True, engines, n, results, engine=_engine_view(handle))
+
     return Pending(model, chosen, config.bench_seconds, {n: cache_key(c.cls, c.artifact) for n, c in cands.items()},
-                   results, make, {n: c.artifact for n, c in cands.items()}, names)
+                   results, make, {n: c.artifact for n, c in cands.items()}, names, serving_candidate, handle_of)
 
 
 async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,

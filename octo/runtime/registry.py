@@ -421,7 +421,7 @@ class Registry:
             self.loads += 1
             self.say(f"octo: '{slot.name}' ready with {handle.engine_name} ({handle.isolation}) in "
                      f"{slot.load_seconds:.2f} s")
-            slot.remeasure = remeasure.start(getattr(handle, "remeasure", None), remeasure.watch(self), self.say)
+            slot.remeasure = remeasure.start(handle, self, slot)  # provisional engine measurements, when idle
             await self._share_cores()
         except Overloaded:
             raise  # no room now: only the requests waiting for this load are refused, the next one tries again

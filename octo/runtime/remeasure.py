@@ -14,8 +14,12 @@ gateway's background, in a worker process of its own, under the rules the llama.
   schedule kept in the cached result (``remeasure``), so a restarted gateway keeps it: never on every start;
 * one that concludes undisturbed replaces the provisional result in the cache; when every provisional result has
   been measured again, the engine choice (``octo.runtime.engine_choice``) is settled by the same rule as at start
-  (the engine chosen before stays unless a challenger wins by ``MARGIN``, undisturbed) and one line says which
-  engine the next start serves with. The running model is not switched: its engine serves until the gateway stops.
+  (the engine chosen before, or the one serving, stays unless a challenger wins by ``MARGIN``, undisturbed) and one
+  line says it;
+* a challenger that won takes over at once (:func:`switch`): it is loaded in a worker beside the engine that serves
+  while every model is idle (a request stops that load too), swapped in between two requests, and the old engine's
+  worker is stopped. Where memory has no room for both, or the engine would serve in the gateway's own process
+  (``--isolation thread``), the model's next load serves with it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 from octo import benchload
 from octo.runtime import engine_choice as choice
-from octo.runtime.selection import Candidate, cached_result, measure, provisional, store_result
+from octo.runtime.selection import Candidate, cached_result, load_winner, measure, provisional, store_result
 
 log = logging.getLogger("octo.runtime.remeasure")
 
@@ -52,6 +56,11 @@ class Pending:
     make: Callable[[str], Candidate]  # a fresh candidate of that engine, in a worker process of its own
     artifacts: dict[str, str]  # every candidate's artifact path
     names: list[str] = field(default_factory=list)  # the engines whose result is provisional
+    # the model served by another engine: its serving candidate (None: not in a worker, no switch while running),
+    # and its handle and /v1/engines rows once that candidate is loaded
+    serving_candidate: Callable[[str], Candidate | None] = lambda name: None
+    handle_of: Callable[[Candidate, str, str], tuple[Any, Any]] | None = None
+    switch: Callable[[str], Any] | None = None  # set by start(): serve with that engine now
 
 
 class Activity:
@@ -99,8 +108,9 @@ async def run(pending: Pending, activity: Activity, say: Callable[[str], None]) 
             await asyncio.sleep(BUSY_RETRY_S)
             continue
         res = await measure_once(pending, name, activity)
-        if res is not None:
-            record(pending, name, res, say)
+        if res is not None and (best := record(pending, name, res, say)) not in (None, pending.serving) \
+                and pending.switch is not None:
+            await pending.switch(best)
 
 
 def _leader(pending: Pending, name: str) -> float | None:
@@ -124,37 +134,48 @@ def _room_for(pending: Pending, name: str) -> bool:
 async def measure_once(pending: Pending, name: str, activity: Activity) -> dict[str, Any] | None:
     """One measurement of ``name`` in a worker of its own; None when a request (or a load) stopped it."""
     cand = pending.make(name)
-    mark = activity.last()
     log.info("%s: measuring %s again while the model is idle", pending.model, name)
-    task = asyncio.ensure_future(measure(name, cand, pending.keys[name], pending.seconds, _leader(pending, name),
-                                         log.debug, store=False))
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=LOOK_S)
-            if not task.done() and (activity.busy() or activity.last() != mark):
-                log.info("%s: a request came; measuring %s again at the next idle moment", pending.model, name)
-                task.cancel()
-                worker = getattr(cand, "spawned", None)
-                if worker is not None:
-                    worker.kill()  # at once: the request must not share the cores with a measurement
-                await asyncio.gather(task, return_exceptions=True)
-                return None
-        res, loaded = task.result()
-    except asyncio.CancelledError:  # the gateway stops or unloads the model
-        task.cancel()
-        worker = getattr(cand, "spawned", None)
-        if worker is not None:
-            worker.kill()
-        await asyncio.gather(task, return_exceptions=True)
-        raise
+    got = await unless_busy(measure(name, cand, pending.keys[name], pending.seconds, _leader(pending, name),
+                                    log.debug, store=False), cand, activity)
+    if got is None:
+        log.info("%s: a request came; measuring %s again at the next idle moment", pending.model, name)
+        return None
+    res, loaded = got
     if loaded:
         await cand.discard()
     return res
 
 
-def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str], None]) -> None:
+async def unless_busy(work: Any, cand: Candidate, activity: Activity) -> Any:
+    """Await ``work`` (a coroutine that loads ``cand`` in a worker) unless a request or a load comes first: then its
+    worker is killed at once (the request must not share the cores with it) and None is returned."""
+    mark = activity.last()
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=LOOK_S)
+            if not task.done() and (activity.busy() or activity.last() != mark):
+                _kill(task, cand)
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+        return task.result()
+    except asyncio.CancelledError:  # the gateway stops or unloads the model
+        _kill(task, cand)
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+
+
+def _kill(task: asyncio.Task, cand: Candidate) -> None:
+    task.cancel()
+    worker = getattr(cand, "spawned", None)
+    if worker is not None:
+        worker.kill()
+
+
+def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str], None]) -> str | None:
     """Cache a new measurement of ``name``: an undisturbed one (or a failure) replaces the provisional result; a
-    disturbed one keeps it and sets the next try. Once none is provisional, settle the choice and say it."""
+    disturbed one keeps it and sets the next try. Once none is provisional, settle the choice, say it and return
+    the chosen engine (None before)."""
     key = pending.keys[name]
     if provisional(res):
         old = cached_result(key) or pending.results[name]
@@ -164,40 +185,92 @@ def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str]
         store_result(key, kept)
         pending.results[name].update(kept, cached=True, provisional=True)
         log.info("%s: %s was disturbed by other processes again; next try in %g s", pending.model, name, delay)
-        return
+        return None
     store_result(key, res)
     pending.results[name].clear()  # in place: /v1/engines rows made before show the new result
     pending.results[name].update(res)
     pending.names.remove(name)
     log.info("%s: %s measured again undisturbed: score %.2f", pending.model, name, res.get("score") or 0.0)
-    if not pending.names:
-        say(settle(pending))
+    if pending.names:
+        return None
+    best, line = settle(pending)
+    say(line)
+    return best
 
 
-def settle(pending: Pending) -> str:
-    """Choose among the results as start-up selection does, keep the choice, and say it in one line."""
+def settle(pending: Pending) -> tuple[str | None, str]:
+    """Choose among the results as start-up selection does and keep the choice; returns it and a line that says
+    it."""
     ok = {n: r for n, r in pending.results.items() if not r.get("error")}
     kept = choice.incumbent(pending.keys) or pending.serving  # the engine serving now was this host's choice too
     best = kept if kept in ok else next(iter(ok), None)
     if best is None:
-        return f"octo: '{pending.model}': no engine could be measured again"
+        return None, f"octo: '{pending.model}': no engine could be measured again"
     for n in sorted(ok, key=lambda n: -ok[n]["score"]):
         if n != best and choice.beats(n, ok[n], best, ok[best], kept):
             best = n
     choice.keep(pending.keys, best, ok[best])
     why = choice.reason(best, kept, pending.results)
     if best == pending.serving:
-        return f"octo: '{pending.model}': measured again while idle: {why}"
-    return f"octo: '{pending.model}': measured again while idle: the next start serves it with {why}"
+        return best, f"octo: '{pending.model}': measured again while idle: {why}"
+    if pending.switch is not None and pending.serving_candidate(best) is not None:
+        return best, f"octo: '{pending.model}': measured again while idle: switching to {why}"
+    return best, f"octo: '{pending.model}': measured again while idle: the next start serves it with {why}"
 
 
-def start(pending: Pending | None, activity: Activity, say: Callable[[str], None]) -> asyncio.Task | None:
-    """The background task of a model whose selection left provisional results (None: nothing to measure)."""
+def start(handle: Any, registry: Any, slot: Any) -> asyncio.Task | None:
+    """The background task of a model (``slot`` of ``registry``) whose selection left provisional results (None:
+    nothing to measure)."""
+    pending: Pending | None = getattr(handle, "remeasure", None)
     if pending is None or not pending.names:
         return None
-    task = asyncio.get_running_loop().create_task(run(pending, activity, say), name=f"remeasure {pending.model}")
+    activity = watch(registry)
+    pending.switch = lambda best: switch(pending, registry, slot, best, activity)
+    task = asyncio.get_running_loop().create_task(run(pending, activity, registry.say),
+                                                  name=f"remeasure {pending.model}")
     task.add_done_callback(_log_failure)
     return task
+
+
+async def switch(pending: Pending, registry: Any, slot: Any, best: str, activity: Activity) -> None:
+    """Serve the model with ``best`` now: loaded beside the engine that serves it while every model is idle (a request
+    stops the load: tried again at the next idle moment), swapped in between two requests, the old one stopped. With
+    too little memory for both, or an engine that serves in the gateway's process, the next load switches."""
+    say, old_name, t0 = registry.say, pending.serving, time.monotonic()
+    while pending.serving == old_name and slot.handle is not None:
+        cand = pending.serving_candidate(best)
+        if cand is None or pending.handle_of is None:
+            return
+        if activity.idle_for() < IDLE_S or not _room_for(pending, best):
+            await asyncio.sleep(max(0.5, IDLE_S - activity.idle_for()) if _room_for(pending, best) else RETRY_S[0])
+            continue
+        try:
+            if await unless_busy(_loaded(cand, pending.results[best]), cand, activity) is None:
+                continue
+        except Exception as exc:  # noqa: BLE001 - the engine that serves goes on serving
+            log.warning("%s: could not load %s to switch to it: %s", pending.model, best, exc)
+            return
+        handle, rows = pending.handle_of(cand, best, f"{best}: measured again while idle, switched from {old_name}")
+        try:
+            await handle.activate(registry.config_for(slot.spec))
+            while slot.inflight and slot.handle is not None:  # between two requests
+                await asyncio.sleep(0.01)
+            if slot.handle is None:  # unloaded meanwhile
+                await handle.close()
+                return
+            old, slot.handle, slot.rows = slot.handle, handle, rows
+        except BaseException:
+            await handle.close()
+            raise
+        pending.serving = best
+        await old.close()
+        say(f"octo: '{pending.model}' now served by {best} (switched from {old_name} in "
+            f"{time.monotonic() - t0:.2f} s, between two requests)")
+
+
+async def _loaded(cand: Candidate, result: dict[str, Any]) -> bool:
+    await load_winner(cand, result.get("threads"))
+    return True
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -205,7 +205,7 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
         raise RuntimeError(f"no candidate engine could be benchmarked ({errors})")
     name, cand, loaded, _ = best
     if not loaded:  # the winner's result came from the cache: load it now (its only load)
-        await _load(cand, results[name].get("threads"))
+        await load_winner(cand, results[name].get("threads"))
     ranked = sorted(results, key=lambda n: -results[n]["score"])
     _table(results, ranked, name, say)
     why = choice.reason(name, kept, results) + _provisional_note(results)
@@ -244,7 +244,7 @@ async def measure(name: str, cand: Candidate, key: dict[str, Any], seconds: floa
     return res, loaded
 
 
-async def _load(cand: Candidate, threads: int | None) -> None:
+async def load_winner(cand: Candidate, threads: int | None) -> None:
     """Load a winner whose result came from the cache, with the thread count it was measured best with."""
     await cand.open(None)
     if threads is not None:
