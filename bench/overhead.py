@@ -8,8 +8,11 @@ with requests/s, p50 and p99 per server and concurrency, the ratio octo / bare, 
 
 On a host with few cores the ratio also depends on the load generator's own CPU a request (C, reported as
 ``client_cpu_us_per_request``) and on what a wake-up of another thread costs there (``host.thread_round_trip_us``,
-measured at the start): with both machines' cores busy, octo / bare ~ (C + bare's CPU) / (C + octo's CPU), so each
-result also says how much CPU a request octo may spend for 0.9x (``octo_cpu_budget_us_for_0_9x``).
+measured at the start). The bare server is held back by the load generator (its CPU a request is far below C);
+octo by its GIL: its event loop's and engine thread's Python share one, so it serves at most 1 / (its CPU a request)
+requests a second (``gil_bound_rps``, which the measured rates follow), and octo plus C must also fit on the cores.
+So each result also says how much CPU a request octo may spend for 0.9x of bare (``octo_cpu_budget_us_for_0_9x``,
+:func:`budget_for`).
 
 ``--base REV...`` (default ``369e4c5``, the earlier core, 0.92x on a 2-core host) serves octo at those git revisions
 too (bench/revtree.py), in the same rounds: a change that costs the gateway speed shows as a ratio below its
@@ -64,6 +67,15 @@ if sys.argv[2] == "uvloop":
     loop = uvloop.new_event_loop()
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None, loop=loop)
 '''
+
+
+def budget_for(rps: float, client_us: float, cores: int | None = None) -> float:
+    """The CPU a request (µs) octo may spend to serve ``rps`` here: its event loop's and engine thread's Python share
+    one GIL, so it serves at most 1 / (its CPU a request) requests a second (``gil_bound_rps``, which the measured
+    rates follow); and with the load generator spending ``client_us`` a request, both fit on the cores. The bare
+    server is held back by the load generator instead (its CPU a request is far below the client's)."""
+    cores = cores or os.cpu_count() or 1
+    return round(min(1e6 / rps, cores * 1e6 / rps - client_us), 1)
 
 
 def thread_round_trip_us(n: int = 5000) -> dict:
@@ -198,8 +210,10 @@ async def main(args) -> dict:
             await load(url, 8, 200)
         for c in args.concurrency:
             runs: dict[str, list[dict]] = {name: [] for name in targets}
-            for _ in range(args.rounds):  # alternate A and B
-                for name, url in targets.items():
+            names = list(targets)
+            for i in range(args.rounds):  # alternate A and B, each round in another order (none always first)
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    url = targets[name]
                     cpu0, loop0 = cpu_seconds(pids[name]), loop_cpu_seconds(pids[name])
                     client0 = time.process_time()
                     runs[name].append(await load(url, c, args.requests))
@@ -222,7 +236,10 @@ async def main(args) -> dict:
                     row[name]["ratio_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
             row["ratio_rps"] = row["octo"]["ratio_rps"]
             client = statistics.median(r["client_cpu_us"] for rs in runs.values() for r in rs)
-            row["octo_cpu_budget_us_for_0_9x"] = round((client + row["bare"]["cpu_us_per_request"]) / 0.9 - client, 1)
+            row["octo_cpu_budget_us_for_0_9x"] = budget_for(0.9 * row["bare"]["rps"], client)
+            for name in runs:  # what the GIL allows: one request per (the server's CPU a request), all of it Python
+                if name != "bare":
+                    row[name]["gil_bound_rps"] = round(1e6 / row[name]["cpu_us_per_request"])
             results["concurrency"][str(c)] = row
             print(f"c={c:3d}  bare {row['bare']['rps']:8.0f} req/s p50 {row['bare']['p50_ms']:6.2f} ms, "
                   f"{row['bare']['cpu_us_per_request']:.0f} us CPU a request", flush=True)
