@@ -40,6 +40,8 @@ class FakeCandidate(Candidate):
         MEASURED.append(self.cls.name)
         self.engine = self.cls()
         self.engine.load(self.artifact, "m")
+        if bench is None:  # a load to serve (a switch)
+            return 0.01, None
         res = micro_benchmark(self.engine, bench[0], beat=bench[1])
         disturbed = FakeCandidate.verdicts.pop(0) if FakeCandidate.verdicts else False
         res["conditions"] = {**res.get("conditions", {}), "budget_s": bench[0], "disturbed": disturbed}
@@ -130,7 +132,7 @@ def test_without_a_switch_the_winner_serves_from_the_next_load(home):
     pending.switch = lambda best: None
     best, line = remeasure.settle(pending)  # no serving candidate (in the gateway's process): no switch now
     assert best == "fast" and line == ("octo: 'm': measured again while idle: the next start serves it with fast: it "
-                                       "scored more than 1.10x slow, the engine chosen before"), line
+                                       "scored more than 1.10x slow, the engine chosen at this start"), line
     pending.serving_candidate = lambda n: object()
     assert remeasure.settle(pending)[1].startswith("octo: 'm': measured again while idle: switching to fast")
 
@@ -232,3 +234,66 @@ def test_a_selection_with_provisional_results_hands_them_to_the_gateway(home):
     thread = _pending("m", (), "fast", cands, results, ServerConfig(isolation="thread"), {})
     assert thread.serving_candidate("slow") is None  # no switch while running: the next load serves with it
     assert json.loads(json.dumps(p.keys))  # cache keys, as selection wrote them
+
+
+class _Handle:
+    def __init__(self, name):
+        self.name, self.activated, self.closed = name, False, False
+
+    async def activate(self, config):
+        await asyncio.sleep(0.1)  # the worker's answer
+        self.activated = True
+
+    async def close(self):
+        self.closed = True
+
+
+class _Slot:
+    def __init__(self, handle):
+        self.handle, self.inflight, self.spec, self.rows, self.loading, self.last_used = handle, 0, None, [], None, 0.0
+
+
+class _Registry:
+    def __init__(self, slot, lines):
+        self.slots, self.say = [slot], lines.append
+
+    def config_for(self, spec):
+        return None
+
+
+def test_a_winner_takes_over_between_two_requests_and_waits_while_traffic_has_no_gap(home, monkeypatch):
+    monkeypatch.setattr(remeasure, "SWAP_WAIT_S", 0.2)
+    lines, made, handles = [], [], []
+    pending = _pending(home, "slow", {"fast": 100.0}, made)
+    pending.serving_candidate = lambda n: FakeCandidate(Fast, str(home))
+
+    def handle_of(cand, n, reason):
+        handles.append(_Handle(n))
+        return handles[-1], ["rows of " + n]
+
+    pending.handle_of = handle_of
+    old = _Handle("slow")
+    slot = _Slot(old)
+    registry = _Registry(slot, lines)
+    slot.last_used = time.monotonic() - 100
+    slot.inflight = 1  # a request that does not end: no gap to swap in
+
+    async def go():
+        task = asyncio.ensure_future(remeasure.switch(pending, registry, slot, "fast", remeasure.watch(registry)))
+        await asyncio.sleep(0.05)
+        assert not handles  # busy: nothing loaded while a request runs
+        slot.inflight, slot.last_used = 0, time.monotonic() - 100  # idle: the challenger loads...
+        while not handles:
+            await asyncio.sleep(0.01)
+        slot.inflight = 1  # ...but a request comes while it activates and holds the slot past SWAP_WAIT_S: the
+        # loaded challenger is stopped
+        while not handles[0].closed:
+            await asyncio.sleep(0.01)
+        assert slot.handle is old and not old.closed
+        slot.inflight, slot.last_used = 0, time.monotonic() - 100  # a gap: the next try swaps
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(asyncio.wait_for(go(), 20))
+    assert len(handles) == 2 and handles[1].activated and slot.handle is handles[1] and old.closed
+    assert slot.rows == ["rows of fast"] and pending.serving == "fast"
+    assert len(lines) == 1 and lines[0].startswith("octo: 'm' now served by fast (switched from slow in "), lines

@@ -42,6 +42,7 @@ QUIET_WINDOW_S = 0.3
 BUSY_RETRY_S = 30.0
 RETRY_S = (600.0, 3600.0, 6 * 3600.0, 86400.0)  # after the 1st, 2nd, 3rd, 4th+ disturbed measurement again
 LOOK_S = 0.05  # how often a running measurement looks for a request
+SWAP_WAIT_S = 30.0  # how long a loaded challenger waits for a moment without requests before it is stopped again
 
 
 @dataclass
@@ -202,7 +203,8 @@ def settle(pending: Pending) -> tuple[str | None, str]:
     """Choose among the results as start-up selection does and keep the choice; returns it and a line that says
     it."""
     ok = {n: r for n, r in pending.results.items() if not r.get("error")}
-    kept = choice.incumbent(pending.keys) or pending.serving  # the engine serving now was this host's choice too
+    before = choice.incumbent(pending.keys)
+    kept = before or pending.serving  # the engine serving now was this host's choice too
     best = kept if kept in ok else next(iter(ok), None)
     if best is None:
         return None, f"octo: '{pending.model}': no engine could be measured again"
@@ -211,6 +213,9 @@ def settle(pending: Pending) -> tuple[str | None, str]:
             best = n
     choice.keep(pending.keys, best, ok[best])
     why = choice.reason(best, kept, pending.results)
+    if before is None:  # none was kept before this start: the serving engine stood for it
+        why = why.replace("as chosen before on this host", "as chosen at this start").replace(
+            "the engine chosen before", "the engine chosen at this start")
     if best == pending.serving:
         return best, f"octo: '{pending.model}': measured again while idle: {why}"
     if pending.switch is not None and pending.serving_candidate(best) is not None:
@@ -253,11 +258,12 @@ async def switch(pending: Pending, registry: Any, slot: Any, best: str, activity
         handle, rows = pending.handle_of(cand, best, f"{best}: measured again while idle, switched from {old_name}")
         try:
             await handle.activate(registry.config_for(slot.spec))
-            while slot.inflight and slot.handle is not None:  # between two requests
+            gap = time.monotonic() + SWAP_WAIT_S
+            while slot.inflight and slot.handle is not None and time.monotonic() < gap:  # between two requests
                 await asyncio.sleep(0.01)
-            if slot.handle is None:  # unloaded meanwhile
+            if slot.handle is None or slot.inflight:  # unloaded meanwhile, or traffic without a gap: later
                 await handle.close()
-                return
+                continue
             old, slot.handle, slot.rows = slot.handle, handle, rows
         except BaseException:
             await handle.close()
