@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -72,7 +73,7 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
     later = {name: statistics.median(s[1:]) for name, s in samples.items() if len(s) > 1}
     base = f"octo@{short_sha(args.base)}"
-    report = {"host": {"cpus": __import__("os").cpu_count(), "machine": platform.machine()},
+    report = {"host": {"cpus": os.cpu_count(), "machine": platform.machine()},
               "spinners": args.spinners, "rounds": args.rounds, "base": short_sha(args.base),
               "samples_s": samples, "first_start_s": {n: s[0] for n, s in samples.items()},
               "later_starts_median_s": later,

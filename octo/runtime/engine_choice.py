@@ -57,18 +57,18 @@ def keep(keys: dict[str, dict[str, Any]], name: str, result: dict[str, Any]) -> 
         write_json(winner_file(keys), {"engine": name, "score": result["score"]}, indent=2)
 
 
-def reason(name: str, kept: str | None, results: dict[str, dict[str, Any]]) -> str:
-    """Why ``name`` serves, in plain words."""
+def reason(name: str, kept: str | None, results: dict[str, dict[str, Any]], when: str = "before on this host") -> str:
+    """Why ``name`` serves, in plain words (``when`` the engine ``kept`` was chosen)."""
     others = {n: r for n, r in results.items() if n != name and not r.get("error")}
     top = max(others, key=lambda n: others[n]["score"], default=None)
     ratio = f"{results[top]['score'] / results[name]['score']:.2f}x" if top and results[name]["score"] else None
     if name == kept:
         if top is None:
-            return f"{name}, as chosen before on this host (no other engine could serve)"
-        return (f"{name}, as chosen before on this host ({top} scored {ratio} of it; a switch needs more than "
+            return f"{name}, as chosen {when} (no other engine could serve)"
+        return (f"{name}, as chosen {when} ({top} scored {ratio} of it; a switch needs more than "
                 f"{MARGIN:.2f}x measured undisturbed)")
     if kept and kept != name:
-        return f"{name}: it scored more than {MARGIN:.2f}x {kept}, the engine chosen before"
+        return f"{name}: it scored more than {MARGIN:.2f}x {kept}, the engine chosen {when.split(' on ')[0]}"
     if top is None:
         return f"{name}, the only engine that could serve it"
     return f"{name}: highest benchmark score ({top} scored {ratio} of it)"

@@ -391,7 +391,7 @@ class Registry:
         return slot.loading
 
     async def _do_load(self, slot: Slot) -> None:
-        from octo.runtime import process, remeasure
+        from octo.runtime import process
         from octo.runtime.loader import open_model
 
         process.SPARE.hurry()  # (a no-op unless a spare's replacement waits: a switch right after the one before)
@@ -421,7 +421,7 @@ class Registry:
             self.loads += 1
             self.say(f"octo: '{slot.name}' ready with {handle.engine_name} ({handle.isolation}) in "
                      f"{slot.load_seconds:.2f} s")
-            slot.remeasure = remeasure.start(handle, self, slot)  # provisional engine measurements, when idle
+            slot.remeasure = handle.remeasure.start(self, slot) if getattr(handle, "remeasure", None) else None
             await self._share_cores()
         except Overloaded:
             raise  # no room now: only the requests waiting for this load are refused, the next one tries again

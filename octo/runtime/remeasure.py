@@ -63,6 +63,10 @@ class Pending:
     handle_of: Callable[[Candidate, str, str], tuple[Any, Any]] | None = None
     switch: Callable[[str], Any] | None = None  # set by start(): serve with that engine now
 
+    def start(self, registry: Any, slot: Any) -> asyncio.Task | None:
+        """Measure again in the background of ``registry``, for its ``slot`` (:func:`start`)."""
+        return start(self, registry, slot)
+
 
 class Activity:
     """What the gateway's models are doing, as the registry sees it: ``busy()`` while a request runs or a model loads,
@@ -96,13 +100,7 @@ async def run(pending: Pending, activity: Activity, say: Callable[[str], None]) 
         if wait > 0:
             await asyncio.sleep(min(wait, 60.0))
             continue
-        if activity.idle_for() < IDLE_S:
-            await asyncio.sleep(max(0.5, IDLE_S - activity.idle_for()))
-            continue
-        if not _room_for(pending, name):
-            log.info("%s: too little free memory to load %s beside the models; measuring it again later",
-                     pending.model, name)
-            await asyncio.sleep(RETRY_S[0])
+        if not await _idle_with_room(pending, name, activity):
             continue
         if not await asyncio.to_thread(benchload.quiet_now, QUIET_WINDOW_S):
             log.debug("%s: the host is busy; measuring %s again in %g s", pending.model, name, BUSY_RETRY_S)
@@ -119,6 +117,19 @@ def _leader(pending: Pending, name: str) -> float | None:
     scores = [r["score"] for n, r in pending.results.items()
               if n != name and not r.get("error") and not provisional(r) and not r.get("stopped")]
     return max(scores, default=None)
+
+
+async def _idle_with_room(pending: Pending, name: str, activity: Activity) -> bool:
+    """Whether every model has been idle for ``IDLE_S`` and memory has room to load ``name`` beside them; if not,
+    wait for the next look (the rest of ``IDLE_S``, or ``RETRY_S[0]`` for memory) and say False."""
+    if activity.idle_for() < IDLE_S:
+        await asyncio.sleep(max(0.5, IDLE_S - activity.idle_for()))
+        return False
+    if not _room_for(pending, name):
+        log.info("%s: too little free memory to load %s beside the models; trying again later", pending.model, name)
+        await asyncio.sleep(RETRY_S[0])
+        return False
+    return True
 
 
 def _room_for(pending: Pending, name: str) -> bool:
@@ -156,21 +167,22 @@ async def unless_busy(work: Any, cand: Candidate, activity: Activity) -> Any:
         while not task.done():
             await asyncio.wait({task}, timeout=LOOK_S)
             if not task.done() and (activity.busy() or activity.last() != mark):
-                _kill(task, cand)
-                await asyncio.gather(task, return_exceptions=True)
-                return None
-        return task.result()
+                break
+        else:
+            return task.result()
     except asyncio.CancelledError:  # the gateway stops or unloads the model
-        _kill(task, cand)
-        await asyncio.gather(task, return_exceptions=True)
+        await _stop(task, cand)
         raise
+    await _stop(task, cand)
+    return None
 
 
-def _kill(task: asyncio.Task, cand: Candidate) -> None:
+async def _stop(task: asyncio.Task, cand: Candidate) -> None:
     task.cancel()
     worker = getattr(cand, "spawned", None)
     if worker is not None:
         worker.kill()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str], None]) -> str | None:
@@ -212,10 +224,8 @@ def settle(pending: Pending) -> tuple[str | None, str]:
         if n != best and choice.beats(n, ok[n], best, ok[best], kept):
             best = n
     choice.keep(pending.keys, best, ok[best])
-    why = choice.reason(best, kept, pending.results)
-    if before is None:  # none was kept before this start: the serving engine stood for it
-        why = why.replace("as chosen before on this host", "as chosen at this start").replace(
-            "the engine chosen before", "the engine chosen at this start")
+    # none kept before this start: the serving engine stands for the choice, made at this start
+    why = choice.reason(best, kept, pending.results, **({} if before else {"when": "at this start"}))
     if best == pending.serving:
         return best, f"octo: '{pending.model}': measured again while idle: {why}"
     if pending.switch is not None and pending.serving_candidate(best) is not None:
@@ -223,11 +233,10 @@ def settle(pending: Pending) -> tuple[str | None, str]:
     return best, f"octo: '{pending.model}': measured again while idle: the next start serves it with {why}"
 
 
-def start(handle: Any, registry: Any, slot: Any) -> asyncio.Task | None:
+def start(pending: Pending, registry: Any, slot: Any) -> asyncio.Task | None:
     """The background task of a model (``slot`` of ``registry``) whose selection left provisional results (None:
     nothing to measure)."""
-    pending: Pending | None = getattr(handle, "remeasure", None)
-    if pending is None or not pending.names:
+    if not pending.names:
         return None
     activity = watch(registry)
     pending.switch = lambda best: switch(pending, registry, slot, best, activity)
@@ -246,8 +255,7 @@ async def switch(pending: Pending, registry: Any, slot: Any, best: str, activity
         cand = pending.serving_candidate(best)
         if cand is None or pending.handle_of is None:
             return
-        if activity.idle_for() < IDLE_S or not _room_for(pending, best):
-            await asyncio.sleep(max(0.5, IDLE_S - activity.idle_for()) if _room_for(pending, best) else RETRY_S[0])
+        if not await _idle_with_room(pending, best, activity):
             continue
         try:
             if await unless_busy(_loaded(cand, pending.results[best]), cand, activity) is None:

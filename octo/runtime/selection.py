@@ -129,8 +129,9 @@ def store_result(key: dict[str, Any], result: dict[str, Any]) -> None:
     if provisional(result) and (old := cached_result(key)) is not None and not provisional(old) \
             and not distrust(old, float((result.get("conditions") or {}).get("budget_s") or 0.0)):
         return
-    write_json(_cache_file(key), {"key": key, "result": {k: v for k, v in result.items() if k != "cached"}},
-               indent=2)
+    # ("cached" and "provisional" describe a result in use; provisional() derives the latter from its conditions)
+    write_json(_cache_file(key), {"key": key, "result": {k: v for k, v in result.items()
+                                                         if k not in ("cached", "provisional")}}, indent=2)
 
 
 # -- selection ---------------------------------------------------------------------------------------
