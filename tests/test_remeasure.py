@@ -214,7 +214,7 @@ def test_too_little_memory_for_a_second_copy_postpones_the_measurement(home, mon
 
 def test_a_selection_with_provisional_results_hands_them_to_the_gateway(home):
     from octo.config import ServerConfig
-    from octo.runtime.loader import WorkerCandidate, _pending
+    from octo.runtime.loader import WorkerCandidate, pending_of
 
     class C:
         def __init__(self, cls):
@@ -222,16 +222,16 @@ def test_a_selection_with_provisional_results_hands_them_to_the_gateway(home):
 
     cands = {"fast": C(Fast), "slow": C(Slow)}
     results = {"fast": {"score": 2.0, "provisional": True}, "slow": {"score": 1.0}}
-    p = _pending("m", ("alias",), "fast", cands, results, ServerConfig(bench_seconds=0.7), {})
+    p = pending_of("m", ("alias",), "fast", cands, results, ServerConfig(bench_seconds=0.7), {})
     assert p.names == ["fast"] and p.serving == "fast" and p.seconds == 0.7 and set(p.keys) == {"fast", "slow"}
     cand = p.make("fast")
     assert isinstance(cand, WorkerCandidate) and cand.cls is Fast and cand.worker is None  # nothing spawned yet
     assert cand.spare is False  # its own process: taking the spare would start a replacement while it measures
     assert p.artifacts == {"fast": str(home), "slow": str(home)}
-    assert _pending("m", (), "fast", cands, {"fast": {"score": 2.0}}, ServerConfig(), {}) is None
+    assert pending_of("m", (), "fast", cands, {"fast": {"score": 2.0}}, ServerConfig(), {}) is None
     # the engine that takes over serves as it would load: in a worker unless --isolation thread says otherwise
     assert isinstance(p.serving_candidate("slow"), WorkerCandidate) and p.serving_candidate("slow").spare
-    thread = _pending("m", (), "fast", cands, results, ServerConfig(isolation="thread"), {})
+    thread = pending_of("m", (), "fast", cands, results, ServerConfig(isolation="thread"), {})
     assert thread.serving_candidate("slow") is None  # no switch while running: the next load serves with it
     assert json.loads(json.dumps(p.keys))  # cache keys, as selection wrote them
 

@@ -299,11 +299,11 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     handle = cand.handle(tuple(resolved.aliases), selection={"reason": reason,
                                                              "candidates": sorted([*paths, *failed])},
                          benchmarks=results)
-    handle.remeasure = _pending(resolved.name, tuple(resolved.aliases), chosen, cands, results, config, registry)
+    handle.remeasure = pending_of(resolved.name, tuple(resolved.aliases), chosen, cands, results, config, registry)
     return handle, _rows(lazy_rows, registry, chosen, results, engine=_engine_view(handle))
 
 
-def _pending(model: str, aliases: tuple[str, ...], chosen: str, cands: dict[str, Candidate], results: dict[str, Any],
+def pending_of(model: str, aliases: tuple[str, ...], chosen: str, cands: dict[str, Candidate], results: dict[str, Any],
              config: ServerConfig, engines: dict[str, type[Engine]]) -> Any:
     """What the selection left provisional, for the gateway to measure again while the model is idle
     (``octo.runtime.remeasure``), each candidate in a worker of its own whatever ``--isolation`` says, and how to
