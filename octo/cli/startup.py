@@ -94,7 +94,8 @@ async def _start(config: ServerConfig, specs: list) -> tuple[Any, Any, int]:
             starting = asyncio.get_running_loop().create_task(_start_registry(config, specs, pm))
         from aiohttp import web
 
-        from octo.server.app import create_app, error_response
+        from octo.server.app import create_app
+        from octo.server.guard import error_response
         from octo.server.hostcheck import HostGuard
 
         names = [] if config.api_key else [s.model for s in specs]  # behind a key, /health says the status only

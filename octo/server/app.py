@@ -1,10 +1,9 @@
-"""The aiohttp application: one middleware (auth, errors, metrics, OPTIONS), response headers (request id, CORS),
-routes (each /v1 route also without /v1), start-up."""
+"""The aiohttp application: its routes (each /v1 route also without /v1), each behind the way in
+(``octo.server.guard``: auth, errors, metrics, OPTIONS, response headers), and start-up."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any
@@ -13,8 +12,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from octo.config import ServerConfig
-from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
-from octo.server.bodies import BODY_KEY
+from octo.errors import InvalidRequest, NotFound
+from octo.server import guard, stamp
+from octo.server.guard import HOST_GUARD, V1_OF
 from octo.server.hostcheck import HostGuard
 from octo.server.metrics import CONTENT_TYPE, Metrics
 from octo.server.routes import anthropic as api_anthropic
@@ -22,27 +22,14 @@ from octo.server.routes import dashboard as api_dashboard
 from octo.server.routes import ollama as api_ollama
 from octo.server.routes import openai as api
 from octo.server.state import STATE, AppState
-from octo.serving.openai import new_id
 
 log = logging.getLogger("octo.server.app")
-_OPEN_PATHS = frozenset({"/health"})
 # aiohttp's connection handler: bodies are decompressed by octo/bodies.py with bounds, not by aiohttp (whose
 # decompression is bounded only after the fact); a connection that has not sent a whole request (headers arriving at
 # 1 byte/s: slowloris) or sits idle between requests is closed after 75 s (aiohttp's default is an hour; nginx's
 # upstream keep-alive is 60 s, so a proxy never reuses a connection octo is closing); header lines and fields are
 # aiohttp's defaults (8,190 bytes, 128 headers: 400 above)
 HANDLER_ARGS = {"auto_decompress": False, "keepalive_timeout": 75.0}
-# CORS (--cors-origins): what a browser page from an allowed origin may send and read. A preflight is allowed the
-# headers it asks for (the SDKs send openai-*/x-stainless-*/anthropic-* headers); these are the ones named when it
-# asks for none. Max-Age: Chromium caps it at 2 hours.
-CORS_METHODS = "GET, HEAD, POST, DELETE, OPTIONS"
-CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta, OpenAI-Organization, " \
-               "OpenAI-Project, X-Request-Id"
-CORS_EXPOSE = "Retry-After, X-Request-Id"
-CORS_MAX_AGE = "7200"
-# the /v1 route each prefix-less alias stands for (its metrics label): see _add_unprefixed
-V1_OF = web.AppKey("octo_v1_of", dict)
-HOST_GUARD = web.AppKey("octo_host_guard", HostGuard)
 
 
 class _MalformedRequestLog(logging.Filter):
@@ -60,162 +47,6 @@ class _MalformedRequestLog(logging.Filter):
 
 
 _MALFORMED_REQUEST_LOG = _MalformedRequestLog()
-
-
-def error_response(request: web.Request, err: OctoError) -> web.Response:
-    path = request.path
-    if (path[3:] if path.startswith("/v1/") else path).startswith("/messages"):  # /v1/messages and /messages
-        body = api_anthropic.anthropic_error_body(err)
-    elif path.startswith("/api/"):  # Ollama's API: {"error": "..."}
-        body = {"error": err.message}
-    else:
-        body = err.body()
-    return api.json_response(body, status=err.status, headers=err.headers or None)
-
-
-def _from_http(exc: web.HTTPException) -> OctoError:
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return PayloadTooLarge(f"The request body is larger than the limit ({exc.text}).")
-    if isinstance(exc, web.HTTPNotFound):
-        return NotFound("Unknown endpoint.", code="unknown_url")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        err = InvalidRequest(f"Method {exc.method} is not allowed here.", code="method_not_allowed")
-        err.status = 405
-        return err
-    err = OctoError(exc.reason or "HTTP error")
-    err.status = exc.status
-    err.type = "invalid_request_error" if exc.status < 500 else "server_error"
-    return err
-
-
-@web.middleware
-async def octo_middleware(request: web.Request, handler) -> web.StreamResponse:
-    app = request.app  # (a property that walks the match info: once)
-    state: AppState = app[STATE]
-    started = time.perf_counter()
-    guard = app[HOST_GUARD]
-    if not guard.host_allowed(request.headers.get("Host")):  # DNS rebinding: before anything else, preflights too
-        return _refused(request, state, guard, started)
-    if request.method == "OPTIONS":
-        # Every path, before the API key (browsers send CORS preflights without credentials): 204, and the CORS
-        # headers (_on_prepare) for an allowed origin only; never the 405 of a route that has no OPTIONS
-        if state.metrics is not None:
-            state.metrics.observe("OPTIONS", 204, time.perf_counter() - started)
-        return web.Response(status=204)
-    resource = request.match_info.route.resource
-    endpoint = resource.canonical if resource is not None else "unmatched"
-    endpoint = app[V1_OF].get(endpoint, endpoint)  # /chat/completions counts as /v1/chat/completions
-    status = 500
-    err: OctoError | None = None
-    counted = request.path not in _OPEN_PATHS
-    if counted:
-        state.inflight += 1
-    try:
-        key = state.config.api_key
-        # every method but OPTIONS (answered above), HEAD too; the dashboard page and its static files are open
-        # (the API calls the page makes carry the key)
-        if "Origin" in request.headers:  # a browser's request: only from this server's own page or --cors-origins
-            guard.check(request)
-        if key and counted and not api_dashboard.is_public(request.path):
-            _check_key(request, key)
-        if state.draining and counted:
-            raise Overloaded("The server is shutting down; retry on another instance or after it restarts.",
-                             code="server_shutting_down", headers={"Retry-After": "5", "Connection": "close"})
-        resp = await handler(request)
-        status = resp.status
-    except OctoError as exc:
-        err = exc  # (the name of an ``except ... as`` is unbound after its block)
-        resp = error_response(request, err)
-        status = err.status
-    except web.HTTPException as exc:
-        err = _from_http(exc)
-        resp = error_response(request, err)
-        status = err.status
-    except asyncio.CancelledError:
-        status = 499  # client closed the connection
-        raise
-    except (ConnectionResetError, ConnectionError):
-        status = 499
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        err = OctoError("Internal server error; see the server log for details.")
-        resp = error_response(request, err)
-    finally:
-        if counted:
-            state.inflight -= 1
-        if state.metrics is not None:
-            state.metrics.observe(endpoint, status, time.perf_counter() - started)
-    if 400 <= status < 500:
-        log_refusal(request, status, err)
-    return resp
-
-
-def _refused(request: web.Request, state: AppState, guard: HostGuard, started: float) -> web.Response:
-    """The 403 of a request whose Host this server does not answer (counted and logged like any other refusal)."""
-    try:
-        guard.check(request)
-    except OctoError as err:
-        if state.metrics is not None:
-            state.metrics.observe("unmatched", err.status, time.perf_counter() - started)
-        log_refusal(request, err.status, err)
-        return error_response(request, err)
-    raise AssertionError("a refused Host passed the check")
-
-
-def log_refusal(request: web.Request, status: int, err: OctoError | None) -> None:
-    """One INFO line per refused request (4xx): the route, the param and the message; the body too at DEBUG."""
-    message = err.message if err is not None else "refused by the handler"
-    param = err.param if err is not None else None
-    code = err.code if err is not None else None
-    log.info("refused %s %s: %d %s%s: %s", request.method, request.path[:200], status, code or "",
-             f" (param {param})" if param else "", message)
-    if log.isEnabledFor(logging.DEBUG):
-        body = request.get(BODY_KEY)
-        if body:
-            log.debug("refused request body (%d bytes): %r", len(body), bytes(body[:4096]))
-
-
-async def _on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
-    """Headers every response gets just before its headers go out (a stream's too, which the middleware only sees
-    after they were sent): the request id, and CORS for an allowed origin."""
-    resp.headers.setdefault("X-Request-Id", request.headers.get("X-Request-Id") or new_id("req"))
-    config = request.app[STATE].config
-    if config.cluster:  # the Ray Serve replica that answered (octo.cluster.deploy)
-        from octo.cluster.deploy import ANSWERED_BY, REPLICA_HEADER
-
-        replica = ANSWERED_BY.get()
-        if replica:
-            resp.headers[REPLICA_HEADER] = replica
-    allowed = config.cors_origins
-    if not allowed:
-        return
-    resp.headers.add("Vary", "Origin")
-    origin = request.headers.get("Origin")
-    if origin is None or ("*" not in allowed and origin.lower() not in allowed):
-        return
-    h = resp.headers
-    h["Access-Control-Allow-Origin"] = origin  # the origin itself, also for "*" (Vary: Origin above)
-    h["Access-Control-Expose-Headers"] = CORS_EXPOSE
-    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:  # a preflight
-        h["Access-Control-Allow-Methods"] = CORS_METHODS
-        h["Access-Control-Allow-Headers"] = request.headers.get("Access-Control-Request-Headers") or CORS_HEADERS
-        h["Access-Control-Max-Age"] = CORS_MAX_AGE
-        h.add("Vary", "Access-Control-Request-Method, Access-Control-Request-Headers")
-        if request.headers.get("Access-Control-Request-Private-Network") == "true":  # a public page calling localhost
-            h["Access-Control-Allow-Private-Network"] = "true"
-
-
-def _check_key(request: web.Request, key: str) -> None:
-    if not _has_key(request, key):
-        raise Unauthorized("Invalid or missing API key: send 'Authorization: Bearer <key>'.")
-
-
-def _has_key(request: web.Request, key: str) -> bool:
-    given = request.headers.get("Authorization", "")
-    token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    # a header's bytes that are not UTF-8 arrive as surrogates: compared as the bytes they were, never an error
-    return bool(token) and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode())
 
 
 # -- info routes -------------------------------------------------------------------------------------
@@ -271,7 +102,7 @@ async def health(request: web.Request) -> web.Response:
         # the responses store (octo.serving.response_store): unavailable makes the server degraded, not down
         status = "degraded"
     key = state.config.api_key
-    if key and not _has_key(request, key):  # open to load balancers: the status only, details need the key
+    if key and not guard.has_key(request, key):  # open to load balancers: the status only, details need the key
         return api.json_response({"status": status}, status=503 if down else 200)
     body: dict[str, Any] = {"status": status,
                             "models": [{"id": s.name, "engine": s.handle.engine_name, "state": s.state,
@@ -475,6 +306,18 @@ def _add_routes(app: web.Application) -> None:
     api_dashboard.add_routes(r, root=api_ollama.root)
 
 
+def _guard(app: web.Application, plugged: bool) -> None:
+    """Every route behind the way in: its handler wrapped; or, where a plugin added middlewares, the way in as the
+    first middleware (its checks before the plugin's code). The response headers of what a plugin's route streams
+    come from aiohttp's on_response_prepare signal (octo's own streams stamp theirs: octo.server.stamp)."""
+    if app.middlewares:
+        app.middlewares.insert(0, guard.octo_middleware)
+    else:
+        guard.guard_routes(app)
+    if plugged or app.middlewares:
+        app.on_response_prepare.append(stamp.on_prepare)
+
+
 def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, Any]] | None = None,
                plugin_manager: Any = None) -> web.Application:
     """The application. ``models`` is a started ``Registry``, or one loaded handle (with its /v1/engines rows),
@@ -484,8 +327,7 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     server_log = logging.getLogger("aiohttp.server")
     if _MALFORMED_REQUEST_LOG not in server_log.filters:
         server_log.addFilter(_MALFORMED_REQUEST_LOG)
-    app = web.Application(middlewares=[octo_middleware], client_max_size=int(config.max_body_mb * 2**20),
-                          handler_args=HANDLER_ARGS)
+    app = web.Application(client_max_size=int(config.max_body_mb * 2**20), handler_args=HANDLER_ARGS)
     if isinstance(models, Registry):
         registry = models
     else:
@@ -496,11 +338,14 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     app[STATE] = state
     r = app.router
     _add_routes(app)
+    n_routes = len(r.routes())
     if plugin_manager is not None:
         plugin_manager.hook.register_routes(app=app)
+    plugged = len(r.routes()) != n_routes  # a plugin's routes: the signal stamps what they stream
     app[HOST_GUARD] = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
-    app[V1_OF] = _add_unprefixed(r)  # last: the /v1 routes registered above (plugins' too) get their alias
-    app.on_response_prepare.append(_on_prepare)
+    app[V1_OF] = _add_unprefixed(r)  # the /v1 routes registered above (plugins' too) get their alias
+    r.add_route("*", "/{tail:.*}", guard.unmatched)  # last: 404 and 405 in the API's shape, OPTIONS anywhere
+    _guard(app, plugged)
 
     async def on_startup(app: web.Application) -> None:
         await registry.activate_all()

@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from octo.errors import NotFound
+from octo.server.stamp import start_stream
 from octo.server.state import STATE
 
 DIR = Path(__file__).resolve().parent.parent / "dashboard"
@@ -188,7 +189,7 @@ async def live(request: web.Request) -> web.StreamResponse:
     state = app[STATE]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    await start_stream(request, resp)
     q = sampler.subscribe()
     try:
         await resp.write(b"retry: 2000\n\n")

@@ -29,6 +29,7 @@ from octo.server.bodies import read_json_body
 from octo.server.routes import dashboard as api_dashboard
 from octo.server.routes import ollama_models as api_ollama_models
 from octo.server.routes.openai import dumps, json_response
+from octo.server.stamp import start_stream
 from octo.server.state import STATE
 from octo.serving import ollama
 
@@ -169,7 +170,7 @@ def _final(chunk: Any, result: Result, clock: ollama.Clock, out: _Output, whole:
 async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock: ollama.Clock) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    await start_stream(request, resp)
     out = _Output()
     while True:
         batch = [await events.get()]

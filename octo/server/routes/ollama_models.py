@@ -28,6 +28,7 @@ from octo.models.resolve import uri_kind
 from octo.protocol.ollama import ModelRequest, parse
 from octo.server.bodies import read_json_body
 from octo.server.routes.openai import dumps, json_response
+from octo.server.stamp import start_stream
 from octo.server.state import STATE
 from octo.serving import ollama
 from octo.text.reasoning import template_source
@@ -270,7 +271,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     resp = None
     if req.stream is not False:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
+        await start_stream(request, resp)
         await resp.write(dumps({"status": "pulling manifest"}) + b"\n")
     while not job.done() or not queue.empty():
         getter = asyncio.ensure_future(queue.get())

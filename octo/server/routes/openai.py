@@ -27,6 +27,7 @@ from octo.protocol.openai import (
 from octo.scheduler.events import END, Done, Event, Failed, Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
+from octo.server.stamp import start_stream
 from octo.server.state import STATE
 from octo.serving import openai as serving
 
@@ -60,7 +61,7 @@ def model_of(request: web.Request, req: Any):
 
 async def sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
-    await resp.prepare(request)
+    await start_stream(request, resp)
     return resp
 
 

@@ -17,6 +17,7 @@ from octo.protocol.openai import ChatCompletionRequest, parse, validation_error
 from octo.protocol.responses import ResponsesRequest
 from octo.scheduler.events import Done, Failed, Logprob, Text, ToolDelta
 from octo.server.routes.openai import SSE_HEADERS, dumps, event_stream, json_body, json_response, model_of
+from octo.server.stamp import start_stream
 from octo.server.state import STATE
 from octo.serving import responses
 from octo.serving.response_store import ResponseStore
@@ -126,7 +127,7 @@ async def _stream(request: web.Request, handle: Any, tickets: list, events: Any,
                   model: str, conversation: list[dict[str, Any]]) -> web.StreamResponse:
     es = responses.EventStream(rid, req, model)
     resp = web.StreamResponse(headers={**SSE_HEADERS, **(_warning(req) or {})})
-    await resp.prepare(request)
+    await start_stream(request, resp)
     await resp.write(b"".join(_sse_event(e) for e in es.start()))
     lps: list = []
     async for batch in event_stream(events, 1):
