@@ -147,7 +147,8 @@ class EngineLoop:
                     for t in [t for t in self._preempted if t.cancel_requested]:
                         self._finish(t, "cancelled", posts)
                     self.kv.resume()
-                self._admit(admitted, posts)
+                if self._pending:  # (read without the lock: what arrives meanwhile is admitted next time round)
+                    self._admit(admitted, posts)
                 if admitted and len(admitted) == len(self._active):  # an idle engine's first step
                     self._gather(admitted, posts)
                 if admitted and posts:  # their answers' headers (and a chat stream's role chunk) go before the step
