@@ -23,7 +23,9 @@ def register_engines(register: Callable[[type], None]) -> None:
 
 @hookspec
 def register_routes(app: Any) -> None:
-    """Add routes or middlewares to the aiohttp application before it starts."""
+    """Add routes or middlewares to the aiohttp application before it starts. octo's own checks (Host, CORS, API key,
+    errors in the API's shape) run before a plugin's middlewares and routes, and what a plugin's route answers or
+    streams gets the request id and CORS headers too (octo.server.guard, octo.server.stamp)."""
 
 
 @hookspec
