@@ -35,7 +35,7 @@ def _paths(app: web.Application) -> list[tuple[str, str]]:
     """(method, path) of every route, a dynamic part filled in."""
     out = []
     for resource in app.router.resources():
-        path = resource.canonical.replace("{name}", "bench").replace("{tail}", "nowhere").replace("{file}", "x.js")
+        path = resource.canonical.replace("{name}", "bench").replace("{file}", "x.js")
         path = path.replace("{response_id}", "resp_1").replace("{id}", "x")
         for route in resource:
             if route.method != "HEAD":
@@ -80,6 +80,20 @@ async def test_404_405_and_options_anywhere_in_the_api_shape(aiohttp_client, tmp
     for path in ("/v1/chat/completions", "/no/such/thing", "/api/chat"):
         r = await client.options(path)
         assert r.status == 204 and r.headers["X-Request-Id"], path
+
+
+async def test_a_request_target_without_a_slash_is_answered_too(aiohttp_client, tmp_path, monkeypatch):
+    import asyncio
+
+    client = await aiohttp_client(_app(tmp_path, monkeypatch))
+    for line, want in ((b"OPTIONS * HTTP/1.1", b" 204 "),):  # (only OPTIONS may name "*": aiohttp's 400 otherwise)
+        reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+        writer.write(line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        raw = await reader.read()
+        writer.close()
+        head, _, _ = raw.partition(b"\r\n\r\n")
+        assert want in head.split(b"\r\n")[0], raw
+        assert b"X-Request-Id" in head
 
 
 async def test_streams_and_answers_carry_the_request_id(aiohttp_client, tmp_path, monkeypatch):

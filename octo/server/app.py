@@ -344,7 +344,7 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     plugged = len(r.routes()) != n_routes  # a plugin's routes: the signal stamps what they stream
     app[HOST_GUARD] = HostGuard(config.host, config.allowed_hosts, config.cors_origins)
     app[V1_OF] = _add_unprefixed(r)  # the /v1 routes registered above (plugins' too) get their alias
-    r.add_route("*", "/{tail:.*}", guard.unmatched)  # last: 404 and 405 in the API's shape, OPTIONS anywhere
+    guard.add_unmatched(r)  # last: 404 and 405 in the API's shape, OPTIONS anywhere
     _guard(app, plugged)
 
     async def on_startup(app: web.Application) -> None:

@@ -128,10 +128,28 @@ async def octo_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     app = request.app  # (a property that walks the match info: once)
     handler = getattr(handler, "octo_route", handler)  # (its route's handler, not guarded twice)
     resource = request.match_info.route.resource
-    endpoint = resource.canonical if resource is not None else UNMATCHED
-    if request.match_info.route.handler is unmatched:
-        endpoint = UNMATCHED
+    endpoint = resource.canonical if resource is not None and not isinstance(resource, _Anything) else UNMATCHED
     return await serve(request, handler, app[STATE], app[HOST_GUARD], app[V1_OF].get(endpoint, endpoint))
+
+
+class _Anything(web.PlainResource):
+    """The last resource: it matches every request target, also one without a leading slash (``OPTIONS *``)."""
+
+    def __init__(self) -> None:
+        super().__init__("/")
+
+    def _match(self, path: str) -> dict[str, str]:  # (aiohttp's match of a resource: no path parameters)
+        return {}
+
+    def raw_match(self, path: str) -> bool:  # (never taken for a route added later at "/")
+        return False
+
+
+def add_unmatched(router: web.UrlDispatcher) -> None:
+    """The last route: every method on every path no other route answers (:func:`unmatched`)."""
+    resource = _Anything()
+    router.register_resource(resource)
+    resource.add_route("*", unmatched)
 
 
 async def unmatched(request: web.Request) -> web.StreamResponse:
