@@ -4,7 +4,8 @@ Both servers run as separate processes on loopback and on the same event loop im
 default, uvloop when installed; `--loop asyncio` for both on asyncio's own loop); the load generator (this
 process) alternates the servers' rounds at each concurrency so that machine noise hits them alike. Writes JSON
 with requests/s, p50 and p99 per server and concurrency, the ratio octo / bare, and each server's CPU per request
-(its processes in all, and its event loop's thread alone: the rest of an octo is its engine thread).
+(its processes in all, and its event loop's thread alone: the rest of an octo is its engine thread), and an octo's
+engine steps a request (how its requests batch: a change in when the engine thread wakes shows here first).
 
 On a host with few cores the ratio also depends on the load generator's own CPU a request (C, reported as
 ``client_cpu_us_per_request``) and on what a wake-up of another thread costs there (``host.thread_round_trip_us``,
@@ -169,6 +170,16 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def engine_steps(url: str) -> int | None:
+    """The engine steps an octo server has run so far (its /v1/queue/stats; None for the bare server): steps a
+    request show how requests batch (at concurrency 8 on the echo engine, 5 tokens each: 0.62 at best)."""
+    try:
+        with urllib.request.urlopen(url.replace("/v1/chat/completions", "/v1/queue/stats"), timeout=5) as r:
+            return int(json.load(r)["steps"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def loop_name(choice: str) -> str:
     """The loop octo's `--loop` picks for ``choice`` (auto: uvloop when installed)."""
     if choice != "auto":
@@ -215,8 +226,10 @@ async def main(args) -> dict:
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     url = targets[name]
                     cpu0, loop0 = cpu_seconds(pids[name]), loop_cpu_seconds(pids[name])
-                    client0 = time.process_time()
+                    client0, steps0 = time.process_time(), engine_steps(url) if name != "bare" else None
                     runs[name].append(await load(url, c, args.requests))
+                    steps1 = engine_steps(url) if steps0 is not None else None
+                    runs[name][-1]["steps"] = (steps1 - steps0) / args.requests if steps1 is not None else None
                     runs[name][-1]["client_cpu_us"] = 1e6 * (time.process_time() - client0) / args.requests
                     runs[name][-1]["cpu_us"] = 1e6 * (cpu_seconds(pids[name]) - cpu0) / args.requests
                     runs[name][-1]["loop_cpu_us"] = 1e6 * (loop_cpu_seconds(pids[name]) - loop0) / args.requests
@@ -234,6 +247,8 @@ async def main(args) -> dict:
                     ratios = sorted(r["rps"] / b["rps"] for r, b in zip(rs, runs["bare"], strict=True))
                     row[name]["ratio_rps"] = statistics.median(ratios)
                     row[name]["ratio_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
+                    steps = [r["steps"] for r in rs if r["steps"] is not None]
+                    row[name]["steps_per_request"] = round(statistics.median(steps), 2) if steps else None
             row["ratio_rps"] = row["octo"]["ratio_rps"]
             client = statistics.median(r["client_cpu_us"] for rs in runs.values() for r in rs)
             row["octo_cpu_budget_us_for_0_9x"] = budget_for(0.9 * row["bare"]["rps"], client)
@@ -249,7 +264,9 @@ async def main(args) -> dict:
                     print(f"       {name:14s} {r['rps']:8.0f} req/s p50 {r['p50_ms']:6.2f} ms p99 {r['p99_ms']:6.2f} "
                           f"ms, {r['cpu_us_per_request']:.0f} us CPU a request ({r['loop_cpu_us_per_request']:.0f} on "
                           f"the event loop's thread) | {r['ratio_rps']:.2f}x of bare "
-                          f"(rounds {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})", flush=True)
+                          f"(rounds {r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f})"
+                          + (f", {r['steps_per_request']:.2f} steps a request" if r["steps_per_request"] else ""),
+                          flush=True)
             print(f"       the client: {client:.0f} us CPU a request; 0.9x of bare needs octo at "
                   f"<= {row['octo_cpu_budget_us_for_0_9x']:.0f} us CPU a request here", flush=True)
     finally:
