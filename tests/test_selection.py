@@ -406,12 +406,19 @@ def _when_marked(mark: Path, engine: str, start) -> threading.Thread:
 
 def test_a_busy_neighbour_during_the_whole_selection(tmp_path):
     mark, spinners = tmp_path / "mark", []
+
+    def neighbours() -> None:  # started at the first candidate's first step, which waits until they compute
+        spinners.extend(spin(2, 60))
+        time.sleep(0.5)  # (a loaded host starts a Python process slowly)
+        Path(f"{mark}.slowone.go").touch()
+
     # both cores busy from the first candidate's first step to the end of the start-up
-    watcher = _when_marked(mark, "slowone", lambda: spinners.extend(spin(2, 60)))
+    watcher = _when_marked(mark, "slowone", neighbours)
     cached = lambda: {json.loads(f.read_text())["key"]["engine"]: json.loads(f.read_text())["result"]  # noqa: E731
                       for f in (tmp_path / "octo" / "bench").glob("*one-*.json")}
     try:
-        with _serve_timed(tmp_path, ("slowone", "fastone"), "-o", f"timed_mark={mark}", bench="0.3") as server:
+        with _serve_timed(tmp_path, ("slowone", "fastone"), "-o", f"timed_mark={mark}", "-o", "timed_hold=slowone",
+                          bench="0.3") as server:
             active, bench = _benchmarks(server)
             assert active == "fastone", bench
             for r in bench.values():  # seen, measured again once, and cached as provisional

@@ -8,7 +8,9 @@ costing a quarter, and, like a real engine, a cold start: the first step of each
 (llama.cpp reserving buffers for a new batch size, a runtime choosing kernels) and the first step after a
 thread-count change cost ``cold_ms`` more. ``slowone`` is exactly ``SLOW_FACTOR`` times slower than ``fastone``.
 
-Options: ``-o timed_mark=PATH``: each engine touches ``PATH.NAME`` on its first step (tests wait for it).
+Options: ``-o timed_mark=PATH``: each engine touches ``PATH.NAME`` on its first step (tests wait for it); with
+``-o timed_hold=NAME`` as well, that engine's first step then waits (at most 30 s) until ``PATH.NAME.go`` exists
+(a test that starts a busy neighbour there lets the step go on once the neighbour is computing).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class _Timed(EchoEngine):
     def __init__(self, config=None) -> None:
         options = dict((config.options if config else {}) or {})
         self.mark = options.pop("timed_mark", None)
+        self.hold = options.pop("timed_hold", None) == self.name
         if config is not None:
             config.options = options
         super().__init__(config)
@@ -65,6 +68,9 @@ class _Timed(EchoEngine):
     def step(self, feeds):
         if self.mark and not self.seen:
             Path(f"{self.mark}.{self.name}").touch()
+            deadline = time.monotonic() + 30
+            while self.hold and not Path(f"{self.mark}.{self.name}.go").exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
         n = sum(len(f.tokens) for f in feeds)
         cost = self.per_step_ms + self.per_token_ms * (n if len(feeds) == 1 else 1 + 0.25 * (n - 1))
         if n not in self.seen or self.cold_next:
