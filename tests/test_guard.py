@@ -121,14 +121,8 @@ class _Plugin:
             self.seen.append(request.path)
             return await handler(request)
 
-        async def tail(request: web.Request) -> web.StreamResponse:
-            resp = web.StreamResponse()
-            await resp.prepare(request)
-            await resp.write(b"x")
-            return resp
-
         app.middlewares.append(record)
-        app.router.add_get("/plugin/tail", tail)
+        app.router.add_get("/plugin/tail", _tail)
 
 
 @pytest.mark.parametrize("with_middleware", [True, False])
@@ -148,6 +142,7 @@ async def test_a_plugins_middleware_runs_after_the_checks_and_its_streams_are_st
 
 
 async def _tail(request: web.Request) -> web.StreamResponse:
+    """A plugin's route that streams (it prepares its response itself)."""
     resp = web.StreamResponse()
     await resp.prepare(request)
     await resp.write(b"x")

@@ -126,10 +126,15 @@ async def serve(request: web.Request, handler: Any, state: AppState, guard: Host
 async def octo_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """:func:`serve` as the first middleware (where a plugin adds middlewares of its own)."""
     app = request.app  # (a property that walks the match info: once)
-    handler = getattr(handler, "octo_route", handler)  # (its route's handler, not guarded twice)
-    resource = request.match_info.route.resource
-    endpoint = resource.canonical if resource is not None and not isinstance(resource, _Anything) else UNMATCHED
-    return await serve(request, handler, app[STATE], app[HOST_GUARD], app[V1_OF].get(endpoint, endpoint))
+    endpoint = _label(request.match_info.route.resource, app[V1_OF])
+    return await serve(request, handler, app[STATE], app[HOST_GUARD], endpoint)
+
+
+def _label(resource: web.AbstractResource | None, v1_of: dict[str, str]) -> str:
+    """A route's metrics label: its path (a prefix-less alias counts as its /v1 route), UNMATCHED for the last one."""
+    if resource is None or isinstance(resource, _Anything):
+        return UNMATCHED
+    return v1_of.get(resource.canonical, resource.canonical)
 
 
 class _Anything(web.PlainResource):
@@ -157,8 +162,7 @@ async def unmatched(request: web.Request) -> web.StreamResponse:
     :func:`serve` answers it)."""
     allowed: set[str] = set()
     for resource in request.app.router.resources():
-        if any(route.handler is unmatched or getattr(route.handler, "octo_route", None) is unmatched
-               for route in resource):
+        if isinstance(resource, _Anything):
             continue
         match, methods = await resource.resolve(request)
         if match is None:
@@ -172,10 +176,9 @@ def guard_routes(app: web.Application) -> None:
     """Put every route's handler behind :func:`serve`: one call a request, with what it needs bound now."""
     state, guard, v1_of = app[STATE], app[HOST_GUARD], app[V1_OF]
     for resource in app.router.resources():
-        canonical = resource.canonical
+        endpoint = _label(resource, v1_of)
         for route in resource:
             inner = route.handler
-            endpoint = UNMATCHED if inner is unmatched else v1_of.get(canonical, canonical)
             wrapped = functools.partial(serve, handler=inner, state=state, guard=guard, endpoint=endpoint)
             wrapped.octo_route = inner  # type: ignore[attr-defined]
             route._handler = wrapped  # (aiohttp keeps a route's handler there)
