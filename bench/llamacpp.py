@@ -293,6 +293,19 @@ def octo_cmd(path: str, port: int, args, max_batch: int) -> list[str]:
     ]
 
 
+SETTLE_S = 7.0  # octo starts its spare worker 5 s after it serves, in a lull in the requests (octo.runtime.process)
+
+
+def settle(limit: float = 20.0) -> None:
+    """Before measured rounds: wait out the servers' start-up work (octo's spare worker: an interpreter start and
+    imports, 0.3 s of a core) and then for a quiet host, so that none of it lands in a round (start-up is measured
+    by bench/startup.py)."""
+    from octo.benchload import wait_quiet
+
+    time.sleep(SETTLE_S)
+    wait_quiet(limit)
+
+
 def cpp_cmd(path: str, port: int, args, n: int) -> list[str]:
     """The C++ llama-server (bench/llama_server.py builds it once): n slots, as many as streams, flash attention as
     for the others, --no-repack where octo's probe found the repack crashes."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from llamacpp import cpp_cmd, decode_rate, free_port, load, octo_cmd, run_levels, server  # noqa: E402
+from llamacpp import cpp_cmd, decode_rate, free_port, load, octo_cmd, run_levels, server, settle  # noqa: E402
 from revtree import short_sha, worktree  # noqa: E402
 
 
@@ -42,6 +42,7 @@ def level(path: str, n: int, rounds: int, args) -> dict:
         bases["llama-server"] = st.enter_context(server(cpp_cmd(path, p, args, n), p, "/health", "llama-server"))
         for base in bases.values():
             asyncio.run(load(base, n, 8, "warm"))
+        settle()
         for r in range(rounds):
             for name in (list(bases) if r % 2 == 0 else list(bases)[::-1]):
                 res[name].append(decode_rate(bases[name], n, args, f"{name[0]}{n}r{r}"))

@@ -67,3 +67,37 @@ async def test_a_take_while_the_replacement_waits_gets_it_and_the_next_one_is_on
         for w in taken:
             if w is not None:
                 await w.stop()
+
+
+async def test_a_replacement_waits_for_a_lull_in_the_requests(monkeypatch):
+    """A taken spare's replacement starts after its delay only in a lull (no request running): its interpreter start
+    and imports do not take a core from a stream. ``hurry()`` (a load on its way) starts it in a busy moment too, and
+    a gateway that is never idle gets it after ``LULL_WAIT_S``."""
+    from octo.runtime import process
+
+    monkeypatch.setattr(process, "REPLACE_DELAY_S", 0.1)
+    busy = [True]
+    spare = process.SpareWorker()
+    spare.note("echo", None)
+    taken = []
+    try:
+        await spare.enable(10.0, None, delay=0.0, lull=lambda: not busy[0])
+        assert await _until(lambda: spare.worker is not None, 60)  # (no delay: the first spare starts at once)
+        taken.append(await spare.take(10.0))
+        assert not await _until(lambda: spare.worker is not None, 1.5)  # requests run: it waits
+        busy[0] = False  # the lull
+        assert await _until(lambda: spare.worker is not None, 20)
+        busy[0] = True
+        taken.append(await spare.take(10.0))
+        assert not await _until(lambda: spare.worker is not None, 1.0)
+        spare.hurry()  # a load needs it: busy or not
+        assert await _until(lambda: spare.worker is not None, 20)
+        monkeypatch.setattr(process, "LULL_WAIT_S", 0.5)
+        taken.append(await spare.take(10.0))
+        assert await _until(lambda: spare.worker is not None, 20)  # never idle: it starts after LULL_WAIT_S
+        assert len({w.pid for w in [*taken, spare.worker]}) == 4
+    finally:
+        await spare.close()
+        for w in taken:
+            if w is not None:
+                await w.stop()

@@ -263,6 +263,7 @@ class SpareWorker:
         self.engines: dict[str, None] = {}  # engines loaded in workers so far: a new spare prepares them
         self._starting: asyncio.Task | None = None
         self._hold: asyncio.Event | None = None  # the task in _starting waits out its delay until this is set
+        self.lull: Callable[[], bool] = lambda: True  # whether no request runs (the registry's, once it serves)
 
     async def take(self, worker_timeout: float) -> WorkerProcess | None:
         """The spare (the pre-spawned worker first), if one is alive and beats as ``worker_timeout`` wants; a new
@@ -298,13 +299,17 @@ class SpareWorker:
         self.engines[engine] = None
         self.plugins_dir = plugins_dir
 
-    async def enable(self, worker_timeout: float, plugins_dir: str | None, delay: float = 5.0) -> None:
+    async def enable(self, worker_timeout: float, plugins_dir: str | None, delay: float = 5.0,
+                     lull: Callable[[], bool] | None = None) -> None:
         """The gateway serves: keep a spare from now on: the pre-spawned worker if no load took it, else (if a model
         loaded in a worker) a new one after ``delay`` seconds, so that it does not take the cores from the first
-        requests; else a new one once a worker is taken."""
+        requests; else a new one once a worker is taken. A new one waits for a ``lull`` as well (no request
+        running; at most ``LULL_WAIT_S`` more)."""
         if os.environ.get("OCTO_SPARE_WORKER", "1") == "0":
             return
         self.enabled, self.worker_timeout, self.plugins_dir = True, worker_timeout, plugins_dir
+        if lull is not None:
+            self.lull = lull
         pre = prespawn.take()
         if pre is not None and self.worker is None:
             self.worker = await WorkerProcess.adopt(pre, "spare engine worker", worker_timeout)
@@ -320,9 +325,14 @@ class SpareWorker:
             self._starting.add_done_callback(consume_exception)
 
     async def _start(self, delay: float, hold: asyncio.Event | None) -> None:
-        if hold is not None:  # the delay, cut short by hurry()
+        if hold is not None:  # the delay, then a lull (its interpreter start and imports take a core for 0.3 s and
+            # more: not from a stream), each cut short by hurry()
+            end = time.monotonic() + delay + LULL_WAIT_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(hold.wait(), delay)
+            while not hold.is_set() and not self.lull() and time.monotonic() < end:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(hold.wait(), LULL_POLL_S)
             if self._hold is hold:
                 self._hold = None
         worker = await WorkerProcess.start("spare engine worker", self.worker_timeout,
@@ -352,6 +362,9 @@ class SpareWorker:
 # seconds between taking the spare and starting its replacement: the load that took it (about a second for a small
 # model) and its first request get the cores first; a take meanwhile starts a process at once
 REPLACE_DELAY_S = 2.0
+LULL_WAIT_S = 30.0  # then it waits for a lull in the requests, this long at most (a gateway busy for good gets one)
+LULL_POLL_S = 0.25
+SPARE_QUIET_S = 1.0  # a lull: no request in flight, none ended this recently
 SPARE = SpareWorker()
 
 

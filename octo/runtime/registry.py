@@ -189,12 +189,14 @@ class Registry:
     def _scan_in_a_lull(self, started: float) -> None:
         """(timer) The first catalog scan once no request ran for ``CATALOG_SCAN_QUIET_S``, else half a second later
         (``CATALOG_SCAN_LATEST_S`` after ``started`` at the latest)."""
-        now = time.monotonic()
-        if now - started < CATALOG_SCAN_LATEST_S and any(
-                s.inflight or now - s.last_used < CATALOG_SCAN_QUIET_S for s in self.slots):
+        if time.monotonic() - started < CATALOG_SCAN_LATEST_S and not self.lull(CATALOG_SCAN_QUIET_S):
             self._scan_timer = asyncio.get_running_loop().call_later(0.5, self._scan_in_a_lull, started)
             return
         self._scan_catalog()
+
+    def lull(self, quiet_s: float) -> bool:
+        """No request in flight, none ended in ``quiet_s`` s: background work (catalog scan, spare) goes now."""
+        return not any(s.inflight or time.monotonic() - s.last_used < quiet_s for s in self.slots)
 
     def _scan_catalog(self) -> asyncio.Task:
         task = getattr(self, "_catalog_scan", None)
@@ -532,8 +534,7 @@ class Registry:
                 loop.create_task(s.handle.limit_threads(want))
 
     async def _share_cores(self) -> None:
-        """With --share-cores turns, two or more models in workers compute in turns (octo.runtime.arbiter); a model
-        alone always computes freely."""
+        """With --share-cores turns, two or more models in workers compute in turns (octo.runtime.arbiter)."""
         workers = [s.handle for s in self.loaded() if hasattr(s.handle, "share_cores")]
         on = len(workers) >= 2 and self.config.share_cores == "turns"
         for handle in workers:
@@ -549,9 +550,8 @@ class Registry:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for slot in self.loaded():
-                if slot.spec.pinned or slot.inflight or slot.keep_alive is None or slot.loading is not None:
-                    continue
-                if now - slot.last_used >= slot.keep_alive:
+                if not (slot.spec.pinned or slot.inflight or slot.keep_alive is None or slot.loading is not None) \
+                        and now - slot.last_used >= slot.keep_alive:
                     self.say(f"octo: '{slot.name}' idle for {slot.keep_alive:g} s (keep_alive): unloading")
                     await self._unload(slot)
 
