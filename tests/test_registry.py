@@ -99,7 +99,7 @@ async def test_the_first_catalog_scan_waits_for_a_lull(monkeypatch):
     reg._scan_in_a_lull(now)
     assert scans == []
     reg._scan_timer.cancel()
-    slot.last_used = now - registry_module.CATALOG_SCAN_QUIET_S  # quiet for the whole lull
+    slot.last_used = now - registry_module.LULL_QUIET_S  # quiet for the whole lull
     reg._scan_in_a_lull(now)
     assert len(scans) == 1
     slot.inflight = 1  # busy, but the start was long ago: scanned anyway

@@ -52,9 +52,9 @@ async def _start_registry(config: ServerConfig, specs: list, pm: Any) -> Any:
 async def run(config: ServerConfig, specs: list) -> None:
     """Serve until SIGINT or SIGTERM, then drain (``config.shutdown_timeout``) and stop."""
     registry, runner, port = await _start(config, specs)
-    from octo.runtime.process import SPARE, SPARE_QUIET_S
+    from octo.runtime.process import SPARE
 
-    await SPARE.enable(config.worker_timeout, config.plugins_dir, lull=lambda: registry.lull(SPARE_QUIET_S))
+    await SPARE.enable(config.worker_timeout, config.plugins_dir, lull=registry.lull)
     _settle_heap()
     loop = asyncio.get_running_loop()
     base = f"http://{url_host(config.host)}:{port}"

@@ -364,7 +364,6 @@ class SpareWorker:
 REPLACE_DELAY_S = 2.0
 LULL_WAIT_S = 30.0  # then it waits for a lull in the requests, this long at most (a gateway busy for good gets one)
 LULL_POLL_S = 0.25
-SPARE_QUIET_S = 1.0  # a lull: no request in flight, none ended this recently
 SPARE = SpareWorker()
 
 

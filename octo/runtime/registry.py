@@ -30,7 +30,7 @@ from octo.runtime.specs import ModelSpec, parse_keep_alive
 
 log = logging.getLogger("octo.runtime.registry")
 CATALOG_SCAN_DELAY_S = 3.0  # the first scan of the catalog's servable models, after the server starts ...
-CATALOG_SCAN_QUIET_S = 1.0  # ... in a lull: no request in flight or ended this recently ...
+LULL_QUIET_S = 1.0  # ... in a lull (as a new spare worker's start): no request in flight or ended this recently ...
 CATALOG_SCAN_LATEST_S = 30.0  # ... or this long after the start, busy or not
 MAX_SPELLINGS = 256  # requests' spellings of model names remembered (the most recent)
 class Slot:
@@ -187,16 +187,16 @@ class Registry:
         return [r for r in cached[1] if self.find(r["id"]) is None]
 
     def _scan_in_a_lull(self, started: float) -> None:
-        """(timer) The first catalog scan once no request ran for ``CATALOG_SCAN_QUIET_S``, else half a second later
+        """(timer) The first catalog scan once no request ran for ``LULL_QUIET_S``, else half a second later
         (``CATALOG_SCAN_LATEST_S`` after ``started`` at the latest)."""
-        if time.monotonic() - started < CATALOG_SCAN_LATEST_S and not self.lull(CATALOG_SCAN_QUIET_S):
+        if time.monotonic() - started < CATALOG_SCAN_LATEST_S and not self.lull():
             self._scan_timer = asyncio.get_running_loop().call_later(0.5, self._scan_in_a_lull, started)
             return
         self._scan_catalog()
 
-    def lull(self, quiet_s: float) -> bool:
-        """No request in flight, none ended in ``quiet_s`` s: background work (catalog scan, spare) goes now."""
-        return not any(s.inflight or time.monotonic() - s.last_used < quiet_s for s in self.slots)
+    def lull(self) -> bool:
+        """No request in flight, none ended in ``LULL_QUIET_S``: background work (catalog scan, spare) goes now."""
+        return not any(s.inflight or time.monotonic() - s.last_used < LULL_QUIET_S for s in self.slots)
 
     def _scan_catalog(self) -> asyncio.Task:
         task = getattr(self, "_catalog_scan", None)

@@ -100,11 +100,8 @@ async def serve(request: web.Request, handler: Any, state: AppState, guard: Host
         err = _from_http(exc)
         resp = error_response(request, err)
         status = err.status
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionError):
         status = 499  # client closed the connection
-        raise
-    except (ConnectionResetError, ConnectionError):
-        status = 499
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
