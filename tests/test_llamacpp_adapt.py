@@ -73,6 +73,7 @@ def test_short_bursts_run_in_streams_and_the_text_is_the_same(pair):
     st = e.kv_stats()  # what /v1/queue/stats shows per model under "kv"
     assert (st["layout"], st["adaptive"], st["stream_cells"], st["layout_switches"], st["forced_switches"]) == (
         "streams", True, 512, 1, 0) and st["cells"] == 2048
+    assert st["last_period"] == e.layout.policy.last and st["last_period"] is not e.layout.policy.last  # a copy
     assert ref.kv_stats()["layout"] == "unified" and ref.kv_stats()["adaptive"] is False
 
 

@@ -340,11 +340,14 @@ class AdaptiveLayout:
             self.policy.reused(n_tokens)
 
     def stats(self) -> dict[str, Any]:
-        """The live numbers of ``Engine.kv_stats`` (plain attributes: called from another thread)."""
+        """The live numbers of ``Engine.kv_stats`` (plain attributes: called from another thread; a period that ended
+        is never changed again). ``last_period``: what the policy saw of the last busy period (``peak`` sequences at
+        once, ``longest``, ``prompt`` and ``reused`` tokens, ``sequences``), which decides the next one's layout."""
         adapt = self.policy
         return {"adaptive": adapt is not None, "stream_cells": adapt.cells if adapt is not None else None,
                 "layout_switches": adapt.switches if adapt is not None else 0,
-                "forced_switches": adapt.forced if adapt is not None else 0}
+                "forced_switches": adapt.forced if adapt is not None else 0,
+                "last_period": dict(adapt.last) if adapt is not None and adapt.last is not None else None}
 
     # -- the switch --------------------------------------------------------------------------------------------
     def relayout(self, unified: bool, cells: int | None = None, forced: bool = False) -> None:
