@@ -4,7 +4,9 @@ A count is the same on a busy host as on a quiet one, unlike requests/s or CPU t
 cost that lands even where ``bench/overhead.py`` cannot tell it from the noise. Each server runs its CLI under a
 profile hook (``sys.setprofile`` and ``threading.setprofile``) that counts function and C-function calls only while
 the measured requests run (after a warm-up: first calls that import or build caches do not count); the calls are
-grouped by package and module. ``--base REV...`` counts octo at earlier revisions too (bench/revtree.py).
+grouped by package and module (``by_layer``), and per function where one is called at least once in 20 requests
+(``by_function``, C functions as ``C:name``). ``--base REV...`` counts octo at earlier revisions too
+(bench/revtree.py).
 
     .venv/bin/python bench/callcount.py [--requests 3000] [--base 369e4c5 ...] [--top 25]
         [--out bench/results/callcount.json]
@@ -93,7 +95,14 @@ async def count(cwd: Path, requests: int) -> dict:
         layers[layer(key)] += n
     return {"python_calls": round(sum(n for k, n in counts.items() if not k.startswith("C:")) / requests, 1),
             "c_calls": round(layers["C functions"] / requests, 1),
-            "by_layer": {k: round(n / requests, 2) for k, n in layers.most_common() if k != "C functions"}}
+            "by_layer": {k: round(n / requests, 2) for k, n in layers.most_common() if k != "C functions"},
+            "by_function": {_short(k): round(n / requests, 2) for k, n in counts.items() if n >= requests / 20}}
+
+
+def _short(key: str) -> str:
+    """A counted function's key without the checkout's path (``octo/runtime/model.py:prepare``, ``C:len``)."""
+    m = re.search(r"/((?:octo|engines|site-packages)/.+)$", key)
+    return m.group(1) if m else key
 
 
 async def main(args) -> dict:
