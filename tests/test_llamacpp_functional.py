@@ -289,6 +289,9 @@ def test_short_bursts_switch_to_streams_through_the_sdk(gguf_path):
             if kv["layout"] == "streams":
                 break
         assert (kv["layout"], kv["layout_switches"], kv["forced_switches"]) == ("streams", 1, 0), kv
+        last = kv["last_period"]  # the burst that just ran (in streams): what decides the next one's layout
+        assert set(last) == {"peak", "longest", "prompt", "reused", "sequences"} and last["sequences"] >= 1, last
+        assert last["longest"] >= TOKENS and last["reused"] * 2 <= last["prompt"], last
         # Usually the second burst is the first in streams; on a loaded host a first burst's requests can reach the
         # server as two busy periods (the first ends before the last request arrives), and the second of them then
         # opens in streams: the policy's own rule either way (a period may only open in streams after one that ran
