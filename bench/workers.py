@@ -7,7 +7,8 @@ before workers existed). Rounds alternate the two servers at each load so that d
 * decode tok/s aggregate over N concurrent greedy streams (N = 1, 8, 16), measured differentially as in
   bench/llamacpp.py (two max_tokens, end-of-generation tokens banned, every stream checked for "length");
 * time to first token with 1 and 8 concurrent streams (distinct ~20-token prompts, streaming completions): the time
-  to the first SSE chunk of each stream, p50 over the streams, median over ``--ttft-reps`` rounds.
+  to the first SSE chunk of each stream, p50 over the streams, median over ``--ttft-reps`` rounds, and the mean over
+  every stream of every round (``ttft_row``: at 8 streams the p50 follows how the prompts fell into steps).
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/workers.py     # writes bench/results/workers.json
 """
@@ -30,8 +31,8 @@ _spec.loader.exec_module(lc)
 MODES = ("process", "thread")
 
 
-async def ttft_streams(base: str, n: int, tag: str) -> float:
-    """p50 over ``n`` concurrent streams of the time to their first SSE chunk."""
+async def ttft_streams(base: str, n: int, tag: str) -> list[float]:
+    """The times to their first SSE chunk of ``n`` concurrent streams, sorted."""
     import aiohttp
 
     async def one(session, i: int) -> float:
@@ -46,8 +47,21 @@ async def ttft_streams(base: str, n: int, tag: str) -> float:
         return first
 
     async with aiohttp.ClientSession() as s:
-        times = await asyncio.gather(*(one(s, i) for i in range(n)))
-    return statistics.median(times)
+        return sorted(await asyncio.gather(*(one(s, i) for i in range(n))))
+
+
+def ttft_row(runs: dict[str, list[list[float]]]) -> dict:
+    """Each mode's median over the rounds of a round's p50 over its streams, and the mean over every stream of every
+    round. With several streams the p50 depends on how their prompts fell into the engine's first steps (all in one,
+    or a first few alone and the rest in the next: whoever arrives before the engine starts), which can differ by
+    hundreds of milliseconds from one round to the next; the mean weighs both groups."""
+    p50 = {m: statistics.median(statistics.median(r) for r in v) for m, v in runs.items()}
+    mean = {m: statistics.fmean(t for r in v for t in r) for m, v in runs.items()}
+    return {"process_p50_ms": round(1000 * p50["process"], 1), "thread_p50_ms": round(1000 * p50["thread"], 1),
+            "delta_ms": round(1000 * (p50["process"] - p50["thread"]), 1),
+            "process_mean_ms": round(1000 * mean["process"], 1), "thread_mean_ms": round(1000 * mean["thread"], 1),
+            "mean_delta_ms": round(1000 * (mean["process"] - mean["thread"]), 1),
+            "runs": {m: [[round(t, 4) for t in r] for r in v] for m, v in runs.items()}}
 
 
 def main() -> None:
@@ -91,11 +105,7 @@ def main() -> None:
             for k in range(args.ttft_reps):
                 for m in MODES if k % 2 == 0 else reversed(MODES):
                     runs[m].append(asyncio.run(ttft_streams(bases[m], n, f"t{m}{n}{k}")))
-            med = {m: statistics.median(v) for m, v in runs.items()}
-            rows["ttft"][f"{n}_streams"] = {"process_p50_ms": round(1000 * med["process"], 1),
-                                            "thread_p50_ms": round(1000 * med["thread"], 1),
-                                            "delta_ms": round(1000 * (med["process"] - med["thread"]), 1),
-                                            "runs": runs}
+            rows["ttft"][f"{n}_streams"] = ttft_row(runs)
     report = {"model": {"path": path, "shape": args.shape, "quant": args.quant}, "threads": args.threads,
               "host": lc.host_info(args), **rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +115,8 @@ def main() -> None:
               f"ratio {r['ratio']:.3f}")
     for n, t in rows["ttft"].items():
         print(f"TTFT p50 at {n.replace('_', ' ')}: process {t['process_p50_ms']} ms, thread {t['thread_p50_ms']} ms "
-              f"({t['delta_ms']:+} ms)")
+              f"({t['delta_ms']:+} ms); mean {t['process_mean_ms']} / {t['thread_mean_ms']} ms "
+              f"({t['mean_delta_ms']:+} ms)")
     print(f"wrote {args.out}")
 
 
