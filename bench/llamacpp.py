@@ -297,9 +297,9 @@ SETTLE_S = 7.0  # octo starts its spare worker 5 s after it serves, in a lull in
 
 
 def settle(limit: float = 20.0) -> None:
-    """Before measured rounds: wait out the servers' start-up work (octo's spare worker: an interpreter start and
-    imports, 0.3 s of a core) and then for a quiet host, so that none of it lands in a round (start-up is measured
-    by bench/startup.py)."""
+    """Before measured rounds (this file's, bench/paired.py's, bench/workers.py's): wait out the servers' start-up
+    work (octo's spare worker: an interpreter start and imports, 0.3 s of a core) and then for a quiet host, so that
+    none of it lands in a round (start-up is measured by bench/startup.py)."""
     from octo.benchload import wait_quiet
 
     time.sleep(SETTLE_S)
@@ -533,6 +533,8 @@ def main() -> None:
                 if "raw" not in args.skip:
                     raw = Raw(path, args.threads, n, max(4096, n * (args.long + 64)), args.flash)
                     per_level.callback(raw.close)
+                if octo:
+                    settle()
                 result["load_avg_per_level"][str(n)] = os.getloadavg()
                 for rep in range(args.reps):  # interleave raw / octo / llama_cpp.server, so drift hits all three
                     if raw:

@@ -89,6 +89,7 @@ def main() -> None:
         bases = {"process": proc_base, "thread": thread_base}
         for base in bases.values():  # warm-up
             asyncio.run(lc.load(base, 2, 8, "warm"))
+        lc.settle()  # (only the worker-process server starts a spare worker: not in its first round)
         for n in args.streams:
             runs: dict[str, list[float]] = {m: [] for m in MODES}
             for k in range(args.reps):
