@@ -23,6 +23,7 @@ class ServerConfig:
     max_audio_seconds: float = 1800.0
     bench_seconds: float = 3.0
     rebench: bool = False
+    bench_when_idle: bool = False  # serve at once; measure candidate engines without a cached result while idle
     plugins_dir: str | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed by CORS ("*": any); (): no CORS headers
     keep_alive: float | None = 300.0  # idle seconds before a model loaded on demand unloads (None: never)

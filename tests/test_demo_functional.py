@@ -19,6 +19,21 @@ def fresh_home(tmp_path, monkeypatch):
     return {"OCTO_HOME": home, "HF_HUB_OFFLINE": "1", "OCTO_BENCH_DIR": str(tmp_path / "bench")}
 
 
+def test_with_bench_when_idle_a_first_serve_of_the_demo_serves_at_once(fresh_home):
+    with run_octo("demo", "--bench-seconds", "1", "--bench-when-idle", env=fresh_home, timeout=600) as server:
+        first = engines_json(server)
+        r = server.openai().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=8)
+        log = server.log()
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    candidates = first["selection"]["candidates"]
+    if len(candidates) > 1:  # with real engines installed: none was measured before the first token
+        rows = {e["name"]: e["benchmark"] for e in first["data"] if e["name"] in candidates}
+        assert all(b["unmeasured"] and b["score"] is None for b in rows.values() if not b.get("error")), rows
+        assert first["selection"]["reason"].startswith(f"{first['active']} at once, the first candidate"), first
+        assert "loading and measuring" not in log and "measured when the model is idle" in log, log
+
+
 def test_serve_demo_offline_benchmarks_then_uses_the_cache(fresh_home):
     with run_octo("demo", "--bench-seconds", "1", env=fresh_home, timeout=600) as server:
         first = engines_json(server)

@@ -59,16 +59,21 @@ class Script(Activity):
         super().__init__(lambda: self.is_busy, lambda: self.ended)
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
+def idle_home(tmp_path, monkeypatch):
+    """OCTO_HOME in ``tmp_path``, a short idle time and a quiet host for the measurements; returns an artifact."""
     monkeypatch.setenv("OCTO_HOME", str(tmp_path))
     monkeypatch.setattr(remeasure, "IDLE_S", 0.2)
     monkeypatch.setattr(remeasure.benchload, "quiet_now", lambda window=0.2: True)
-    MEASURED.clear()
-    FakeCandidate.verdicts = []
     art = tmp_path / "model.bin"
     art.write_bytes(b"x" * 1000)
     return art
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    MEASURED.clear()
+    FakeCandidate.verdicts = []
+    return idle_home(tmp_path, monkeypatch)
 
 
 def _provisional(score: float) -> dict:

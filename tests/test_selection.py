@@ -370,7 +370,9 @@ def spin(n: int, seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
-def _serve_timed(tmp_path, order, *extra, bench="0.5"):
+def _serve_timed(tmp_path, order, *extra, bench="0.5", when_idle=False):
+    """``octo serve timed-model`` whose candidates are the timed engines in ``order``, measured before serving (with
+    ``when_idle``: served at once, measured while the model is idle: ``--bench-when-idle``)."""
     from serverproc import REPO, run_octo
 
     catalog = tmp_path / "models.yaml"
@@ -378,7 +380,7 @@ def _serve_timed(tmp_path, order, *extra, bench="0.5"):
                        "      default:\n" + "".join(f"        {e}: none://timed\n" for e in order))
     env = {"OCTO_HOME": str(tmp_path / "octo"), "OCTO_CATALOG": str(catalog)}
     return run_octo("timed-model", "--plugins-dir", str(REPO / "tests" / "plugins"), "--bench-seconds", bench,
-                    *extra, env=env)
+                    *(["--bench-when-idle"] if when_idle else []), *extra, env=env)
 
 
 def _benchmarks(server) -> tuple[str, dict[str, dict]]:
@@ -394,6 +396,18 @@ def test_the_smallest_budget_allowed_still_crowns_the_fastest(tmp_path):
     for r in bench.values():
         assert r["conditions"]["work"]["prefill_tokens"] >= MIN_PREFILL_TOKENS and r["conditions"]["budget_s"] == 0.2
     assert "--bench-seconds 0.2 is too small to measure meaningfully" in log
+
+
+def _after_switch(server, engine: str, wait: float = 90) -> tuple:
+    """Wait (up to ``wait`` s) until ``engine`` serves timed-model, having won a measurement while it was idle; returns
+    the log, the active engine and benchmarks, /v1/engines, and a chat answered after it (status, body)."""
+    deadline = time.monotonic() + wait
+    while f"now served by {engine}" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = server.log()
+    active, bench = _benchmarks(server)
+    return log, active, bench, server.get_json("/v1/engines"), server.post_json("/v1/chat/completions", {
+        "model": "timed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "after"}]})
 
 
 def _when_marked(mark: Path, engine: str, start) -> threading.Thread:
@@ -492,14 +506,8 @@ def test_an_engine_that_only_lost_because_the_host_was_busy_takes_over_once_meas
         with _serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
             active, bench = _benchmarks(server)
             assert active == "slowone" and bench["fastone"]["provisional"], bench
-            deadline = time.monotonic() + 90  # idle now: fastone is measured again, wins clearly, and takes over
-            while "now served by fastone" not in server.log() and time.monotonic() < deadline:
-                time.sleep(0.5)
-            log = server.log()
-            active, bench = _benchmarks(server)
-            engines = server.get_json("/v1/engines")
-            status, body = server.post_json("/v1/chat/completions", {
-                "model": "timed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "after"}]})
+            # idle now: fastone is measured again, wins clearly, and takes over
+            log, active, bench, engines, (status, body) = _after_switch(server, "fastone")
     finally:
         for w in watchers:
             w.join(5)

@@ -160,7 +160,12 @@ def _keep_alive(ctx, param, value):
               help="Load plugin modules (*.py) from this folder.", **envvar("PLUGINS_DIR"))
 @click.option("--bench-seconds", default=3.0, show_default=True, type=click.FloatRange(0.2),
               help="Start-up benchmark time budget per candidate engine.", **envvar("BENCH_SECONDS"))
-@click.option("--rebench", is_flag=True, help="Ignore cached start-up benchmark results.", **envvar("REBENCH"))
+@click.option("--rebench", is_flag=True, help="Ignore cached start-up benchmark results: measure every candidate "
+              "engine again before serving (even with --bench-when-idle).", **envvar("REBENCH"))
+@click.option("--bench-when-idle", is_flag=True,
+              help="Serve at once with the best engine this host has measured (or the first candidate) and measure "
+                   "the candidate engines not measured here yet while the model is idle; the fastest then takes "
+                   "over. Default: measure them before serving.", **envvar("BENCH_WHEN_IDLE"))
 @click.option("--loop", "loop_name", default="auto", show_default=True,
               type=click.Choice(["auto", "uvloop", "asyncio"]),
               help="Event loop: uvloop (faster HTTP handling), asyncio, or auto (uvloop when installed).",
@@ -230,8 +235,8 @@ def _keep_alive(ctx, param, value):
 def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_budget, keep_alive, max_keep_alive,
           engine, host, port, options, lora, draft,
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
-          api_key, insecure_no_auth, allowed_hosts, cors_origins, plugins_dir, bench_seconds, rebench, share_cores,
-          isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
+          api_key, insecure_no_auth, allowed_hosts, cors_origins, plugins_dir, bench_seconds, rebench, bench_when_idle,
+          share_cores, isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
           prefix_cache_disk_mb, reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas,
           autoscaling, replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
@@ -257,7 +262,7 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
                           plugins_dir=plugins_dir, bench_seconds=bench_seconds, rebench=rebench,
-                          cors_origins=cors_origins,
+                          bench_when_idle=bench_when_idle, cors_origins=cors_origins,
                           isolation=isolation, share_cores=share_cores, preempt=preempt,
                           step_stretch=step_stretch, prefix_dedup=prefix_dedup,
                           tool_format=None if tool_format == "auto" else tool_format, reasoning_format=reasoning_format,

@@ -290,7 +290,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
 
         try:
             chosen, cand, results, reason = await select(cands, seconds=config.bench_seconds, rebench=config.rebench,
-                                                         say=say)
+                                                         say=say, defer=config.bench_when_idle and not config.rebench)
         except RuntimeError as exc:
             raise ConfigError(str(exc)) from None
     for name, err in failed.items():
@@ -308,8 +308,8 @@ def pending_of(model: str, aliases: tuple[str, ...], chosen: str, cands: dict[st
     """What the selection left provisional, for the gateway to measure again while the model is idle
     (``octo.runtime.remeasure``), each candidate in a worker of its own whatever ``--isolation`` says, and how to
     serve the model with another engine if one wins (in a worker, as it would load)."""
-    names = sorted((n for n in cands if results.get(n, {}).get("provisional")),  # the serving one first: the leader
-                   key=lambda n: (n != chosen, -(results[n].get("score") or 0.0)))
+    names = sorted((n for n in cands if results.get(n, {}).get("provisional") or results.get(n, {}).get("unmeasured")),
+                   key=lambda n: (n != chosen, -(results[n].get("score") or 0.0)))  # the serving one first: the leader
     if not names:
         return None
     from octo.runtime.remeasure import Pending
@@ -329,7 +329,9 @@ def pending_of(model: str, aliases: tuple[str, ...], chosen: str, cands: dict[st
         return handle, _rows(True, engines, n, results, engine=_engine_view(handle))
 
     return Pending(model, chosen, config.bench_seconds, {n: cache_key(c.cls, c.artifact) for n, c in cands.items()},
-                   results, make, {n: c.artifact for n, c in cands.items()}, names, serving_candidate, handle_of)
+                   results, make, {n: c.artifact for n, c in cands.items()}, names, serving_candidate, handle_of,
+                   first=any(results[n].get("unmeasured") for n in names),
+                   unchosen=bool(results.get(chosen, {}).get("unmeasured")))
 
 
 async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,

@@ -1,9 +1,12 @@
-"""Engine measurements that other processes disturbed, taken again while the model is idle, never on the start path.
+"""Engine measurements taken while the model is idle, never on the start path: of the engines this host has not
+measured yet, and again of those that other processes disturbed.
 
-Start-up selection (``octo.runtime.selection``) decides with what it has: a measurement that other processes disturbed
-decides that start and every later one (it is cached as *provisional*), and this module measures it again in the
-gateway's background, in a worker process of its own, under the rules the llama.cpp engine's KV-layout probes follow
-(``engines/llamacpp/background.py``):
+Start-up selection (``octo.runtime.selection``) decides with what it has. With ``--bench-when-idle`` a gateway serves
+at once with the best engine measured on this host, or the first candidate when none is (``serve_at_once``): the
+others are *unmeasured*.
+A measurement that other processes disturbed decides that start and every later one (it is cached as
+*provisional*). This module measures both in the gateway's background, in a worker process of its own, under the
+rules the llama.cpp engine's KV-layout probes follow (``engines/llamacpp/background.py``):
 
 * only once every model has been idle for ``IDLE_S`` (no request running, none ended since) and no model is loading,
   and only on a quiet host: it first looks at the cores for ``QUIET_WINDOW_S`` (``octo.benchload.quiet_now``) and,
@@ -12,9 +15,11 @@ gateway's background, in a worker process of its own, under the rules the llama.
   again at the next idle moment (an interrupted measurement counts no attempt);
 * a measurement disturbed again is retried later: after ``RETRY_S`` (10 minutes, then an hour, 6 hours, a day), a
   schedule kept in the cached result (``remeasure``), so a restarted gateway keeps it: never on every start;
-* one that concludes undisturbed replaces the provisional result in the cache; when every provisional result has
-  been measured again, the engine choice (``octo.runtime.engine_choice``) is settled by the same rule as at start
-  (the engine chosen before, or the one serving, stays unless a challenger wins by ``MARGIN``, undisturbed) and one
+* a first measurement that is disturbed is cached as provisional, as at a start, and measured again later;
+* one that concludes undisturbed replaces the provisional (or missing) result in the cache; when every result has
+  been measured undisturbed, the engine choice (``octo.runtime.engine_choice``) is settled by the same rule as at
+  start (the engine chosen before, or the one serving, stays unless a challenger wins by ``MARGIN``, undisturbed;
+  an engine that serves only because nothing was measured yet has no such lead: the highest score wins) and one
   line says it;
 * a challenger that won takes over at once (:func:`switch`): it is loaded in a worker beside the engine that serves
   while every model is idle (a request stops that load too), swapped in between two requests, and the old engine's
@@ -62,6 +67,8 @@ class Pending:
     serving_candidate: Callable[[str], Candidate | None] = lambda name: None
     handle_of: Callable[[Candidate, str, str], tuple[Any, Any]] | None = None
     switch: Callable[[str], Any] | None = None  # set by start(): serve with that engine now
+    first: bool = False  # some were never measured on this host (``octo.runtime.selection.serve_at_once``)
+    unchosen: bool = False  # the serving engine serves without a measurement that chose it: no incumbent's margin
 
     def start(self, registry: Any, slot: Any) -> asyncio.Task | None:
         """Measure again in the background of ``registry``, for its ``slot`` (:func:`start`)."""
@@ -114,8 +121,8 @@ async def run(pending: Pending, activity: Activity, say: Callable[[str], None]) 
 
 def _leader(pending: Pending, name: str) -> float | None:
     """The best undisturbed score of the other engines: a candidate that cannot reach it stops early, as at start."""
-    scores = [r["score"] for n, r in pending.results.items()
-              if n != name and not r.get("error") and not provisional(r) and not r.get("stopped")]
+    scores = [r["score"] for n, r in pending.results.items() if n != name and not r.get("error")
+              and not provisional(r) and not r.get("stopped") and not r.get("unmeasured")]
     return max(scores, default=None)
 
 
@@ -146,7 +153,8 @@ def _room_for(pending: Pending, name: str) -> bool:
 async def measure_once(pending: Pending, name: str, activity: Activity) -> dict[str, Any] | None:
     """One measurement of ``name`` in a worker of its own; None when a request (or a load) stopped it."""
     cand = pending.make(name)
-    log.info("%s: measuring %s again while the model is idle", pending.model, name)
+    log.info("%s: measuring %s %swhile the model is idle", pending.model, name,
+             "" if pending.results[name].get("unmeasured") else "again ")
     got = await unless_busy(measure(name, cand, pending.keys[name], pending.seconds, _leader(pending, name),
                                     log.debug, store=False), cand, activity)
     if got is None:
@@ -189,21 +197,24 @@ def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str]
     """Cache a new measurement of ``name``: an undisturbed one (or a failure) replaces the provisional result; a
     disturbed one keeps it and sets the next try. Once none is provisional, settle the choice, say it and return
     the chosen engine (None before)."""
-    key = pending.keys[name]
+    key, row = pending.keys[name], pending.results[name]
     if provisional(res):
-        old = cached_result(key) or pending.results[name]
+        old = cached_result(key) or row
+        if old.get("unmeasured"):  # its first measurement, disturbed: it stands provisionally, as at a start
+            old = res
         tries = int((old.get("remeasure") or {}).get("attempts") or 0) + 1
         delay = RETRY_S[min(tries, len(RETRY_S)) - 1]
         kept = {**old, "remeasure": {"attempts": tries, "next_at": time.time() + delay}}
         store_result(key, kept)
-        pending.results[name].update(kept, cached=True, provisional=True)
+        row.clear()  # in place: /v1/engines rows made before show the new result
+        row.update(kept, cached=True, provisional=True)
         log.info("%s: %s was disturbed by other processes again; next try in %g s", pending.model, name, delay)
         return None
     store_result(key, res)
-    pending.results[name].clear()  # in place: /v1/engines rows made before show the new result
-    pending.results[name].update(res)
+    row.clear()
+    row.update(res)
     pending.names.remove(name)
-    log.info("%s: %s measured again undisturbed: score %.2f", pending.model, name, res.get("score") or 0.0)
+    log.info("%s: %s measured undisturbed: score %.2f", pending.model, name, res.get("score") or 0.0)
     if pending.names:
         return None
     best, line = settle(pending)
@@ -216,21 +227,27 @@ def settle(pending: Pending) -> tuple[str | None, str]:
     it."""
     ok = {n: r for n, r in pending.results.items() if not r.get("error")}
     before = choice.incumbent(pending.keys)
-    kept = before or pending.serving  # the engine serving now was this host's choice too
+    # the engine serving now was this host's choice too, unless it serves only because nothing was measured yet
+    kept = before or (None if pending.unchosen else pending.serving)
     best = kept if kept in ok else next(iter(ok), None)
     if best is None:
-        return None, f"octo: '{pending.model}': no engine could be measured again"
+        return None, f"octo: '{pending.model}': no engine could be measured"
     for n in sorted(ok, key=lambda n: -ok[n]["score"]):
         if n != best and choice.beats(n, ok[n], best, ok[best], kept):
             best = n
     choice.keep(pending.keys, best, ok[best])
     # none kept before this start: the serving engine stands for the choice, made at this start
     why = choice.reason(best, kept, pending.results, **({} if before else {"when": "at this start"}))
+    done = f"octo: '{pending.model}': {measured_while_idle(pending)}"
     if best == pending.serving:
-        return best, f"octo: '{pending.model}': measured again while idle: {why}"
+        return best, f"{done}: {why}"
     if pending.switch is not None and pending.serving_candidate(best) is not None:
-        return best, f"octo: '{pending.model}': measured again while idle: switching to {why}"
-    return best, f"octo: '{pending.model}': measured again while idle: the next start serves it with {why}"
+        return best, f"{done}: switching to {why}"
+    return best, f"{done}: the next start serves it with {why}"
+
+
+def measured_while_idle(pending: Pending) -> str:
+    return "measured while idle" if pending.first else "measured again while idle"
 
 
 def start(pending: Pending, registry: Any, slot: Any) -> asyncio.Task | None:
@@ -263,7 +280,8 @@ async def switch(pending: Pending, registry: Any, slot: Any, best: str, activity
         except Exception as exc:  # noqa: BLE001 - the engine that serves goes on serving
             log.warning("%s: could not load %s to switch to it: %s", pending.model, best, exc)
             return
-        handle, rows = pending.handle_of(cand, best, f"{best}: measured again while idle, switched from {old_name}")
+        why = f"{best}: {measured_while_idle(pending)}, switched from {old_name}"
+        handle, rows = pending.handle_of(cand, best, why)
         try:
             await handle.activate(registry.config_for(slot.spec))
             gap = time.monotonic() + SWAP_WAIT_S

@@ -10,6 +10,12 @@ to load or errors during its benchmark gets ``error`` set and can never win. The
 load); losers are unloaded before serving starts. Results are cached in ``OCTO_HOME/bench`` keyed by host
 fingerprint, engine name and version, and artifact digest, written atomically (``octo.atomic``).
 
+With ``defer`` (``octo serve --bench-when-idle``) no candidate is measured on the start path: when some have no
+usable cached result, the model serves at once with the best one this host has measured (or, with none measured
+yet, the first candidate that loads), and the others are **unmeasured** (``"unmeasured": true``, ``score`` null)
+until the gateway measures them while the model is idle (``octo.runtime.remeasure``), where the fastest takes
+over.
+
 While the first candidate loads, the others' ``Engine.prepare`` (slow imports) runs in a background thread; every
 measurement waits for it. Candidates run one at a time, the one with the best earlier result on this host first.
 Once a leader exists, a candidate stops as soon as it cannot win even with perfect batching (``upper_bound`` below
@@ -156,8 +162,10 @@ class Candidate:
 
 
 async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench: bool = False,
-                 say: Callable[[str], None] = print) -> tuple[str, Candidate, dict[str, dict[str, Any]], str]:
-    """Benchmark ``candidates``; return the winner, still loaded (no second load).
+                 say: Callable[[str], None] = print, defer: bool = False
+                 ) -> tuple[str, Candidate, dict[str, dict[str, Any]], str]:
+    """Benchmark ``candidates``; return the winner, still loaded (no second load). With ``defer``, candidates without a
+    usable cached result are not measured now (:func:`serve_at_once`).
 
     Returns (winner name, its candidate, results per engine, reason). Raises RuntimeError when no candidate
     could be loaded and benchmarked.
@@ -174,19 +182,15 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
         if cached is not None and (why := distrust(cached, seconds)):
             say(f"octo: bench {name:9s} not using its cached result: {why}")
             cached_results[name] = None
+    if defer and any(cached is None for cached in cached_results.values()):
+        return await serve_at_once(ordered, keys, cached_results, kept, seconds, say)
     # in-process candidates after the first prepare (slow imports) while the first one loads
     prep = _prepare([c.cls for name, c in ordered.items() if c.in_process and cached_results[name] is None][1:])
     for name, cand in ordered.items():
         key, cached = keys[name], cached_results[name]
         loaded = False
         if cached is not None:
-            res = {**cached, "cached": True, **({"provisional": True} if provisional(cached) else {})}
-            results[name] = res
-            say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  (prefill {res['prefill_tok_s']} tok/s, "
-                f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
-                + ("; measured while other processes were busy: measured again when the model is idle"
-                   if res.get("provisional") else "")
-                if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
+            res = results[name] = _use_cached(name, cached, say)
         else:
             cand.wait_prepare = prep.join
             res, loaded = await measure(name, cand, key, seconds, best[3] if best is not None else None, say)
@@ -229,9 +233,7 @@ async def measure(name: str, cand: Candidate, key: dict[str, Any], seconds: floa
         res["load_seconds"] = round(load_s, 3)
         loaded = True
     except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason
-        res = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
-               "score": 0.0, "cached": False, "seconds": round(time.perf_counter() - t_load, 3),
-               "error": _failure(exc), "conditions": {"budget_s": seconds, "disturbed": False}}
+        res = failed_result(exc, seconds, time.perf_counter() - t_load)
     cond = res.setdefault("conditions", {"budget_s": seconds, "disturbed": False})
     if provisional(res):
         res["provisional"] = True
@@ -243,6 +245,80 @@ async def measure(name: str, cand: Candidate, key: dict[str, Any], seconds: floa
         + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "") + _notes(cond, seconds)
         if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
     return res, loaded
+
+
+def failed_result(exc: BaseException, seconds: float, took: float | None) -> dict[str, Any]:
+    """The result of a candidate that failed, crashed or hung (``took`` seconds; a measurement's ``seconds`` budget):
+    it can never win, and it is cached like a measurement."""
+    return {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
+            "score": 0.0, "cached": False, "seconds": None if took is None else round(took, 3),
+            "error": _failure(exc), "conditions": {"budget_s": seconds, "disturbed": False}}
+
+
+def unmeasured() -> dict[str, Any]:
+    """The result of a candidate this host has not measured yet (:func:`serve_at_once`)."""
+    return {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None, "threads": None,
+            "score": None, "cached": False, "seconds": None, "unmeasured": True}
+
+
+def _use_cached(name: str, cached: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
+    """A cached result as this start uses it, and its progress line."""
+    res = {**cached, "cached": True, **({"provisional": True} if provisional(cached) else {})}
+    say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  (prefill {res['prefill_tok_s']} tok/s, "
+        f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
+        + ("; measured while other processes were busy: measured again when the model is idle"
+           if res.get("provisional") else "")
+        if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
+    return res
+
+
+async def serve_at_once(ordered: dict[str, Candidate], keys: dict[str, dict[str, Any]],
+                        cached: dict[str, dict[str, Any] | None], kept: str | None, seconds: float,
+                        say: Callable[[str], None]) -> tuple[str, Candidate, dict[str, dict[str, Any]], str]:
+    """Serve without measuring: the best candidate this host has measured (by the start's rule, the engine chosen
+    before first), then the others measured, then the unmeasured ones in order, the first that loads; those without
+    a cached result are left ``unmeasured`` for the gateway to measure while the model is idle. A candidate that
+    fails to load gets its failure cached, as in a measurement, and the next one is tried."""
+    t0 = time.perf_counter()
+    results = {n: _use_cached(n, c, say) if c is not None else unmeasured() for n, c in cached.items()}
+    fresh = [n for n in ordered if cached[n] is None]
+    known = [n for n in ordered if cached[n] is not None and not results[n].get("error")]
+    best = None
+    for n in known:
+        if best is None or choice.beats(n, results[n], best, results[best], kept):
+            best = n
+    known.sort(key=lambda n: (n != best, -results[n]["score"]))
+    for name in [*known, *fresh]:
+        t_load = time.perf_counter()
+        try:
+            await load_winner(ordered[name], results[name].get("threads"))
+        except Exception as exc:  # noqa: BLE001 - it loses with the reason; the next candidate serves
+            results[name] = failed_result(exc, seconds, time.perf_counter() - t_load)
+            store_result(keys[name], results[name])
+            say(f"octo: bench {name:9s} FAILED: {results[name]['error']}")
+            continue
+        for n in fresh:
+            say(f"octo: bench {n:9s} not measured on this host yet: measured when the model is idle")
+        ranked = sorted(results, key=lambda n: -(results[n]["score"] or 0.0))
+        _table(results, ranked, name, say)
+        why = _at_once_reason(name, kept, results, fresh) + _provisional_note(results)
+        say(f"octo: serving with {why}")
+        return name, ordered[name], results, why + f"; loaded in {time.perf_counter() - t0:.2f} s"
+    errors = "; ".join(f"{n}: {r['error']}" for n, r in results.items() if r.get("error"))
+    raise RuntimeError(f"no candidate engine could be loaded ({errors})")
+
+
+def _at_once_reason(name: str, kept: str | None, results: dict[str, dict[str, Any]], fresh: list[str]) -> str:
+    measured = {n: r for n, r in results.items() if not r.get("unmeasured")}
+    if name in fresh:
+        head = f"{name} at once, the first candidate: no engine that can serve it is measured on this host yet"
+    elif any(n != name and not r.get("error") for n, r in measured.items()):
+        head = choice.reason(name, kept, measured)
+    else:
+        head = f"{name}, measured on this host before"
+    waiting = [n for n in fresh if not results[n].get("error")]
+    return head + (f"; not measured yet: {', '.join(waiting)}, measured when the model is idle (the fastest then "
+                   "serves)" if waiting else "")
 
 
 async def load_winner(cand: Candidate, threads: int | None) -> None:
@@ -323,10 +399,13 @@ def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callab
         r = results[n]
         note = "WINNER" if n == winner else (r.get("error") or ("stopped early (cannot win)" if r.get("stopped")
                                                                else ""))
+        if r.get("unmeasured"):
+            note = ("SERVING, " if n == winner else "") + "not measured yet"
         if r.get("cached"):
             note += " (cached)"
 
         def f(v):
             return f"{v:9.1f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
         say(f"{n:10s} {f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))} "
-            f"{str(r.get('threads') or '-'):>7s} {r['score']:9.2f}  {note}")
+            f"{str(r.get('threads') or '-'):>7s} {f(r['score']) if r['score'] is None else format(r['score'], '9.2f')}"
+            f"  {note}")
