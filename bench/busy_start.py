@@ -4,6 +4,9 @@ The demo has an artifact for three engines, so its start-up runs the engine sele
 busy host that selection's measurements are disturbed. Before provisional results (``--base``, default ``7f5e092``)
 a disturbed measurement was not cached, so every start measured all the engines again; now it is cached as
 provisional and measured again while the model is idle (octo/runtime/remeasure.py), and a later start serves at once.
+``--when-idle`` serves this checkout with ``--bench-when-idle``: its first start measures nothing either (it serves
+with the first candidate and measures the engines while the model is idle), against the base's first start, which
+measures them all (``ratio_first_start``; ``--spinners 0`` for a quiet host).
 
 A busy host: ``--spinners`` processes (default 1: another process computing on one core, as issue 36's notes ask)
 spin for the whole run. Each tree has its own ``OCTO_HOME``, where a first untimed start builds the synthetic models,
@@ -12,6 +15,7 @@ later rounds are the starts after it. The trees alternate in every round. Writes
 later rounds and their ratio (this checkout / base) as JSON.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/busy_start.py [--rounds 4] [--spinners 1] [--base 7f5e092]
+        [--when-idle]
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from startup import spawn_to_token  # noqa: E402
 SPIN = "import time\nwhile True:\n    pass\n"
 
 
-def demo_cmd(port: int) -> list[str]:
-    return [sys.executable, "-m", "octo.cli", "serve", "demo", "--port", str(port)]
+def demo_cmd(port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "octo.cli", "serve", "demo", "--port", str(port), *extra]
 
 
 def main() -> None:
@@ -45,8 +49,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--spinners", type=int, default=1)
     ap.add_argument("--base", default="7f5e092")
+    ap.add_argument("--when-idle", action="store_true", help="serve this checkout with --bench-when-idle")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "busy_start.json"))
     args = ap.parse_args()
+    extra = {"octo": ["--bench-when-idle"] if args.when_idle else []}
     trees = {"octo": REPO, f"octo@{short_sha(args.base)}": worktree(args.base)}
     homes = {name: tempfile.mkdtemp(prefix="octo-bench-home-") for name in trees}
     caches = {name: tempfile.mkdtemp(prefix="octo-bench-cache-") for name in trees}
@@ -62,7 +68,7 @@ def main() -> None:
             for name, cwd in (trees.items() if r % 2 == 0 else reversed(trees.items())):
                 port = free_port()
                 env = {"OCTO_HOME": homes[name], "OCTO_BENCH_DIR": caches[name]}
-                t = spawn_to_token(demo_cmd(port), "demo", port, env, cwd)
+                t = spawn_to_token(demo_cmd(port, *extra.get(name, [])), "demo", port, env, cwd)
                 samples[name].append(round(t, 3))
                 print(f"round {r + 1}: {name} {t:.2f} s", flush=True)
     finally:
@@ -75,9 +81,11 @@ def main() -> None:
     base = f"octo@{short_sha(args.base)}"
     report = {"host": {"cpus": os.cpu_count(), "machine": platform.machine()},
               "spinners": args.spinners, "rounds": args.rounds, "base": short_sha(args.base),
+              "when_idle": args.when_idle,
               "samples_s": samples, "first_start_s": {n: s[0] for n, s in samples.items()},
               "later_starts_median_s": later,
-              "ratio_later_starts": round(later["octo"] / later[base], 3) if later.get(base) else None}
+              "ratio_later_starts": round(later["octo"] / later[base], 3) if later.get(base) else None,
+              "ratio_first_start": round(samples["octo"][0] / samples[base][0], 3) if samples.get(base) else None}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
