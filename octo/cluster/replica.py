@@ -77,7 +77,9 @@ class OctoReplica:
 
         logging.basicConfig(level=os.environ.get("OCTO_LOG_LEVEL", "INFO").upper())
         # the replica is the isolation unit here: a native crash ends this actor and Ray Serve restarts it
-        config = dataclasses.replace(config, isolation="thread")
+        # and it measures its candidate engines before serving: it has no registry of idle models to measure them
+        # later (--bench-when-idle does not apply)
+        config = dataclasses.replace(config, isolation="thread", bench_when_idle=False)
         self.config = config
         t0 = time.monotonic()
         engines = engine_registry(load_plugins(plugins_dir))
