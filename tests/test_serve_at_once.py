@@ -65,6 +65,7 @@ def test_a_candidate_that_cannot_load_is_cached_as_failed_and_the_next_one_serve
     name, _, results, _ = run_select(cands, seconds=0.4, say=lines.append, defer=True)
     assert name == "fast" and results["unloadable"]["error"].startswith("load failed") and results["fast"]["unmeasured"]
     assert "octo: bench unloadable FAILED: load failed: corrupt file" in lines
+    assert not any(m.startswith("octo: bench unloadable not measured") for m in lines), lines
     assert _bench_files(tmp_path) == ["unloadable"]  # a failed load stands, as in a measurement
     LOADS.clear()
     name, _, results, _ = run_select(cands, seconds=0.4, say=lines.append, defer=True)

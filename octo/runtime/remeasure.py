@@ -3,10 +3,9 @@ measured yet, and again of those that other processes disturbed.
 
 Start-up selection (``octo.runtime.selection``) decides with what it has. With ``--bench-when-idle`` a gateway serves
 at once with the best engine measured on this host, or the first candidate when none is (``serve_at_once``): the
-others are *unmeasured*.
-A measurement that other processes disturbed decides that start and every later one (it is cached as
-*provisional*). This module measures both in the gateway's background, in a worker process of its own, under the
-rules the llama.cpp engine's KV-layout probes follow (``engines/llamacpp/background.py``):
+others are *unmeasured*. A measurement that other processes disturbed decides that start and every later one (it
+is cached as *provisional*). This module measures both in the gateway's background, in a worker process of its own,
+under the rules the llama.cpp engine's KV-layout probes follow (``engines/llamacpp/background.py``):
 
 * only once every model has been idle for ``IDLE_S`` (no request running, none ended since) and no model is loading,
   and only on a quiet host: it first looks at the cores for ``QUIET_WINDOW_S`` (``octo.benchload.quiet_now``) and,
@@ -194,9 +193,9 @@ async def _stop(task: asyncio.Task, cand: Candidate) -> None:
 
 
 def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str], None]) -> str | None:
-    """Cache a new measurement of ``name``: an undisturbed one (or a failure) replaces the provisional result; a
-    disturbed one keeps it and sets the next try. Once none is provisional, settle the choice, say it and return
-    the chosen engine (None before)."""
+    """Cache a new measurement of ``name``: an undisturbed one (or a failure) replaces the provisional (or missing)
+    result; a disturbed one keeps the provisional result (a first one stands as provisional) and sets the next try.
+    Once none is left, settle the choice, say it and return the chosen engine (None before)."""
     key, row = pending.keys[name], pending.results[name]
     if provisional(res):
         old = cached_result(key) or row

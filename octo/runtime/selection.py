@@ -298,7 +298,8 @@ async def serve_at_once(ordered: dict[str, Candidate], keys: dict[str, dict[str,
             say(f"octo: bench {name:9s} FAILED: {results[name]['error']}")
             continue
         for n in fresh:
-            say(f"octo: bench {n:9s} not measured on this host yet: measured when the model is idle")
+            if not results[n].get("error"):
+                say(f"octo: bench {n:9s} not measured on this host yet: measured when the model is idle")
         ranked = sorted(results, key=lambda n: -(results[n]["score"] or 0.0))
         _table(results, ranked, name, say)
         why = _at_once_reason(name, kept, results, fresh) + _provisional_note(results)
