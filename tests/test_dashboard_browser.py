@@ -326,3 +326,28 @@ def test_api_key_prompt(browser):
         assert pg.evaluate("sessionStorage.getItem('octo-api-key')") == KEY
         ctx.close()
         assert KEY not in s.log()
+
+
+def test_engines_view_shows_engines_not_measured_yet(browser, tmp_path):
+    import os
+
+    env = {"HF_HUB_OFFLINE": "1", "OCTO_HOME": os.environ["OCTO_HOME"], "OCTO_BENCH_DIR": str(tmp_path / "bench")}
+    with run_octo("demo", "--bench-when-idle", env=env, timeout=600) as s:
+        engines = s.get_json("/v1/engines")
+        if len(engines["selection"]["candidates"]) < 2:
+            pytest.skip("one engine can serve the demo here: nothing to measure")
+        ctx = browser.new_context(viewport={"width": 1360, "height": 900})
+        pg = ctx.new_page()
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        pg.goto(s.base_url + "/")
+        pg.get_by_role("tab", name="Engines").click()
+        bench = pg.locator('.bench[data-model="demo"]')
+        bench.wait_for()
+        table = bench.locator("tbody tr").all_inner_texts()
+        labels = bench.locator("svg.bars").first.locator("text").all_text_contents()
+        ctx.close()
+    active = engines["active"]
+    assert any(active in t and "serving, not measured yet" in t for t in table), table
+    assert all("not measured yet" in t for t in table), table  # null scores: no bar, no "lost"
+    assert "not measured" in " ".join(labels) and not errors, (labels, errors)

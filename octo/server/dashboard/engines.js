@@ -46,6 +46,7 @@ octo.enginesView = (() => {
       const b = r.benchmark;
       if (b.error) return { failed: true, note: "failed: " + b.error };
       if (b.stopped) return { note: "stopped early: " + b.stopped, short: "stopped early (cannot win)" };
+      if (b.unmeasured) return { note: "not measured yet (measured while the model is idle)", short: "not measured yet" };
       return { note: b.cached ? "(cached)" : "" };
     };
     const panel = (title, key, unit, cls) => octo.charts.bars(title, rows.map((r) => {
@@ -70,8 +71,8 @@ octo.enginesView = (() => {
           el("td", { class: "num", text: num(b.prefill_tok_s) }), el("td", { class: "num", text: num(b.decode_tok_s) }),
           el("td", { class: "num", text: num(b.batch_decode_tok_s) }), el("td", { class: "num", text: b.threads ?? "–" }),
           el("td", { class: "num", text: num(b.score, 2) }),
-          el("td", { class: r.active ? "s-yes" : st.failed ? "s-no" : "", text: r.active ? "★ winner " + st.note
-            : st.note || "lost" }));
+          el("td", { class: r.active ? "s-yes" : st.failed ? "s-no" : "", text: r.active
+            ? (b.unmeasured ? "★ serving, " + st.short : "★ winner " + st.note) : st.note || "lost" }));
       })));
     return el("div", { class: "bench", "data-model": m.model }, head, reason, panels,
               el("div", { class: "table-wrap" }, table));
