@@ -109,7 +109,8 @@ async def run(pending: Pending, activity: Activity, say: Callable[[str], None]) 
         if not await _idle_with_room(pending, name, activity):
             continue
         if not await asyncio.to_thread(benchload.quiet_now, QUIET_WINDOW_S):
-            log.debug("%s: the host is busy; measuring %s again in %g s", pending.model, name, BUSY_RETRY_S)
+            log.debug("%s: the host is busy; looking again in %g s before measuring %s", pending.model, BUSY_RETRY_S,
+                      name)
             await asyncio.sleep(BUSY_RETRY_S)
             continue
         res = await measure_once(pending, name, activity)
