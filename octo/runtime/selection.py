@@ -297,27 +297,27 @@ async def serve_at_once(ordered: dict[str, Candidate], keys: dict[str, dict[str,
             store_result(keys[name], results[name])
             say(f"octo: bench {name:9s} FAILED: {results[name]['error']}")
             continue
-        for n in fresh:
-            if not results[n].get("error"):
-                say(f"octo: bench {n:9s} not measured on this host yet: measured when the model is idle")
+        waiting = [n for n in fresh if not results[n].get("error")]  # (not those whose load failed)
+        for n in waiting:
+            say(f"octo: bench {n:9s} not measured on this host yet: measured when the model is idle")
         ranked = sorted(results, key=lambda n: -(results[n]["score"] or 0.0))
         _table(results, ranked, name, say)
-        why = _at_once_reason(name, kept, results, fresh) + _provisional_note(results)
+        why = _at_once_reason(name, name in fresh, kept, results, waiting) + _provisional_note(results)
         say(f"octo: serving with {why}")
         return name, ordered[name], results, why + f"; loaded in {time.perf_counter() - t0:.2f} s"
     errors = "; ".join(f"{n}: {r['error']}" for n, r in results.items() if r.get("error"))
     raise RuntimeError(f"no candidate engine could be loaded ({errors})")
 
 
-def _at_once_reason(name: str, kept: str | None, results: dict[str, dict[str, Any]], fresh: list[str]) -> str:
+def _at_once_reason(name: str, unmeasured_serves: bool, kept: str | None, results: dict[str, dict[str, Any]],
+                    waiting: list[str]) -> str:
     measured = {n: r for n, r in results.items() if not r.get("unmeasured")}
-    if name in fresh:
+    if unmeasured_serves:
         head = f"{name} at once, the first candidate: no engine that can serve it is measured on this host yet"
     elif any(n != name and not r.get("error") for n, r in measured.items()):
         head = choice.reason(name, kept, measured)
     else:
         head = f"{name}, measured on this host before"
-    waiting = [n for n in fresh if not results[n].get("error")]
     return head + (f"; not measured yet: {', '.join(waiting)}, measured when the model is idle (the fastest then "
                    "serves)" if waiting else "")
 
@@ -405,8 +405,7 @@ def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callab
         if r.get("cached"):
             note += " (cached)"
 
-        def f(v):
-            return f"{v:9.1f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
+        def f(v, digits=1):
+            return f"{v:9.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
         say(f"{n:10s} {f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))} "
-            f"{str(r.get('threads') or '-'):>7s} {f(r['score']) if r['score'] is None else format(r['score'], '9.2f')}"
-            f"  {note}")
+            f"{str(r.get('threads') or '-'):>7s} {f(r['score'], 2)}  {note}")
