@@ -370,7 +370,7 @@ def spin(n: int, seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
-def _serve_timed(tmp_path, order, *extra, bench="0.5", when_idle=False):
+def serve_timed(tmp_path, order, *extra, bench="0.5", when_idle=False):
     """``octo serve timed-model`` whose candidates are the timed engines in ``order``, measured before serving (with
     ``when_idle``: served at once, measured while the model is idle: ``--bench-when-idle``)."""
     from serverproc import REPO, run_octo
@@ -383,14 +383,14 @@ def _serve_timed(tmp_path, order, *extra, bench="0.5", when_idle=False):
                     *(["--bench-when-idle"] if when_idle else []), *extra, env=env)
 
 
-def _benchmarks(server) -> tuple[str, dict[str, dict]]:
+def benchmarks_of(server) -> tuple[str, dict[str, dict]]:
     engines = server.get_json("/v1/engines")
     return engines["active"], {r["name"]: r["benchmark"] for r in engines["data"] if r.get("benchmark")}
 
 
 def test_the_smallest_budget_allowed_still_crowns_the_fastest(tmp_path):
-    with _serve_timed(tmp_path, ("slowone", "fastone"), bench="0.2") as server:
-        active, bench = _benchmarks(server)
+    with serve_timed(tmp_path, ("slowone", "fastone"), bench="0.2") as server:
+        active, bench = benchmarks_of(server)
         log = server.log()
     assert active == "fastone" and bench["fastone"]["score"] > 1.4 * bench["slowone"]["score"]
     for r in bench.values():
@@ -398,14 +398,14 @@ def test_the_smallest_budget_allowed_still_crowns_the_fastest(tmp_path):
     assert "--bench-seconds 0.2 is too small to measure meaningfully" in log
 
 
-def _after_switch(server, engine: str, wait: float = 90) -> tuple:
+def after_switch(server, engine: str, wait: float = 90) -> tuple:
     """Wait (up to ``wait`` s) until ``engine`` serves timed-model, having won a measurement while it was idle; returns
     the log, the active engine and benchmarks, /v1/engines, and a chat answered after it (status, body)."""
     deadline = time.monotonic() + wait
     while f"now served by {engine}" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.5)
     log = server.log()
-    active, bench = _benchmarks(server)
+    active, bench = benchmarks_of(server)
     return log, active, bench, server.get_json("/v1/engines"), server.post_json("/v1/chat/completions", {
         "model": "timed-model", "max_tokens": 4, "messages": [{"role": "user", "content": "after"}]})
 
@@ -437,9 +437,9 @@ def test_a_busy_neighbour_during_the_whole_selection(tmp_path):
     cached = lambda: {json.loads(f.read_text())["key"]["engine"]: json.loads(f.read_text())["result"]  # noqa: E731
                       for f in (tmp_path / "octo" / "bench").glob("*one-*.json")}
     try:
-        with _serve_timed(tmp_path, ("slowone", "fastone"), "-o", f"timed_mark={mark}", "-o", "timed_hold=slowone",
+        with serve_timed(tmp_path, ("slowone", "fastone"), "-o", f"timed_mark={mark}", "-o", "timed_hold=slowone",
                           bench="0.3") as server:
-            active, bench = _benchmarks(server)
+            active, bench = benchmarks_of(server)
             assert active == "fastone", bench
             for name, r in bench.items():  # seen, measured again once, and cached as provisional
                 assert r["conditions"]["disturbed"] and len(r["conditions"]["attempts"]) == 2, (name, r)
@@ -462,7 +462,7 @@ def test_a_busy_neighbour_during_the_whole_selection(tmp_path):
                 time.sleep(0.5)
             log = server.log()
             assert "a request came; measuring" in log and "at the next idle moment" in log, log[-3000:]
-            active, bench = _benchmarks(server)
+            active, bench = benchmarks_of(server)
     finally:
         watcher.join(5)
         for p in spinners:
@@ -483,8 +483,8 @@ def test_a_neighbour_that_disturbs_the_fastest_engines_measurement_is_waited_out
     # that makes fastone look slower than slowone, which then wins)
     watcher = _when_marked(mark, "fastone", lambda: spinners.extend(spin(4, 1.0)))
     try:
-        with _serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
-            active, bench = _benchmarks(server)
+        with serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
+            active, bench = benchmarks_of(server)
     finally:
         watcher.join(5)
         for p in spinners:
@@ -503,11 +503,11 @@ def test_an_engine_that_only_lost_because_the_host_was_busy_takes_over_once_meas
     watchers = [_when_marked(mark, "fastone", lambda: spinners.extend(spin(8, 60))),
                 _when_marked(mark, "slowone", stop)]
     try:
-        with _serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
-            active, bench = _benchmarks(server)
+        with serve_timed(tmp_path, ("fastone", "slowone"), "-o", f"timed_mark={mark}") as server:
+            active, bench = benchmarks_of(server)
             assert active == "slowone" and bench["fastone"]["provisional"], bench
             # idle now: fastone is measured again, wins clearly, and takes over
-            log, active, bench, engines, (status, body) = _after_switch(server, "fastone")
+            log, active, bench, engines, (status, body) = after_switch(server, "fastone")
     finally:
         for w in watchers:
             w.join(5)

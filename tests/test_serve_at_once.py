@@ -7,7 +7,7 @@ import time
 
 import pytest
 from test_remeasure import FakeCandidate, Script, idle_home
-from test_selection import LOADS, Fast, Slow, Unloadable, _after_switch, _benchmarks, _serve_timed, run_select
+from test_selection import LOADS, Fast, Slow, Unloadable, after_switch, benchmarks_of, run_select, serve_timed
 
 from octo.runtime import engine_choice, remeasure
 from octo.runtime.remeasure import Pending
@@ -142,16 +142,16 @@ def test_a_first_measurement_that_is_disturbed_stands_provisionally_and_is_retri
 
 def test_a_gateway_serves_at_once_and_switches_to_the_fastest_once_it_measured_them_idle(tmp_path):
     t0 = time.monotonic()
-    with _serve_timed(tmp_path, ("slowone", "fastone"), when_idle=True) as server:
+    with serve_timed(tmp_path, ("slowone", "fastone"), when_idle=True) as server:
         ready = time.monotonic() - t0
-        active, bench = _benchmarks(server)
+        active, bench = benchmarks_of(server)
         assert active == "slowone" and all(r["unmeasured"] and r["score"] is None for r in bench.values()), bench
         engines = server.get_json("/v1/engines")
         assert engines["selection"]["reason"].startswith("slowone at once, the first candidate"), engines
         log = server.log()
         assert "loading and measuring" not in log, log  # nothing measured before serving
         # idle: both are measured; fastone wins and takes over
-        log, active, bench, engines, (status, body) = _after_switch(server, "fastone", wait=120)
+        log, active, bench, engines, (status, body) = after_switch(server, "fastone", wait=120)
     assert "'timed-model': measured while idle: switching to fastone: highest benchmark score" in log, log[-3000:]
     assert "'timed-model' now served by fastone (switched from slowone in" in log, log[-3000:]
     assert active == "fastone" and bench["fastone"]["score"] > 1.5 * bench["slowone"]["score"], bench
@@ -160,6 +160,6 @@ def test_a_gateway_serves_at_once_and_switches_to_the_fastest_once_it_measured_t
     choice = list((tmp_path / "octo" / "bench" / "choice").glob("*.json"))
     assert len(choice) == 1 and json.loads(choice[0].read_text())["engine"] == "fastone"
     assert ready < 60  # (the start's own time is measured by bench/startup.py; here: it did not wait for a bench)
-    with _serve_timed(tmp_path, ("slowone", "fastone"), when_idle=True) as server:  # the next start knows
-        active, bench = _benchmarks(server)
+    with serve_timed(tmp_path, ("slowone", "fastone"), when_idle=True) as server:  # the next start knows
+        active, bench = benchmarks_of(server)
         assert active == "fastone" and all(r["cached"] for r in bench.values()), bench
