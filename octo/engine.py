@@ -49,6 +49,10 @@ class EngineConfig:
 
     max_batch: int = 8
     options: dict[str, str] = field(default_factory=dict)
+    # True when the engine runs in an engine worker process of its own (``--isolation process``, the default for native
+    # engines): no other engine is loaded in this process, so process-wide choices (which optional libraries to
+    # import) are the engine's to make. False in the gateway's own process, which other engines share.
+    own_process: bool = False
 
 
 @dataclass

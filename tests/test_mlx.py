@@ -202,6 +202,43 @@ def test_missing_folder_is_config_error(tmp_path):
         e.load(str(tmp_path), "x")  # exists but is no MLX folder
 
 
+_OWN_PROCESS = r"""
+import json, sys
+pre = sys.argv[3] == "torch-first"
+if pre:
+    import torch  # noqa: F401 - something in this process needs torch before the engine loads
+from octo.engines.mlx import MLXEngine
+from octo.engine import EngineConfig, SamplingParams
+e = MLXEngine(EngineConfig(max_batch=2, own_process=sys.argv[2] == "own"))
+e.load(sys.argv[1], "tiny")
+prompt = e.tokenize(e.render_chat([{"role": "user", "content": "Tell me about the lighthouse."}]))
+from test_mlx import generate
+print(json.dumps({"tokens": generate(e, prompt, 16), "torch": sys.modules.get("torch") is not None}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["own", "torch-first"])
+def test_own_process_load_leaves_torch_out(folder, mode):
+    """An engine worker of its own (``EngineConfig.own_process``) loads mlx-lm without torch, and generates the same
+    tokens as a load in a shared process (which imports torch through transformers, where it is installed); torch that
+    the process imported before stays usable."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+
+    def run(own: str, pre: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", _OWN_PROCESS, folder, own, pre], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    shared = run("shared", "")
+    own = run("own", mode)
+    assert shared["torch"] is True  # transformers imports torch where it is installed
+    assert own["torch"] is (mode == "torch-first")
+    assert own["tokens"] == shared["tokens"] and len(own["tokens"]) == 16
+
+
 def test_tokenizer_matches_shared_synthetic_tokenizer(engine):
     from octo.synth.tokenizer import load_tokenizer
 

@@ -5,6 +5,7 @@ and logprobs work (a bad logit_bias is a 400 naming it). Uses the tiny synthetic
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,26 @@ def test_engine_is_mlx(server):
     rows = {r["name"]: r for r in body["data"]}
     assert body["active"] == "mlx" and rows["mlx"]["active"] and rows["mlx"]["batching"] == "continuous"
     assert "CPU" in rows["mlx"]["reason"] or "Metal" in rows["mlx"]["reason"]
+
+
+async def test_own_worker_leaves_torch_out(folder):
+    """A worker started for the model (as each candidate of the start-up selection gets) serves MLX alone: torch,
+    which mlx-lm's tokenizer module pulls in through transformers wherever it is installed (about two thirds of the
+    load on a CPU), is not loaded there, and the model computes."""
+    pytest.importorskip("torch")
+    from octo.config import ServerConfig
+    from octo.plugins import engine_registry
+    from octo.runtime.process import start_worker
+
+    worker, loaded = await start_worker(engine_registry()["mlx"], folder, "tiny", ServerConfig(), spare=False)
+    try:
+        maps = Path(f"/proc/{worker.pid}/maps").read_text()
+        assert "libmlx" in maps  # the worker that runs the model
+        assert "libtorch" not in maps
+        assert loaded["info"].n_vocab > 0
+        assert (await worker.request("bench", 0.3, None))["score"] > 0  # it computes: prefill and decode measured
+    finally:
+        await worker.stop()
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 11}])

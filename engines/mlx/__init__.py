@@ -157,6 +157,8 @@ class MLXEngine(Engine):
         if reason:
             raise ConfigError(f"The mlx engine is unavailable: {reason}.")
         path = self._resolve(artifact)
+        if self.config.own_process:
+            runtime.hide_torch()
         try:
             mx = runtime.import_mlx(self.blas)
         except OSError as exc:

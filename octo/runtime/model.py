@@ -483,13 +483,15 @@ class DeferredVocab:
             pass
 
 
-def make_engine(cls: type[Engine], config: ServerConfig) -> Engine:
-    return cls(EngineConfig(max_batch=config.max_batch, options=dict(config.options)))
+def make_engine(cls: type[Engine], config: ServerConfig, own_process: bool = False) -> Engine:
+    return cls(EngineConfig(max_batch=config.max_batch, options=dict(config.options), own_process=own_process))
 
 
-def load_engine(cls: type[Engine], config: ServerConfig, artifact: str, name: str) -> Engine:
-    """Construct and load an engine; any failure is a ConfigError naming the engine and artifact."""
-    engine = make_engine(cls, config)
+def load_engine(cls: type[Engine], config: ServerConfig, artifact: str, name: str,
+                own_process: bool = False) -> Engine:
+    """Construct and load an engine; any failure is a ConfigError naming the engine and artifact. ``own_process``:
+    this is an engine worker, which serves this one engine (``EngineConfig.own_process``)."""
+    engine = make_engine(cls, config, own_process)
     try:
         engine.load(artifact, name)
     except ConfigError:

@@ -267,11 +267,13 @@ class Worker:
 
     def _load(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
+        if self.engine is not None:  # one engine a worker: its EngineConfig.own_process says so
+            raise OctoError(f"worker: {self.engine.name} is already loaded here")
         self.spec = spec
         cls = self.engine_classes(spec.get("plugins_dir"))[spec["engine"]]
         check_available(cls)  # (checked here, not in the gateway: octo.runtime.loader.canonical_engine)
         t0 = time.perf_counter()
-        self.engine = load_engine(cls, spec["config"], spec["artifact"], spec["name"])
+        self.engine = load_engine(cls, spec["config"], spec["artifact"], spec["name"], own_process=True)
         load_s = time.perf_counter() - t0
         if spec.get("warmup"):
             warm_up(self.engine)
