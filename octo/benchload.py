@@ -3,8 +3,8 @@ host facts that engines' measurements are keyed and bounded by (``cpu_flags``, `
 
 ``LoadMonitor`` samples, around a measurement, the CPUs' busy and steal time (/proc/stat, only the CPUs this
 process may run on), this process's own CPU time and its threads' run-queue wait (/proc/self/task/*/schedstat:
-time runnable but not running). ``octo.runtime.selection`` repeats a disturbed measurement once, after ``wait_quiet``,
-and never caches one that stayed disturbed.
+time runnable but not running). ``octo.runtime.benchmark`` repeats a disturbed measurement once when the host calms
+down within ``wait_quiet``'s second; ``octo.runtime.selection`` caches one that stayed disturbed as provisional.
 """
 
 from __future__ import annotations

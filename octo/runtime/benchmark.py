@@ -42,6 +42,10 @@ MIN_DECODE_STEPS = 8  # single-stream decode: at least 8 timed steps per thread 
 MIN_BATCH_STEPS = 8  # batched decode: at least 8 timed steps of BATCH sequences (32 tokens; after 1 untimed)
 FLOOR_GRACE = 10.0  # the floor gives up this long after the budget (a very slow engine measures what it can)
 MAX_ATTEMPTS = 2  # a disturbed measurement is repeated once; one still disturbed is cached as provisional
+# how long a disturbed measurement waits for the other processes to calm down before its repeat; a host still busy
+# then gets no repeat (it would be disturbed as well): the result stands as provisional and is measured again once
+# the model is idle (octo.runtime.remeasure), instead of taking another measurement's time from the start
+QUIET_WAIT_S = 1.0
 _TEXT = ("The quick brown fox jumps over the lazy dog while the busy engineers measure how fast each engine "
          "decodes tokens on this machine, one step at a time. ")
 
@@ -152,7 +156,7 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
     """Measure a loaded engine within ``seconds``, doing at least the floor of work; never raises.
 
     One measurement (``_measure``) under a ``LoadMonitor``. When other processes competed for the cores
-    meanwhile (``disturbed``), it waits for them to calm down (up to the budget, 1-3 s) and measures again
+    meanwhile (``disturbed``), it waits for them to calm down (``QUIET_WAIT_S``) and, if they did, measures again
     (at most ``MAX_ATTEMPTS`` in all, within 2 x the budget + 12 s, below the worker's hang limit); the result is
     the best undisturbed attempt, else the best one, flagged ``conditions.disturbed`` (``select`` does not cache
     it). ``conditions`` also records the budget, the load figures, the attempts, the work done and whether the
@@ -165,11 +169,9 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
     load1 = loadavg_1min()
     attempts: list[dict[str, Any]] = []
     for i in range(MAX_ATTEMPTS):
-        if i:
-            wait = min(max(seconds, 1.0), 3.0)
-            if time.perf_counter() + wait + attempts[-1]["seconds"] > limit:
-                break
-            wait_quiet(wait)
+        if i and (time.perf_counter() + QUIET_WAIT_S + attempts[-1]["seconds"] > limit
+                  or not wait_quiet(QUIET_WAIT_S)):
+            break  # no time left for a repeat, or a host that stays busy: the disturbed result stands
         mon = LoadMonitor().start()
         r = _measure(engine, seconds, beat, min(time.perf_counter() + seconds + FLOOR_GRACE, limit))
         r["conditions"] = {**mon.stop(), **r["conditions"]}
