@@ -106,7 +106,7 @@ class _Cand(LocalCandidate):
         if bench is None:
             return 0.0, None
         self.wait_prepare()
-        return 0.0, micro_benchmark(self.engine, bench[0], beat=bench[1])
+        return 0.0, micro_benchmark(self.engine, *bench)
 
 
 def run_select(cands, **kw):
@@ -339,6 +339,14 @@ def test_a_host_that_stays_busy_gets_no_repeat(home, monitor, monkeypatch):
     assert name == "fast" and results["fast"]["provisional"] and _stored(home)["fast"]["conditions"]["disturbed"]
     assert "provisional: fast measured while other processes were busy" in reason
     assert _Quiet.verdicts == [True]  # one measurement taken, not two
+    # two candidates: once the first saw the host stay busy, the second does not wait for quiet at all
+    waits.clear()
+    _Quiet.verdicts = [True, True, True]
+    (home.parent / "bench").rename(home.parent / "busy-bench")
+    name, _, results, _ = run_select({"fast": (Fast, str(home)), "slow": (Slow, str(home))}, seconds=0.2,
+                                     say=lambda m: None)
+    assert waits == [bm.QUIET_WAIT_S] and _Quiet.verdicts == [True]  # one wait, one measurement each
+    assert all(r["provisional"] and len(r["conditions"]["attempts"]) == 1 for r in results.values())
 
 
 def test_a_cached_result_stands_only_for_a_budget_it_covered_and_undisturbed(home, monitor):

@@ -152,11 +152,13 @@ def _prefill_until(engine: Engine, seq: Sequence, deadline: float) -> int:
     return fed
 
 
-def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = None) -> dict[str, Any]:
+def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = None,
+                    quiet_wait: float = QUIET_WAIT_S) -> dict[str, Any]:
     """Measure a loaded engine within ``seconds``, doing at least the floor of work; never raises.
 
     One measurement (``_measure``) under a ``LoadMonitor``. When other processes competed for the cores
-    meanwhile (``disturbed``), it waits for them to calm down (``QUIET_WAIT_S``) and, if they did, measures again
+    meanwhile (``disturbed``), it waits for them to calm down (``quiet_wait`` seconds; 0: the selection already saw
+    the host stay busy, so no wait and no repeat) and, if they did, measures again
     (at most ``MAX_ATTEMPTS`` in all, within 2 x the budget + 12 s, below the worker's hang limit); the result is
     the best undisturbed attempt, else the best one, flagged ``conditions.disturbed`` (``select`` does not cache
     it). ``conditions`` also records the budget, the load figures, the attempts, the work done and whether the
@@ -169,8 +171,8 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
     load1 = loadavg_1min()
     attempts: list[dict[str, Any]] = []
     for i in range(MAX_ATTEMPTS):
-        if i and (time.perf_counter() + QUIET_WAIT_S + attempts[-1]["seconds"] > limit
-                  or not wait_quiet(QUIET_WAIT_S)):
+        if i and (quiet_wait <= 0 or time.perf_counter() + quiet_wait + attempts[-1]["seconds"] > limit
+                  or not wait_quiet(quiet_wait)):
             break  # no time left for a repeat, or a host that stays busy: the disturbed result stands
         mon = LoadMonitor().start()
         r = _measure(engine, seconds, beat, min(time.perf_counter() + seconds + FLOOR_GRACE, limit))

@@ -106,7 +106,7 @@ class LocalCandidate(Candidate):
         from octo.runtime.benchmark import micro_benchmark
 
         self.wait_prepare()
-        return load_s, await self._on_thread(micro_benchmark, self.engine, bench[0], bench[1])
+        return load_s, await self._on_thread(micro_benchmark, self.engine, *bench)
 
     async def set_threads(self, n: int) -> None:
         if n in self.engine.thread_counts():

@@ -369,11 +369,11 @@ SPARE = SpareWorker()
 
 # -- starting a worker with fallbacks ------------------------------------------------------------------------
 async def start_worker(cls: type[Engine], artifact: str, name: str, config: ServerConfig, *, first: int = 0,
-                       bench: tuple[float, float | None] | None = None, say: Callable[[str], None] = log.info,
+                       bench: tuple[Any, ...] | None = None, say: Callable[[str], None] = log.info,
                        spawned: Callable[[WorkerProcess], None] | None = None, spare: bool = True
                        ) -> tuple[WorkerProcess, dict[str, Any]]:
     """Spawn a worker (the spare unless not ``spare``; ``spawned`` sees it at once: one to kill) and load ``artifact``
-    with ``cls`` in it (warm-up, or the start-up benchmark with ``bench``: (seconds, leader's score)); on a crash of
+    with ``cls`` in it (warm-up, or the start-up benchmark: ``bench``, micro_benchmark's arguments); on a crash of
     the configuration (``supervision.config_fault``), go on with the next fallback configuration; after a SIGKILL
     from outside, try the same configuration once more. Returns the worker and {"info", "batching", "load_seconds",
     "fallback": overlay, "fallback_reason", "config_index", "benchmark"}; raises the load error, or EngineCrashed."""
@@ -394,8 +394,8 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
         try:
             loaded = await worker.request("load", spec, timeout=config.load_timeout)
             if bench is not None:
-                phase, (seconds, beat) = "measuring", bench
-                loaded["benchmark"] = await worker.request("bench", seconds, beat, timeout=BENCH_GRACE(seconds))
+                phase = "measuring"
+                loaded["benchmark"] = await worker.request("bench", *bench, timeout=BENCH_GRACE(bench[0]))
             loaded.update(fallback=overlay, fallback_reason=configs[i][1], config_index=i)
             return worker, loaded
         except EngineCrashed:

@@ -150,8 +150,9 @@ class Candidate:
     in_process = True
     wait_prepare: Callable[[], None] = staticmethod(lambda: None)  # set by select: no measurement before it
 
-    async def open(self, bench: tuple[float, float | None] | None) -> tuple[float, dict[str, Any] | None]:
-        """Load (and with ``bench`` = (seconds, leader's score) measure); returns (load seconds, result)."""
+    async def open(self, bench: tuple[Any, ...] | None) -> tuple[float, dict[str, Any] | None]:
+        """Load (and with ``bench`` = (seconds, leader's score[, quiet wait]): ``micro_benchmark``'s arguments,
+        measure); returns (load seconds, result)."""
         raise NotImplementedError
 
     async def set_threads(self, n: int) -> None:
@@ -186,6 +187,7 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
         return await serve_at_once(ordered, keys, cached_results, kept, seconds, say)
     # in-process candidates after the first prepare (slow imports) while the first one loads
     prep = _prepare([c.cls for name, c in ordered.items() if c.in_process and cached_results[name] is None][1:])
+    busy = False
     for name, cand in ordered.items():
         key, cached = keys[name], cached_results[name]
         loaded = False
@@ -193,8 +195,10 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
             res = results[name] = _use_cached(name, cached, say)
         else:
             cand.wait_prepare = prep.join
-            res, loaded = await measure(name, cand, key, seconds, best[3] if best is not None else None, say)
+            res, loaded = await measure(name, cand, key, seconds, best[3] if best is not None else None, say,
+                                        busy=busy)
             results[name] = res
+            busy = busy or provisional(res)  # the host stayed busy through its measurement and wait
         if res.get("error"):
             if loaded:
                 await cand.discard()
@@ -221,15 +225,16 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
 
 
 async def measure(name: str, cand: Candidate, key: dict[str, Any], seconds: float, beat: float | None,
-                  say: Callable[[str], None], store: bool = True) -> tuple[dict[str, Any], bool]:
+                  say: Callable[[str], None], store: bool = True, busy: bool = False) -> tuple[dict[str, Any], bool]:
     """Load and measure ``cand`` (``beat``: the leader's score), cache the result (``store``) and say it; returns
     (the result, whether the candidate is loaded). A candidate that fails, crashes or hangs gets ``error``; one
-    disturbed by other processes, ``provisional``."""
+    disturbed by other processes, ``provisional``. ``busy``: an earlier candidate of this selection saw the host stay
+    busy through its measurement and its wait, so a disturbed measurement is not repeated (no wait either)."""
     say(f"octo: bench {name:9s} loading and measuring (at most {seconds:g} s after the load) ...")
     loaded = False
     t_load = time.perf_counter()
     try:
-        load_s, res = await cand.open((seconds, beat))
+        load_s, res = await cand.open((seconds, beat, 0.0) if busy else (seconds, beat))
         res["load_seconds"] = round(load_s, 3)
         loaded = True
     except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason

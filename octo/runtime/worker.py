@@ -303,10 +303,10 @@ class Worker:
         log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
         import_serving()
 
-    async def op_bench(self, seconds: float, beat: float | None) -> dict[str, Any]:
+    async def op_bench(self, seconds: float, beat: float | None, *quiet_wait: float) -> dict[str, Any]:
         from octo.runtime.benchmark import micro_benchmark
 
-        return await self._on_engine_thread(micro_benchmark, self.engine, seconds, beat)
+        return await self._on_engine_thread(micro_benchmark, self.engine, seconds, beat, *quiet_wait)
 
     async def op_set_threads(self, n: int) -> None:
         await self._on_engine_thread(self.engine.set_threads, n)
