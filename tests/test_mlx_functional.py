@@ -1,6 +1,7 @@
 """`octo serve FOLDER --engine mlx` as a real process, driven by the official openai SDK: streaming equals
 non-streaming, batched requests equal single ones, the prefix cache hits on a shared system prompt, response_format
-and logprobs work (a bad logit_bias is a 400 naming it). Uses the tiny synthetic MLX folder."""
+and logprobs work (a bad logit_bias is a 400 naming it), all in an engine worker that loaded mlx-lm without torch.
+Uses the tiny synthetic MLX folder."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def folder() -> str:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    with run_octo(folder, "--engine", "mlx", "--max-batch", "4") as s:
+    # a worker started for this model, as each candidate of a start-up selection gets (the worker `octo serve`
+    # starts before its imports prepares MLX's imports, torch included, since it may take any engine)
+    with run_octo(folder, "--engine", "mlx", "--max-batch", "4", env={"OCTO_SPARE_WORKER": "0"}) as s:
         yield s
 
 
@@ -47,24 +50,16 @@ def test_engine_is_mlx(server):
     assert "CPU" in rows["mlx"]["reason"] or "Metal" in rows["mlx"]["reason"]
 
 
-async def test_own_worker_leaves_torch_out(folder):
-    """A worker started for the model (as each candidate of the start-up selection gets) serves MLX alone: torch,
-    which mlx-lm's tokenizer module pulls in through transformers wherever it is installed (about two thirds of the
-    load on a CPU), is not loaded there, and the model computes."""
+def test_worker_leaves_torch_out(server):
+    """The model's engine worker serves MLX alone: torch, which mlx-lm's tokenizer module pulls in through transformers
+    wherever it is installed (about two thirds of the load on a CPU), is not loaded there; every test of this module
+    runs against that worker."""
     pytest.importorskip("torch")
-    from octo.config import ServerConfig
-    from octo.plugins import engine_registry
-    from octo.runtime.process import start_worker
-
-    worker, loaded = await start_worker(engine_registry()["mlx"], folder, "tiny", ServerConfig(), spare=False)
-    try:
-        maps = Path(f"/proc/{worker.pid}/maps").read_text()
-        assert "libmlx" in maps  # the worker that runs the model
-        assert "libtorch" not in maps
-        assert loaded["info"].n_vocab > 0
-        assert (await worker.request("bench", 0.3, None))["score"] > 0  # it computes: prefill and decode measured
-    finally:
-        await worker.stop()
+    entry = server.get_json("/v1/models")["data"][0]
+    assert entry["isolation"] == "process"
+    maps = Path(f"/proc/{entry['worker']['pid']}/maps").read_text()
+    assert "libmlx" in maps  # the worker that runs the model
+    assert "libtorch" not in maps
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 11}])
