@@ -312,6 +312,13 @@ class Engine:
         choose anything ``load``'s options decide, and must not raise."""
 
     @classmethod
+    def prepare_own_process(cls) -> None:
+        """Optional: ``prepare`` in an engine worker started for this engine alone (the gateway gives that worker to no
+        other engine), where process-wide choices are this engine's to make, as in a ``load`` with
+        ``EngineConfig.own_process``. The default is ``prepare``."""
+        cls.prepare()
+
+    @classmethod
     def artifact_format(cls, path: str) -> str | None:
         """The format of a local artifact if this engine can load it, else None."""
         return None

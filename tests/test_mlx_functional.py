@@ -32,9 +32,8 @@ def folder() -> str:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    # a worker started for this model, as each candidate of a start-up selection gets (the worker `octo serve`
-    # starts before its imports prepares MLX's imports, torch included, since it may take any engine)
-    with run_octo(folder, "--engine", "mlx", "--max-batch", "4", env={"OCTO_SPARE_WORKER": "0"}) as s:
+    # the worker `octo serve` starts before its own imports, prepared for MLX alone (--engine mlx), takes the model
+    with run_octo(folder, "--engine", "mlx", "--max-batch", "4") as s:
         yield s
 
 

@@ -101,3 +101,38 @@ async def test_a_replacement_waits_for_a_lull_in_the_requests(monkeypatch):
         for w in taken:
             if w is not None:
                 await w.stop()
+
+
+async def test_a_spare_prepared_for_one_engine_alone_serves_only_that_engine():
+    """A spare whose preload named one engine (Engine.prepare_own_process: MLX hides torch there) is not given to a
+    load of another engine, which starts a worker of its own, and stays the spare; one that prepared several engines
+    takes any. The worker itself refuses a load of another engine too."""
+    from octo.config import ServerConfig
+    from octo.runtime import process
+
+    spare = process.SpareWorker()
+    spare.note("echo", None)
+    taken = []
+    try:
+        await spare.enable(10.0, None, delay=0.0)
+        assert await _until(lambda: spare.worker is not None, 60)
+        assert spare.worker.preloaded == ("echo",)
+        kept = spare.worker
+        assert await spare.take(10.0, "llamacpp") is None and spare.worker is kept  # stays for an echo load
+        spec = {"engine": "upper", "artifact": "x", "name": "x", "config": ServerConfig(), "plugins_dir": None,
+                "warmup": False}
+        with pytest.raises(Exception, match="prepared for echo alone, not upper"):
+            await kept.request("load", spec)
+        taken.append(await spare.take(10.0, "echo"))
+        assert taken[0] is kept
+        spare.note("upper", None)  # the next spare prepares both: any engine may take it
+        spare.hurry()
+        assert await _until(lambda: spare.worker is not None, 60)
+        assert spare.worker.preloaded == ("echo", "upper") and spare.worker.may_take("llamacpp")
+        taken.append(await spare.take(10.0, "llamacpp"))
+        assert taken[-1] is not None
+    finally:
+        await spare.close()
+        for w in taken:
+            if w is not None:
+                await w.stop()

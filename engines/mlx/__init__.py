@@ -145,6 +145,13 @@ class MLXEngine(Engine):
             pass
 
     @classmethod
+    def prepare_own_process(cls) -> None:
+        """In a worker started for MLX alone: the same imports without torch (``runtime.hide_torch``), as ``load``
+        makes them in an engine worker of its own."""
+        runtime.hide_torch()
+        cls.prepare()
+
+    @classmethod
     def artifact_format(cls, path: str) -> str | None:
         p = Path(path)
         if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):

@@ -36,6 +36,7 @@ class Prespawned:
     arbiter: socket.socket
     beat: float
     started: float  # time.monotonic() of the spawn
+    engines: tuple[str, ...] = ()  # what it prepares (one alone: for that engine only; WorkerProcess.may_take)
 
     @property
     def pid(self) -> int:
@@ -120,15 +121,18 @@ def prespawn(beat: float, log_level: str, plugins_dir: str | None = None,
         return None
     for _, w in pairs:
         w.close()
-    pre = Prespawned(popen, pairs[0][0], pairs[1][0], pairs[2][0], beat, time.monotonic())
+    pre = Prespawned(popen, pairs[0][0], pairs[1][0], pairs[2][0], beat, time.monotonic(), tuple(engines))
     _slot.append(pre)
     log.debug("pre-spawned an engine worker (pid %d) before the gateway's imports", popen.pid)
     return pre
 
 
-def take() -> Prespawned | None:
-    """The pre-spawned worker, once (None: none, or it already exited)."""
+def take(engine: str | None = None) -> Prespawned | None:
+    """The pre-spawned worker, once (None: none, it already exited, or it was prepared for another engine alone and
+    ``engine`` asks: it stays for a later take)."""
     while _slot:
+        if engine is not None and len(_slot[-1].engines) == 1 and engine not in _slot[-1].engines:
+            return None
         pre = _slot.pop()
         if pre.popen.poll() is None:
             return pre

@@ -54,6 +54,9 @@ class WorkerProcess:
         self.stopping = False
         self.fault: str | None = None
         self._reaping = False
+        # the engines it prepared while it waited for a model; one alone: prepared for that engine only
+        # (Engine.prepare_own_process, which may hide libraries another engine needs), so no other engine takes it
+        self.preloaded: tuple[str, ...] = ()
         self.heard = time.monotonic()  # when the gateway last heard from it (any message, heartbeats included)
         self.silence_limit = supervision.LOAD_SILENCE_S
         self.hung_for: float | None = None  # seconds of silence after which the gateway killed it
@@ -61,10 +64,11 @@ class WorkerProcess:
         self.on_tick: Callable[[float], None] = lambda now: None
 
     @classmethod
-    async def spawn(cls, label: str, worker_timeout: float = supervision.WORKER_TIMEOUT_S) -> WorkerProcess:
-        """A worker for ``label``: the spare one if there is one (started ahead, its imports done or under way),
-        else a new process."""
-        worker = await SPARE.take(worker_timeout)
+    async def spawn(cls, label: str, worker_timeout: float = supervision.WORKER_TIMEOUT_S,
+                    engine: str | None = None) -> WorkerProcess:
+        """A worker for ``label`` (to load ``engine``): the spare one if there is one that may take it (started ahead,
+        its imports done or under way), else a new process."""
+        worker = await SPARE.take(worker_timeout, engine)
         if worker is not None:
             worker.relabel(label)
             log.debug("%s: the spare worker (pid %d) takes it", label, worker.pid)
@@ -92,12 +96,16 @@ class WorkerProcess:
             down_w.close()
             up_w.close()
             arb_w.close()
-        return await cls(label)._attach(proc, down_g, up_g, arb_g, worker_timeout)
+        worker = cls(label)
+        worker.preloaded = tuple(preload[1]) if preload else ()
+        return await worker._attach(proc, down_g, up_g, arb_g, worker_timeout)
 
     @classmethod
     async def adopt(cls, pre: prespawn.Prespawned, label: str, worker_timeout: float) -> WorkerProcess:
         """The worker ``octo serve`` started before its imports (``octo.runtime.prespawn``), on this event loop."""
-        return await cls(label)._attach(PopenProcess(pre.popen), pre.down, pre.up, pre.arbiter, worker_timeout)
+        worker = cls(label)
+        worker.preloaded = pre.engines
+        return await worker._attach(PopenProcess(pre.popen), pre.down, pre.up, pre.arbiter, worker_timeout)
 
     async def _attach(self, proc: Any, down_g: socket.socket, up_g: socket.socket, arb_g: socket.socket,
                       worker_timeout: float) -> WorkerProcess:
@@ -113,6 +121,10 @@ class WorkerProcess:
         self.heard = time.monotonic()
         self._watch = loop.create_task(supervision.watch(self))
         return self
+
+    def may_take(self, engine: str | None) -> bool:
+        """Whether a load with ``engine`` may use this worker: any, unless it was prepared for another engine alone."""
+        return engine is None or len(self.preloaded) != 1 or engine in self.preloaded
 
     def relabel(self, label: str) -> None:
         self.label = label
@@ -265,11 +277,12 @@ class SpareWorker:
         self._hold: asyncio.Event | None = None  # the task in _starting waits out its delay until this is set
         self.lull: Callable[[], bool] = lambda: True  # whether no request runs (the registry's, once it serves)
 
-    async def take(self, worker_timeout: float) -> WorkerProcess | None:
-        """The spare (the pre-spawned worker first), if one is alive and beats as ``worker_timeout`` wants; a new
-        spare is started behind it."""
+    async def take(self, worker_timeout: float, engine: str | None = None) -> WorkerProcess | None:
+        """The spare (the pre-spawned worker first), if one is alive, beats as ``worker_timeout`` wants and may take
+        ``engine`` (``WorkerProcess.may_take``); a new spare is started behind it. A spare prepared for another engine
+        alone stays the spare."""
         beat = prespawn.beat_interval(worker_timeout)
-        pre = prespawn.take()
+        pre = prespawn.take(engine)
         if pre is not None:
             if pre.beat == beat:
                 self._replenish(REPLACE_DELAY_S)
@@ -279,6 +292,8 @@ class SpareWorker:
             self.hurry()  # a replacement still waiting out its delay starts now: no slower than a new process
             with contextlib.suppress(BaseException):
                 await asyncio.shield(self._starting)
+        if self.worker is not None and self.worker.alive and not self.worker.may_take(engine):
+            return None
         worker, self.worker = self.worker, None
         self._replenish(REPLACE_DELAY_S)
         if worker is None or not worker.alive or worker.beat != beat:
@@ -384,7 +399,8 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
         overlay, _ = configs[i]
         label = f"{cls.name} worker for '{name}'"
         SPARE.note(cls.name, config.plugins_dir)
-        worker = await (WorkerProcess.spawn if spare else WorkerProcess.start)(label, config.worker_timeout)
+        worker = await (WorkerProcess.spawn(label, config.worker_timeout, cls.name) if spare
+                        else WorkerProcess.start(label, config.worker_timeout))
         (spawned or bool)(worker)  # the caller sees it at once (bool: no one looks)
         cfg = ServerConfig(**{**config.__dict__, "options": {**config.options, **overlay}})
         spec = {"engine": cls.name, "artifact": artifact, "name": name, "config": cfg,

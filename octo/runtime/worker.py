@@ -186,6 +186,7 @@ class Worker:
         self.loop = loop
         self.outbox = Outbox(sender, loop)
         self.engine: Engine | None = None
+        self.prepared_for: str | None = None  # the one engine this worker prepared for (preload), if one alone
         self.handle: ModelHandle | None = None
         # load, warm-up, benchmark and every step run on this one thread (see Scheduler.start)
         self.engine_thread = new_engine_thread()
@@ -269,6 +270,8 @@ class Worker:
         """Load the engine (``spec``: engine, artifact, name, config, plugins_dir, warmup); its ModelInfo back."""
         if self.engine is not None:  # one engine a worker: its EngineConfig.own_process says so
             raise OctoError(f"worker: {self.engine.name} is already loaded here")
+        if self.prepared_for not in (None, spec["engine"]):
+            raise OctoError(f"worker: prepared for {self.prepared_for} alone, not {spec['engine']}")
         self.spec = spec
         cls = self.engine_classes(spec.get("plugins_dir"))[spec["engine"]]
         check_available(cls)  # (checked here, not in the gateway: octo.runtime.loader.canonical_engine)
@@ -291,13 +294,16 @@ class Worker:
 
     def preload(self, plugins_dir: str | None, engines: list[str]) -> None:
         """(engine thread, while the worker waits for its model) Load the plugins and import the native libraries of
-        ``engines`` (``prepare``), so that the model's load starts with them done (``OCTO_WORKER_PRELOAD``)."""
+        ``engines`` (``prepare``; ``prepare_own_process`` when it names one alone), so that the model's load starts
+        with them done (``OCTO_WORKER_PRELOAD``)."""
         t0 = time.perf_counter()
         try:
             registry = self.engine_classes(plugins_dir)
+            if len(engines) == 1:  # started for this engine alone: the gateway gives it to no other (may_take)
+                self.prepared_for = engines[0]
             for name in engines:
                 if name in registry and registry[name].detect().available:
-                    registry[name].prepare()
+                    (registry[name].prepare_own_process if self.prepared_for else registry[name].prepare)()
         except Exception:  # noqa: BLE001 - the load itself reports what is wrong
             log.debug("worker: preloading %s failed", engines, exc_info=True)
         log.debug("worker: plugins and %s preloaded in %.3f s", engines or "no engine", time.perf_counter() - t0)
