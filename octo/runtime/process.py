@@ -396,8 +396,7 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
     i = min(first, len(configs) - 1)
     killed = 0  # outside SIGKILLs so far
     while True:
-        overlay, _ = configs[i]
-        label = f"{cls.name} worker for '{name}'"
+        overlay, label = configs[i][0], f"{cls.name} worker for '{name}'"
         SPARE.note(cls.name, config.plugins_dir)
         worker = await (WorkerProcess.spawn(label, config.worker_timeout, cls.name) if spare
                         else WorkerProcess.start(label, config.worker_timeout))
