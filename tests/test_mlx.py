@@ -603,3 +603,40 @@ def test_blas_auto_preloads_system_openblas(folder):
     if path is None:
         pytest.skip("no system OpenBLAS here (apt install libopenblas0) to check that blas=auto preloads it")
     assert _fresh(_BLAS_CODE.format(blas="auto", folder=folder)) == f"OpenBLAS ({path})"
+
+
+_NEEDS_TORCH = r"""
+import sys
+from octo.engines.mlx import MLXEngine, runtime
+from octo.engine import EngineConfig
+from octo.errors import ConfigError
+assert runtime.hide_torch() and runtime.torch_hidden()
+try:
+    import torch  # noqa: F401 - what a tokenizer that needs torch does
+except ImportError as exc:
+    assert runtime.needs_torch(exc)
+assert not runtime.needs_torch(ValueError("x")) and not runtime.needs_torch(ModuleNotFoundError("y", name="yaml"))
+import mlx_lm.utils
+def load(path, return_config=False):  # a folder whose tokenizer imports torch, through transformers' lazy import
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("Could not import module 'AutoTokenizer'") from exc
+mlx_lm.utils.load = load
+e = MLXEngine(EngineConfig(own_process=True))
+try:
+    e.load(sys.argv[1], "tiny")
+except ConfigError as exc:
+    print(exc.message)
+"""
+
+
+def test_a_tokenizer_that_needs_torch_says_how_to_serve_it(folder):
+    """Where torch is hidden and a model's tokenizer imports it after all, the load fails with a ConfigError that says
+    so and names the way out (--isolation thread), not with transformers' import error."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NEEDS_TORCH, folder], capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert "needs torch (its tokenizer imports it)" in out.stdout and "--isolation thread" in out.stdout, out

@@ -171,11 +171,10 @@ class MLXEngine(Engine):
         except OSError as exc:
             raise ConfigError(f"Option 'blas': {exc}", param="blas") from None
         from mlx.utils import tree_flatten, tree_map
-        from mlx_lm.utils import load as mlx_load
 
         from .text import TextCodec
 
-        model, tokenizer, config = mlx_load(str(path), return_config=True)
+        model, tokenizer, config = runtime.load_folder(path)
         compute = self._compute_dtype(mx)
         if compute is not None:  # upcast float parameters (quantization scales included); packed weights stay
             model.update(

@@ -17,6 +17,9 @@ import os
 import platform
 import sys
 import threading
+from typing import Any
+
+from octo.errors import ConfigError
 
 MIN_GLIBC = (2, 35)  # the mlx[cpu] manylinux wheels are built for glibc 2.35
 _SYSTEM_OPENBLAS = (
@@ -117,12 +120,44 @@ def hide_torch() -> bool:
     and on a CPU host that import is about two thirds of this engine's load (importing mlx-lm: 3.2 s with torch,
     1.1 s without, on a 2-core x86-64). Only for an engine worker of its own (``EngineConfig.own_process``): in a
     process that other engines share, one of them may need torch. True when torch is hidden now."""
-    if sys.modules.get("torch", False) is None:
+    if torch_hidden():
         return True
     if "torch" in sys.modules or "transformers" in sys.modules:
         return False
     sys.modules["torch"] = None  # the import system's own "not importable" mark
     return True
+
+
+def torch_hidden() -> bool:
+    """Whether ``hide_torch`` hid torch in this process."""
+    return sys.modules.get("torch", False) is None
+
+
+def needs_torch(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a failed ``import torch``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def load_folder(path: Any) -> tuple[Any, Any, dict]:
+    """mlx-lm's load of a model folder: (model, tokenizer, config). Where torch is hidden (``hide_torch``) and the
+    folder's tokenizer needs it after all, a ConfigError says so and names the way out (the gateway's own process)."""
+    try:
+        from mlx_lm.utils import load as mlx_load
+
+        return mlx_load(str(path), return_config=True)
+    except Exception as exc:
+        if torch_hidden() and needs_torch(exc):
+            raise ConfigError(
+                f"The MLX model in {path} needs torch (its tokenizer imports it): an MLX engine worker of its own "
+                "loads mlx-lm without torch, which MLX never calls. Serve this model with --isolation thread, where "
+                "torch is imported as usual.") from exc
+        raise
 
 
 def blas_in_use() -> str:
