@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -18,29 +19,40 @@ async def _until(cond, seconds: float) -> bool:
     return cond()
 
 
+@contextlib.asynccontextmanager
+async def _echo_spare(taken: list, **enable):
+    """A SpareWorker that prepares the echo engine, enabled and with its first spare up; it and the workers the test
+    took (``taken``) are stopped afterwards."""
+    from octo.runtime import process
+
+    spare = process.SpareWorker()
+    spare.note("echo", None)
+    try:
+        await spare.enable(10.0, None, delay=0.0, **enable)
+        assert await _until(lambda: spare.worker is not None, 60)
+        yield spare
+    finally:
+        await spare.close()
+        for w in taken:
+            if w is not None:
+                await w.stop()
+
+
 @pytest.mark.parametrize("hurried", [False, True])
 async def test_a_waiting_replacement_starts_at_once_when_hurried(monkeypatch, hurried):
     from octo.runtime import process
 
     monkeypatch.setattr(process, "REPLACE_DELAY_S", 30.0)  # without hurry(): no replacement for 30 s
-    spare = process.SpareWorker()
-    spare.note("echo", None)
-    taken = None
-    try:
-        await spare.enable(10.0, None, delay=0.0)
-        assert await _until(lambda: spare.worker is not None, 60)
-        taken = await spare.take(10.0)
-        assert taken is not None and taken.alive and spare.worker is None
+    taken: list = []
+    async with _echo_spare(taken) as spare:
+        taken.append(await spare.take(10.0))
+        assert taken[0] is not None and taken[0].alive and spare.worker is None
         if hurried:
             spare.hurry()
         started = await _until(lambda: spare.worker is not None, 20)
         assert started == hurried
         if hurried:
-            assert spare.worker.pid != taken.pid and spare.worker.alive
-    finally:
-        await spare.close()
-        if taken is not None:
-            await taken.stop()
+            assert spare.worker.pid != taken[0].pid and spare.worker.alive
 
 
 async def test_a_take_while_the_replacement_waits_gets_it_and_the_next_one_is_on_its_way(monkeypatch):
@@ -50,23 +62,14 @@ async def test_a_take_while_the_replacement_waits_gets_it_and_the_next_one_is_on
     from octo.runtime import process
 
     monkeypatch.setattr(process, "REPLACE_DELAY_S", 30.0)
-    spare = process.SpareWorker()
-    spare.note("echo", None)
-    taken = []
-    try:
-        await spare.enable(10.0, None, delay=0.0)
-        assert await _until(lambda: spare.worker is not None, 60)
+    taken: list = []
+    async with _echo_spare(taken) as spare:
         taken.append(await spare.take(10.0))
         taken.append(await spare.take(10.0))  # the replacement, started now rather than in 30 s
         assert all(w is not None and w.alive for w in taken) and taken[0].pid != taken[1].pid
         spare.hurry()  # the next replacement is scheduled: it starts
         assert await _until(lambda: spare.worker is not None, 20)
         assert spare.worker.pid not in {w.pid for w in taken}
-    finally:
-        await spare.close()
-        for w in taken:
-            if w is not None:
-                await w.stop()
 
 
 async def test_a_replacement_waits_for_a_lull_in_the_requests(monkeypatch):
@@ -77,12 +80,8 @@ async def test_a_replacement_waits_for_a_lull_in_the_requests(monkeypatch):
 
     monkeypatch.setattr(process, "REPLACE_DELAY_S", 0.1)
     busy = [True]
-    spare = process.SpareWorker()
-    spare.note("echo", None)
-    taken = []
-    try:
-        await spare.enable(10.0, None, delay=0.0, lull=lambda: not busy[0])
-        assert await _until(lambda: spare.worker is not None, 60)  # (no delay: the first spare starts at once)
+    taken: list = []
+    async with _echo_spare(taken, lull=lambda: not busy[0]) as spare:  # (no delay: the first spare starts at once)
         taken.append(await spare.take(10.0))
         assert not await _until(lambda: spare.worker is not None, 1.5)  # requests run: it waits
         busy[0] = False  # the lull
@@ -96,11 +95,6 @@ async def test_a_replacement_waits_for_a_lull_in_the_requests(monkeypatch):
         taken.append(await spare.take(10.0))
         assert await _until(lambda: spare.worker is not None, 20)  # never idle: it starts after LULL_WAIT_S
         assert len({w.pid for w in [*taken, spare.worker]}) == 4
-    finally:
-        await spare.close()
-        for w in taken:
-            if w is not None:
-                await w.stop()
 
 
 async def test_a_spare_prepared_for_one_engine_alone_serves_only_that_engine():
@@ -108,14 +102,9 @@ async def test_a_spare_prepared_for_one_engine_alone_serves_only_that_engine():
     load of another engine, which starts a worker of its own, and stays the spare; one that prepared several engines
     takes any. The worker itself refuses a load of another engine too."""
     from octo.config import ServerConfig
-    from octo.runtime import process
 
-    spare = process.SpareWorker()
-    spare.note("echo", None)
-    taken = []
-    try:
-        await spare.enable(10.0, None, delay=0.0)
-        assert await _until(lambda: spare.worker is not None, 60)
+    taken: list = []
+    async with _echo_spare(taken) as spare:
         assert spare.worker.preloaded == ("echo",)
         kept = spare.worker
         assert await spare.take(10.0, "llamacpp") is None and spare.worker is kept  # stays for an echo load
@@ -131,8 +120,3 @@ async def test_a_spare_prepared_for_one_engine_alone_serves_only_that_engine():
         assert spare.worker.preloaded == ("echo", "upper") and spare.worker.may_take("llamacpp")
         taken.append(await spare.take(10.0, "llamacpp"))
         assert taken[-1] is not None
-    finally:
-        await spare.close()
-        for w in taken:
-            if w is not None:
-                await w.stop()
