@@ -81,6 +81,10 @@ class LoadMonitor:
         self.first = self._sample()
         return self
 
+    def disturbed_so_far(self) -> bool:
+        """Whether the measurement is disturbed so far (``stop()``'s verdict now; the monitor goes on)."""
+        return bool(self.stop()["disturbed"])
+
     def stop(self) -> dict[str, Any]:
         (t0, cpu0, own0, wait0), (t1, cpu1, own1, wait1) = self.first, self._sample()
         wall, n = max(t1 - t0, 1e-6), max(1, len(self.cpus))

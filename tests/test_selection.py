@@ -263,6 +263,9 @@ class _Quiet:
     def start(self):
         return self
 
+    def disturbed_so_far(self):  # the verdict stop() will give, without taking it
+        return bool(_Quiet.verdicts and _Quiet.verdicts[0])
+
     def stop(self):
         disturbed = _Quiet.verdicts.pop(0) if _Quiet.verdicts else False
         return {"foreign_load": 0.6 if disturbed else 0.0, "run_wait": 0.4 if disturbed else 0.0, "steal": 0.0,
@@ -308,6 +311,7 @@ def test_a_disturbed_measurement_is_repeated_and_one_that_stays_disturbed_is_cac
     fast = results["fast"]["conditions"]
     assert [a["disturbed"] for a in fast["attempts"]] == [True, False] and not fast["disturbed"]
     assert len(monitor) == 1 and "fast" in _stored(home)  # waited for quiet once; the quiet result is cached
+    assert not fast.get("cut_short") and results["fast"]["seconds"] >= 0.2  # the undisturbed repeat: whole budget
     _Quiet.verdicts = [True, True]  # disturbed both times: decides this start, cached as provisional
     (home.parent / "bench").rename(home.parent / "old-bench")
     name, _, results, reason = run_select({"fast": (Fast, str(home))}, seconds=0.2, say=lines.append)
@@ -347,6 +351,25 @@ def test_a_host_that_stays_busy_gets_no_repeat(home, monitor, monkeypatch):
                                      say=lambda m: None)
     assert waits == [bm.QUIET_WAIT_S] and _Quiet.verdicts == [True]  # one wait, one measurement each
     assert all(r["provisional"] and len(r["conditions"]["attempts"]) == 1 for r in results.values())
+
+
+def test_a_measurement_disturbed_after_its_prefill_measures_the_floor_only(home, monitor, monkeypatch):
+    """Once a measurement is disturbed (checked after its prefill phase), the rest measures the floor only: the result
+    is provisional anyway, so the rest of its budget would only delay the start."""
+    import octo.runtime.benchmark as bm
+
+    monkeypatch.setattr(bm, "wait_quiet", lambda limit: False)
+    _Quiet.verdicts = [True]
+    _, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=1.0, say=lambda m: None)
+    r = results["fast"]
+    assert r["provisional"] and r["conditions"]["cut_short"] and r["seconds"] < 0.5, r
+    work = r["conditions"]["work"]
+    assert work["decode_tokens"] >= MIN_DECODE_STEPS and work["batch_tokens"] >= BATCH * MIN_BATCH_STEPS
+    assert r["decode_tok_s"] and r["batch_decode_tok_s"] and r["score"] > 0
+    _Quiet.verdicts = []  # undisturbed: the whole budget (the measurement a calm host gets)
+    (home.parent / "bench").rename(home.parent / "cut-bench")
+    _, _, results, _ = run_select({"fast": (Fast, str(home))}, seconds=1.0, say=lambda m: None)
+    assert not results["fast"]["conditions"].get("cut_short") and results["fast"]["seconds"] >= 0.75
 
 
 def test_a_cached_result_stands_only_for_a_budget_it_covered_and_undisturbed(home, monitor):

@@ -11,8 +11,9 @@ longer than the budget the progress line says the budget is too small. The score
 
     score = batch_decode_tok_s ** 0.5 * decode_tok_s ** 0.3 * prefill_tok_s ** 0.2
 
-A measurement during which other processes competed for the cores (``octo.benchload.LoadMonitor``) is repeated
-once after waiting for them to calm down; the result says so in ``conditions``. With the leader's score, a
+A measurement during which other processes competed for the cores (``octo.benchload.LoadMonitor``) measures the
+floor only from the moment that shows (after its prefill phase), and is repeated once if they calm down within
+``QUIET_WAIT_S``; the result says so in ``conditions``. With the leader's score, a
 candidate stops as soon as it cannot win even with perfect batching (``upper_bound``). A speech engine is measured
 on speech work instead (``speech_benchmark``).
 """
@@ -175,7 +176,8 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
                   or not wait_quiet(quiet_wait)):
             break  # no time left for a repeat, or a host that stays busy: the disturbed result stands
         mon = LoadMonitor().start()
-        r = _measure(engine, seconds, beat, min(time.perf_counter() + seconds + FLOOR_GRACE, limit))
+        r = _measure(engine, seconds, beat, min(time.perf_counter() + seconds + FLOOR_GRACE, limit),
+                     mon.disturbed_so_far)
         r["conditions"] = {**mon.stop(), **r["conditions"]}
         attempts.append(r)
         if r["error"] or not r["conditions"]["disturbed"]:
@@ -194,7 +196,8 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
     return best
 
 
-def _measure(engine: Engine, seconds: float, beat: float | None, hard: float) -> dict[str, Any]:
+def _measure(engine: Engine, seconds: float, beat: float | None, hard: float,
+             disturbed: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """One measurement. Phases: warm-up (a 16-token prompt in the measured prefill chunks, 2 decode steps), prefill
     of 64-token prompts (at least one; more while within 20% of the budget), single-stream decode for each thread
     count (to 55% of the budget; at least MIN_DECODE_STEPS each, after an untimed step), then BATCH sequences
@@ -203,6 +206,10 @@ def _measure(engine: Engine, seconds: float, beat: float | None, hard: float) ->
 
     With ``beat`` (the leader's score), the engine stops once it cannot reach it: a thread count's decode
     phase ends when its upper bound is below ``beat``, and the batch phase is skipped when the best one is.
+
+    When the measurement is ``disturbed`` after its prefill phase (other processes took the cores), the rest measures
+    the floor only (``conditions.cut_short``): a disturbed result decides provisionally and is measured again, so
+    the rest of the budget would only delay the start.
     """
     t_start = time.perf_counter()
     deadline = t_start + seconds
@@ -218,7 +225,11 @@ def _measure(engine: Engine, seconds: float, beat: float | None, hard: float) ->
         _prefill_until(engine, warm, hard)
         decode_steps(engine, [warm], hard, 2)
         result["prefill_tok_s"] = _prefill_phase(engine, t_start + 0.2 * seconds, hard, work)
-        result["threads"], rate = _decode_phase(engine, warm, result, beat, t_start + 0.55 * seconds, hard, work)
+        if disturbed():
+            deadline = time.perf_counter()
+            result["conditions"]["cut_short"] = True
+        result["threads"], rate = _decode_phase(engine, warm, result, beat, min(deadline, t_start + 0.55 * seconds),
+                                                hard, work)
         result["decode_tok_s"] = round(rate, 2) if rate else None
         free_sequences(engine, live)
         if beat is not None and upper_bound(result) < beat:
