@@ -127,11 +127,17 @@ def prespawn(beat: float, log_level: str, plugins_dir: str | None = None,
     return pre
 
 
+def may_take(prepared: tuple[str, ...], engine: str | None) -> bool:
+    """Whether a load with ``engine`` may use a worker that prepared ``prepared``: any, unless it prepared another
+    engine alone (``Engine.prepare_own_process``, which may hide libraries another engine needs)."""
+    return engine is None or len(prepared) != 1 or engine in prepared
+
+
 def take(engine: str | None = None) -> Prespawned | None:
     """The pre-spawned worker, once (None: none, it already exited, or it was prepared for another engine alone and
     ``engine`` asks: it stays for a later take)."""
     while _slot:
-        if engine is not None and len(_slot[-1].engines) == 1 and engine not in _slot[-1].engines:
+        if not may_take(_slot[-1].engines, engine):
             return None
         pre = _slot.pop()
         if pre.popen.poll() is None:

@@ -123,8 +123,8 @@ class WorkerProcess:
         return self
 
     def may_take(self, engine: str | None) -> bool:
-        """Whether a load with ``engine`` may use this worker: any, unless it was prepared for another engine alone."""
-        return engine is None or len(self.preloaded) != 1 or engine in self.preloaded
+        """Whether a load with ``engine`` may use this worker (``prespawn.may_take``)."""
+        return prespawn.may_take(self.preloaded, engine)
 
     def relabel(self, label: str) -> None:
         self.label = label
