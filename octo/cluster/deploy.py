@@ -9,7 +9,7 @@ the registry and the route handlers cannot tell them apart). Backpressure: a rep
 ``max_batch + max_queue`` requests (``max_ongoing_requests``) and the gateway queues at most ``max_batch`` more
 (``max_queued_requests``); beyond that Ray's ``BackPressureError`` is octo's 503 with ``Retry-After``. A replica that
 dies ends its in-flight requests with a 503 ``replica_lost``; Ray Serve restarts it and the others go on. Requests of
-one conversation prefer one replica (``cluster_replica.AffinityRouter``), so its prefix cache keeps working.
+one conversation prefer one replica (``octo.cluster.replica.AffinityRouter``), so its prefix cache keeps working.
 
 This module imports ray only inside functions: ``octo serve`` without ``--cluster`` never imports it.
 """
