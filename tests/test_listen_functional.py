@@ -60,6 +60,23 @@ def test_a_port_in_use_is_a_clear_error_at_once_not_after_the_load():
     assert "Traceback" not in err
 
 
+def test_a_port_in_use_fails_before_anything_starts_or_loads():
+    """The port is taken before the engine worker starts and before the model's load: the only output is the error
+    (no "loading" line, as when the load started first and the port came after it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=60", "--port", str(port),
+                      "--log-level", "debug")
+        out, err = proc.communicate(timeout=30)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == 1 and time.monotonic() - started < 10, err
+    assert lines == [f"Error: cannot serve: 127.0.0.1:{port} is already in use (another server on that port? "
+                     "choose another with --port)"], err
+
+
 def test_while_loading_every_route_is_a_503_in_its_api_shape_then_the_same_port_serves():
     port = free_port()
     proc = _serve("m", "--engine", "faulty", "--plugins-dir", PLUGINS, "-o", "load_s=12", "--port", str(port))

@@ -1,4 +1,5 @@
-"""What the commands share: the ``OCTO_*`` variable of a flag, a host in a URL, a table on the terminal."""
+"""What the commands share: the ``OCTO_*`` variable of a flag, a host in a URL, a table on the terminal, the port
+``octo serve`` takes first."""
 
 from __future__ import annotations
 
@@ -21,3 +22,14 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns))
     for r in rows:
         click.echo("  ".join(str(r.get(c) if r.get(c) is not None else "-").ljust(widths[c]) for c in columns))
+
+
+def take_port(host: str, port: int) -> list:
+    """``octo serve``'s listening sockets, taken before anything else starts (its engine worker, its imports, the
+    models' loads): a port in use is a clear error at once. Only ``socket`` is imported (``octo.server.sockets``)."""
+    from octo.server.sockets import open_sockets
+
+    try:
+        return open_sockets(host, port)
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None

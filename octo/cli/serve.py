@@ -9,7 +9,7 @@ import os
 
 import click
 
-from octo.cli.common import envvar
+from octo.cli.common import envvar, take_port
 from octo.config import ServerConfig
 from octo.errors import OctoError
 
@@ -244,8 +244,8 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
     demand. With no model the server starts empty. --engine and -o apply to the models named here."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # first of all, an engine worker: its start and imports overlap the gateway's (aiohttp, the server, ...)
-    _prespawn(cluster, isolation, engine, worker_timeout, log_level, plugins_dir)
+    socks = take_port(host, port)  # first the port (in use: an error now), then an engine worker, whose start and
+    _prespawn(cluster, isolation, engine, worker_timeout, log_level, plugins_dir)  # imports overlap the gateway's
     loop_factory = _loop_factory(loop_name)
     if not _is_loopback(host) and not api_key and not insecure_no_auth:
         raise click.UsageError(f"refusing to serve on {host} without --api-key (anyone on the network could use "
@@ -291,7 +291,7 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
     from octo.cli.startup import run
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(run(config, specs))
+        runner.run(run(config, specs, socks))
 
 
 def _allowed_hosts(value: str) -> tuple[str, ...]:

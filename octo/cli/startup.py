@@ -1,6 +1,7 @@
-"""``octo serve`` from its settings to its end: the models start loading first (in the worker started before the
-gateway's imports), the port is taken at once and answers 503 while they load, then the API serves until SIGINT or
-SIGTERM, and drains."""
+"""``octo serve`` from its settings to its end: the port is taken first (``octo.cli.common.take_port``, before the
+engine worker starts: in use is an error at once), the models start loading (in the worker started before the
+gateway's imports) and the port answers 503 while they load, then the API serves until SIGINT or SIGTERM, and
+drains."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import click
 
-from octo.cli.common import url_host
+from octo.cli.common import take_port, url_host
 from octo.config import ServerConfig
 from octo.errors import OctoError
 
@@ -49,9 +50,10 @@ async def _start_registry(config: ServerConfig, specs: list, pm: Any) -> Any:
     return registry
 
 
-async def run(config: ServerConfig, specs: list) -> None:
-    """Serve until SIGINT or SIGTERM, then drain (``config.shutdown_timeout``) and stop."""
-    registry, runner, port = await _start(config, specs)
+async def run(config: ServerConfig, specs: list, socks: list | None = None) -> None:
+    """Serve on ``socks`` (taken now when not given) until SIGINT or SIGTERM, then drain
+    (``config.shutdown_timeout``) and stop."""
+    registry, runner, port = await _start(config, specs, socks or take_port(config.host, config.port))
     from octo.runtime.process import SPARE
 
     await SPARE.enable(config.worker_timeout, config.plugins_dir, lull=registry.lull)
@@ -72,13 +74,12 @@ async def run(config: ServerConfig, specs: list) -> None:
         await runner.cleanup()
 
 
-async def _start(config: ServerConfig, specs: list) -> tuple[Any, Any, int]:
-    """The models' loads start first and the server's own imports run while they load; the port answers 503 until
-    the API serves. Returns (the registry, the app's runner, the port)."""
+async def _start(config: ServerConfig, specs: list, socks: list) -> tuple[Any, Any, int]:
+    """On the sockets taken already, the models' loads start first and the server's own imports run while they
+    load; the port answers 503 until the API serves. Returns (the registry, the app's runner, the port)."""
     from octo.plugins import load_plugins
 
     registry = loading = starting = None
-    socks: list = []
     try:
         pm = load_plugins(config.plugins_dir)
         if not config.cluster:  # the models' loads start first; the server's own imports run while they load
@@ -86,10 +87,6 @@ async def _start(config: ServerConfig, specs: list) -> tuple[Any, Any, int]:
             await until_loading(starting)
         from octo.server import listen
 
-        try:  # the port before anything slow: in use is an error now, not after the load, and nothing started
-            socks = listen.open_sockets(config.host, config.port)  # meanwhile (a Ray head's services) takes it
-        except OSError as exc:
-            raise click.ClickException(f"cannot serve: {exc.strerror or exc}") from None
         if starting is None:
             starting = asyncio.get_running_loop().create_task(_start_registry(config, specs, pm))
         from aiohttp import web
