@@ -1,13 +1,14 @@
 """Request models of Ollama's native API (``/api/chat``, ``/api/generate``, ``/api/embed``, ...), pydantic, fields
 as Ollama's ``api/types.go`` names them. No aiohttp here: the generation requests are pickled into model workers.
 
-Validation follows octo's rules: a value of the wrong JSON type is a 400 naming the field; a key no model declares
-is a 400 naming it (Ollama's Go decoder would ignore it, octo never drops what a client sent). ``options`` is
-free-form here and checked by :mod:`octo.serving.ollama`, which honours each option or refuses it by name.
+Validation follows Ollama's: a value of the wrong JSON type is a 400 naming the field; a key Ollama's API does not
+have, at any depth, is ignored as Ollama's Go decoder ignores it, with one warning line naming it. ``options`` is
+free-form here and read by :mod:`octo.serving.ollama` as Ollama's ``Options.FromMap`` reads it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from octo.errors import InvalidRequest
 
 THINK_LEVELS = ("high", "medium", "low", "max")
+log = logging.getLogger("octo.protocol.ollama")
 
 
 class OllamaModel(BaseModel):
@@ -142,15 +144,20 @@ class ModelRequest(OllamaModel):
 
 
 # -- parsing ----------------------------------------------------------------------------------------
-def parse(model: type[OllamaModel], body: bytes) -> Any:
-    """Validate a JSON body; a 400 naming the field for a bad value or a key Ollama's API does not have."""
+def parse(model: type[OllamaModel], body: bytes, route: str = "") -> Any:
+    """Validate a JSON body: a 400 naming the field for a bad value; keys Ollama's API does not have are dropped,
+    named in one warning line (``route`` says where)."""
     if not body or not body.strip():
         raise InvalidRequest("missing request body")
     try:
         req = model.model_validate_json(body)
     except ValidationError as exc:
         raise _invalid(exc) from None
-    _unknown(req, "")
+    unknown: list[str] = []
+    _unknown(req, "", unknown)
+    if unknown:
+        log.warning("%s: ignoring fields Ollama's API does not have: %s", route or model.__name__,
+                    ", ".join(repr(u[:80]) for u in unknown[:20]))
     return req
 
 
@@ -170,20 +177,22 @@ def _invalid(exc: ValidationError) -> InvalidRequest:
 _UNION_TAGS = {"str", "list[str]", "dict[str,any]", "bool", "int", "float", "list[int]", "none"}
 
 
-def _unknown(value: Any, path: str) -> None:
-    """A 400 naming the first key no model declares (at any depth), or a NaN/Infinity inside free-form JSON."""
+def _unknown(value: Any, path: str, found: list[str]) -> None:
+    """Drop (and list in ``found``) the keys no model declares, at any depth; a 400 for a NaN/Infinity inside
+    free-form JSON."""
     if isinstance(value, OllamaModel):
-        for key in value.model_extra or ():
-            where = f"{path}.{key}" if path else key
-            raise InvalidRequest(f"unknown field '{where}' (octo's Ollama API does not have it)", param=where,
-                                 code="unknown_parameter")
+        extra = value.model_extra
+        if extra:
+            found.extend(f"{path}.{key}" if path else key for key in extra)
+            value.model_fields_set.difference_update(extra)
+            extra.clear()
         for name in value.model_fields_set:
-            _unknown(getattr(value, name), f"{path}.{name}" if path else name)
+            _unknown(getattr(value, name), f"{path}.{name}" if path else name, found)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            _unknown(item, f"{path}[{i}]")
+            _unknown(item, f"{path}[{i}]", found)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _unknown(item, f"{path}.{key}")
+            _unknown(item, f"{path}.{key}", found)
     elif isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(f"invalid value for {path}: NaN and Infinity are not JSON numbers", param=path)

@@ -17,6 +17,7 @@ Ollama's tool calls carry their arguments as an object, durations are nanosecond
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,75 +30,136 @@ from octo.scheduler.jobs import GenerationRequest, Result
 from octo.serving import chatprep
 from octo.text.reasoning import prompt_opens_thinking, supports_thinking, template_source
 
-# options octo honours -> the SamplingParams field they set (None: not a sampling field)
+# the Ollama release whose API octo implements (its docs/api.md, api/types.go, server/routes.go and prompt.go):
+# what /api/version reports, so that clients gating features on Ollama's version see the API they get
+API_VERSION = "0.32.15"
+# Ollama's Options struct (api/types.go of API_VERSION) and the JSON type of each key, as its
+# Options.FromMap reads them: an integer option takes any JSON number (truncated), a float one any number
+_INT = frozenset({"num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch", "num_gpu",
+                  "main_gpu", "num_thread", "draft_num_predict"})
+_FLOAT = frozenset({"top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
+                    "frequency_penalty"})
+KNOWN_OPTIONS = _INT | _FLOAT | {"stop", "use_mmap"}
+# options octo honours -> the SamplingParams field they set
 _SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
              "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
              "frequency_penalty": "frequency_penalty"}
-_INTS = frozenset({"num_predict", "top_k", "seed", "num_ctx"})
-# options whose value turns a feature off: accepted with exactly that value (octo never runs the feature)
-_OFF = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
+# how a model runs, set in Ollama when it loads (its Runner struct, the draft): octo sets them at load (-o ...)
+_LOAD = frozenset({"num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread", "draft_num_predict"})
+NUM_KEEP = 4  # Ollama's default num_keep: the prompt's first tokens a cut keeps
+log = logging.getLogger("octo.serving.ollama")
 
 
 @dataclass
 class Options:
-    """What a request's ``options`` sets: sampling, the token limit, stop strings, the context window."""
+    """What a request's ``options`` sets: sampling, the token limit, stop strings, the context window, the tokens a
+    cut keeps (``num_keep``), and the options octo ignores (``ignored``, named in one warning line)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_predict: int | None = None
     stop: list[str] = field(default_factory=list)
     num_ctx: int | None = None
+    num_keep: int = NUM_KEEP
+    repeat_last_n: int | None = None
+    typical_p: float = 1.0
+    ignored: list[str] = field(default_factory=list)
 
     @classmethod
     def parse(cls, options: dict[str, Any] | None, engine: Any = None) -> Options:
-        """``options`` checked; a null value is unset (as Ollama reads it); an option octo cannot honour is a 400
-        naming it. ``engine``: refuse sampling settings it cannot apply (None: do not check)."""
+        """``options`` as Ollama reads them: a null value is unset; a value of the wrong JSON type is an error with
+        Ollama's message; an unknown key, or an option octo cannot honour, is ignored and listed in ``ignored``.
+        ``engine``: the sampling settings it cannot apply are ignored too (None: not checked)."""
         out = cls()
         for key, value in (options or {}).items():
             if value is None:
                 continue
-            where = f"options.{key}"
-            if key in _OFF:
-                if _number(value, where) != _OFF[key]:
-                    raise UnsupportedParameter(where, f"octo does not implement {key}; leave it out or set it to "
-                                               f"{_OFF[key]:g} (off)")
-            elif key == "stop":
-                if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-                    raise InvalidRequest("option \"stop\" must be an array of strings", param=where)
-                out.stop = list(value)
-            elif key in _SAMPLING or key in ("num_predict", "num_ctx"):
-                out._set(key, _number(value, where, key in _INTS))
+            if key not in KNOWN_OPTIONS or key in _LOAD:
+                if key in _LOAD:
+                    _typed(key, value)
+                out.ignored.append(key)
+                continue
+            value = _typed(key, value)
+            if key == "stop":
+                out.stop = value
+            elif key in _SAMPLING:
+                out._sample(key, value)
             else:
-                raise UnsupportedParameter(where, "octo cannot honour this option")
+                out._set(key, value)
         if engine is not None:
-            for name in sorted(out.sampling.changed()):
-                if name not in engine.sampling_params:
-                    key = next(k for k, v in _SAMPLING.items() if v == name)
-                    raise UnsupportedParameter(f"options.{key}", f"the {engine.name} engine cannot honour it")
+            out._fit(engine)
         return out
 
-    def _set(self, key: str, value: float) -> None:
-        sp = self.sampling
+    def _set(self, key: str, value: Any) -> None:
         if key == "num_predict":
-            self.num_predict = int(value) if value > 0 else None  # -1: no limit, -2: fill the context
+            self.num_predict = value if value > 0 else None  # -1: no limit, -2: fill the context
         elif key == "num_ctx":
-            if value < 1:
-                raise InvalidRequest("option \"num_ctx\" must be at least 1", param="options.num_ctx")
-            self.num_ctx = int(value)
-        elif key == "seed":
-            sp.seed = int(value) & (2**63 - 1) if value >= 0 else None  # -1: a random seed, as Ollama's default
+            self.num_ctx = value if value > 0 else None  # 0: the model's (Ollama's default)
+        elif key == "num_keep":
+            self.num_keep = value
+        elif key == "repeat_last_n":
+            self.repeat_last_n = value
+        elif key == "typical_p":
+            self.typical_p = value
+
+    def _sample(self, key: str, value: Any) -> None:
+        """A sampling option; a value past its range means what the samplers make of it (top_p, min_p above 1: off
+        and all; a temperature below 0: greedy); a repeat_penalty of 0 or less has no meaning: ignored."""
+        sp = self.sampling
+        if key == "seed":
+            sp.seed = value & (2**63 - 1) if value >= 0 else None  # -1: a random seed, as Ollama's default
         elif key == "top_k":
-            sp.top_k = max(0, int(value))
+            sp.top_k = max(0, value)
+        elif key in ("top_p", "min_p"):
+            setattr(sp, key, min(1.0, max(0.0, value)))
+        elif key == "temperature":
+            sp.temperature = max(0.0, value)
+        elif key == "repeat_penalty" and value <= 0:
+            self.ignored.append(key)
         else:
-            setattr(sp, _SAMPLING[key], float(value))
-        if not (0 <= sp.top_p <= 1 and 0 <= sp.min_p <= 1 and sp.temperature >= 0 and sp.repetition_penalty > 0):
-            raise InvalidRequest(f"option \"{key}\" is out of range", param=f"options.{key}")
+            setattr(sp, _SAMPLING[key], value)
+
+    def _fit(self, engine: Any) -> None:
+        """Ignore what ``engine`` cannot apply: sampling settings it lacks, a penalty window other than the one the
+        model loaded with (``penalty_last_n``), typical sampling (no engine has it)."""
+        defaults = SamplingParams()
+        for name in sorted(self.sampling.changed()):
+            if name not in engine.sampling_params:
+                setattr(self.sampling, name, getattr(defaults, name))
+                self.ignored.append(next(k for k, v in _SAMPLING.items() if v == name))
+        if self.repeat_last_n is not None:  # -1: the whole context
+            want = engine.info.n_ctx if self.repeat_last_n < 0 else self.repeat_last_n
+            if want != getattr(engine, "penalty_last_n", None):
+                self.ignored.append("repeat_last_n")
+        if self.typical_p < 1.0:
+            self.ignored.append("typical_p")
 
 
-def _number(value: Any, where: str, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"option \"{where[8:]}\" must be of type {'integer' if integer else 'number'}",
-                             param=where)
-    return int(value) if integer else float(value)
+def _typed(key: str, value: Any) -> Any:
+    """``value`` as the type Ollama's Options.FromMap reads ``key`` with; its error message otherwise."""
+    if key in _INT:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"option \"{key}\" must be of type integer", param=f"options.{key}")
+        return int(value)
+    if key in _FLOAT:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"option \"{key}\" must be of type float32", param=f"options.{key}")
+        return float(value)
+    if key == "stop":
+        if not isinstance(value, list):
+            raise InvalidRequest(f"option \"{key}\" must be of type array", param=f"options.{key}")
+        if not all(isinstance(s, str) for s in value):
+            raise InvalidRequest(f"option \"{key}\" must be of an array of strings", param=f"options.{key}")
+        return list(value)
+    if not isinstance(value, bool):  # use_mmap
+        raise InvalidRequest(f"option \"{key}\" must be of type boolean", param=f"options.{key}")
+    return value
+
+
+def warn_ignored(route: str, names: list[str]) -> None:
+    """One warning line per request naming the options octo ignored (Ollama logs "invalid option provided")."""
+    if names:
+        log.warning("%s: ignoring options octo cannot use: %s", route,
+                    ", ".join(repr(n[:64]) for n in dict.fromkeys(names)))
 
 
 # -- request -> generation ------------------------------------------------------------------------------------------
@@ -184,8 +246,8 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
     """The generation request of an Ollama chat or generate request (in the model's worker)."""
     engine = handle.engine
     opts = Options.parse(req.options, engine)
-    # truncate and shift are accepted: octo never cuts a prompt (one too long is a 400) nor shifts the context (the
-    # answer ends at its end, done_reason "length"): both as with false
+    warn_ignored("/api/chat" if isinstance(req, ChatRequest) else "/api/generate", opts.ignored)
+    window = context_window(handle, opts)
     names: list[str] = []
     tools, fmt, reasons, prompt = None, None, False, None
     if isinstance(req, GenerateRequest) and req.raw:
@@ -208,8 +270,9 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
                 names = chatprep.check_tools(tools)
         kwargs, reasons = _think(handle, req)
         fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
-        prompt = chatprep.render_continue(engine, messages, tools, fmt, None, kwargs)
-        tokens = engine.tokenize(prompt, special=True)
+        prompt, tokens = chat_prompt(engine, messages, lambda msgs: chatprep.render_continue(
+            engine, msgs, tools, fmt, None, kwargs), window, req.truncate is not False)
+    tokens = fit_window(tokens, window, opts.num_keep, req.truncate is not False, req.shift is not False)
     rf = None
     if req.format == "json":
         rf = {"type": "json_object"}
@@ -219,7 +282,7 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
         raise InvalidRequest(f"invalid format {req.format!r}: \"json\" or a JSON schema", param="format")
     grammar = chatprep.compile_for(engine, chatprep.constraint_for(rf, tools, None, None, fmt, rf_param="format"))
     logprobs = chatprep.logprobs_count(engine, (req.top_logprobs or 0) if req.logprobs else None)
-    return GenerationRequest(tokens, opts.sampling, _max_tokens(handle, opts, len(tokens)), opts.stop, req.streaming,
+    return GenerationRequest(tokens, opts.sampling, _max_tokens(opts, window, len(tokens)), opts.stop, req.streaming,
                              grammar=grammar, logprobs=logprobs,
                              tools=chatprep.tool_spec(fmt, names, None) if fmt is not None else None,
                              reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt or ""))
@@ -231,18 +294,88 @@ def _require(handle: Any, task: Task) -> None:
         raise InvalidRequest(f"\"{handle.name}\" does not support {what}", param="model", code="unsupported_task")
 
 
-def _max_tokens(handle: Any, opts: Options, n_prompt: int) -> int | None:
-    """``num_predict`` within ``num_ctx``: a window up to the loaded context (a larger one is the loaded context, as
-    Ollama caps num_ctx at what the model can hold); a prompt that does not fit the window is a 400."""
+def context_window(handle: Any, opts: Options) -> int:
+    """The tokens a request may use: ``num_ctx`` within the loaded context (a larger one is the loaded context, as
+    Ollama caps num_ctx at what the runner holds); 0 when unknown."""
     n_ctx = getattr(getattr(handle, "info", None), "n_ctx", 0) or 0
-    window = min(opts.num_ctx, n_ctx) if opts.num_ctx and n_ctx else opts.num_ctx or n_ctx
-    if opts.num_ctx and window and n_prompt >= window:
-        raise ContextLengthExceeded(f"the prompt has {n_prompt} tokens, more than the context window num_ctx "
-                                    f"{window} holds", param="options.num_ctx")
-    if opts.num_ctx and window:
-        room = window - n_prompt
-        return min(opts.num_predict, room) if opts.num_predict else room
-    return opts.num_predict
+    return min(opts.num_ctx, n_ctx) if opts.num_ctx and n_ctx else opts.num_ctx or n_ctx
+
+
+# -- truncation, as Ollama's chatPrompt (server/prompt.go) and its runner do it ------------------------------------
+def chat_prompt(engine: Any, messages: list[dict[str, Any]], render: Any, window: int,
+                truncate: bool) -> tuple[str, list[int]]:
+    """(prompt text, its tokens) of a conversation as Ollama's chatPrompt makes it: when the whole conversation is
+    longer than ``window`` tokens (``render``ed by the chat template, then tokenized) and ``truncate``, the oldest
+    messages are left out until it fits, keeping every system message and the last message (and never a tool result
+    without the assistant turn that called it). Ollama tries the starts one by one; the length only shrinks as the
+    start moves on, so halving the range finds the same start."""
+    seen: dict[int, tuple[str, list[int]]] = {}
+
+    def prompt_from(start: int) -> tuple[str, list[int]]:
+        if start not in seen:
+            kept = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
+            text = render(kept)
+            seen[start] = (text, engine.tokenize(text, special=True))
+        return seen[start]
+
+    whole = prompt_from(0)
+    last = len(messages) - 1
+    if not truncate or not window or len(whole[1]) <= window or last < 1:
+        return whole
+    lo, hi = 1, last  # the first i whose start fits; the last message is kept even when it alone does not fit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(prompt_from(block_start(messages, mid))[1]) <= window:
+            hi = mid
+        else:
+            lo = mid + 1
+    start = block_start(messages, lo)
+    log.debug("truncating input messages which exceed the context: %d of %d kept", len(messages) - start,
+              len(messages))
+    return prompt_from(start)
+
+
+def block_start(messages: list[dict[str, Any]], i: int) -> int:
+    """Where a conversation may start at message ``i``: a tool result starts at the assistant turn whose calls it
+    answers (Ollama's toolBlockStartIndex)."""
+    if i <= 0 or i >= len(messages) or messages[i]["role"] != "tool":
+        return i
+    start = i
+    while start > 0 and messages[start - 1]["role"] == "tool":
+        start -= 1
+    if start > 0 and messages[start - 1]["role"] == "assistant" and messages[start - 1].get("tool_calls"):
+        return start - 1
+    return i
+
+
+def fit_window(tokens: list[int], window: int, num_keep: int, truncate: bool, shift: bool) -> list[int]:
+    """A prompt that still leaves no room in ``window`` (a single message longer than the context, a raw prompt), as
+    Ollama's runner treats it: ``truncate: false`` refuses it; ``shift: false`` refuses it with the runner's message;
+    otherwise the first ``num_keep`` tokens are kept (-1: all) and the oldest after them dropped, to half the room
+    that is left, so that generation has room too."""
+    if not window or len(tokens) <= window - 1:
+        return tokens
+    if not truncate:
+        raise ContextLengthExceeded(f"the input length exceeds the context length ({len(tokens)} tokens, the "
+                                    f"context holds {window})", param="messages")
+    if not shift:
+        raise ContextLengthExceeded("the prompt is longer than the context length currently available to the model; "
+                                    "shorten the prompt, adjust the context length in settings, or use a model with "
+                                    "a longer context length", param="shift")
+    keep = min(len(tokens) if num_keep < 0 else max(0, num_keep), window - 1)
+    limit = window - max((window - keep) // 2, 1)
+    cut = tokens[:keep] + tokens[len(tokens) - (limit - keep):]
+    log.warning("truncating input prompt: limit %d, prompt %d, keep %d, new %d", window, len(tokens), keep, len(cut))
+    return cut
+
+
+def _max_tokens(opts: Options, window: int, n_prompt: int) -> int | None:
+    """``num_predict`` within the room the window leaves (a larger one ends at the window's end, as Ollama's does);
+    with a ``num_ctx`` window and no ``num_predict``, that room."""
+    room = window - n_prompt if window else None
+    if opts.num_predict:
+        return min(opts.num_predict, room) if room is not None else opts.num_predict
+    return room if opts.num_ctx else None
 
 
 # -- results -> Ollama ----------------------------------------------------------------------------------------------

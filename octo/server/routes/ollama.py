@@ -55,9 +55,8 @@ async def root(request: web.Request) -> web.StreamResponse:
 
 
 async def version(request: web.Request) -> web.Response:
-    import octo
-
-    return json_response({"version": octo.__version__})
+    """The Ollama release whose API octo implements (clients gate features on it), not octo's own version."""
+    return json_response({"version": ollama.API_VERSION})
 
 
 # -- /api/chat and /api/generate -------------------------------------------------------------------------------
@@ -91,10 +90,10 @@ def _shape(req: Any, model: str) -> Any:
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     clock = ollama.Clock(time.perf_counter())
     body = await body_of(request)
-    req = parse(kind, body)
+    req = parse(kind, body, request.path)
     name = ollama.model_name(req.model)
     ollama.check_images(req)
-    ollama.Options.parse(req.options)  # the options no engine honours: a 400 before a model loads for them
+    ollama.Options.parse(req.options)  # an option of the wrong type: a 400 before a model loads for it
     if isinstance(req, GenerateRequest):
         ollama.check_generate(req)
         if not req.prompt:
@@ -210,15 +209,16 @@ async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock
 
 
 # -- /api/embed and /api/embeddings ----------------------------------------------------------------------------
-def _embed_options(options: dict[str, Any] | None) -> None:
-    """Embeddings take no sampling: a set option is a 400 naming it (nulls, as LangChain sends them, are unset)."""
-    for key, value in (options or {}).items():
-        if value is not None and key != "num_ctx":
-            raise UnsupportedParameter(f"options.{key}", "embeddings take no generation options")
+def _embed_options(request: web.Request, options: dict[str, Any] | None, n_ctx: int) -> None:
+    """Embeddings sample nothing: every option is ignored (one warning line names them) but a ``num_ctx`` the loaded
+    context holds (octo embeds with the whole loaded context; Ollama caps num_ctx at it the same way)."""
+    opts = ollama.Options.parse(options)
+    ollama.warn_ignored(request.path, [k for k, v in (options or {}).items() if v is not None and not (
+        k == "num_ctx" and (opts.num_ctx or n_ctx) >= n_ctx)])
 
 
 async def _embed_call(request: web.Request, req: Any, name: str, texts: list[str]) -> tuple[Any, Any, float]:
-    _embed_options(req.options)
+    ollama.Options.parse(req.options)  # an option of the wrong type: a 400 before a model loads for it
     async with request.app[STATE].registry.use(name, req.keep_alive) as handle:
         loaded = time.perf_counter()
         if Task.EMBEDDINGS not in handle.tasks:
@@ -228,18 +228,13 @@ async def _embed_call(request: web.Request, req: Any, name: str, texts: list[str
         if dim and dim != handle.info.embedding_dim:
             raise UnsupportedParameter("dimensions", f"this model's embeddings have {handle.info.embedding_dim} "
                                        "dimensions")
-        num_ctx = (req.options or {}).get("num_ctx")
-        if num_ctx is not None and (isinstance(num_ctx, bool) or not isinstance(num_ctx, int) or num_ctx < 1):
-            raise InvalidRequest("option \"num_ctx\" must be a positive integer", param="options.num_ctx")
-        if num_ctx is not None and num_ctx < handle.info.n_ctx:  # a larger one is the loaded context, as Ollama caps
-            raise UnsupportedParameter("options.num_ctx", f"embeddings use the model's whole loaded context "
-                                       f"({handle.info.n_ctx} tokens); octo does not cut inputs to a smaller one")
+        _embed_options(request, req.options, handle.info.n_ctx)
         return await handle.call("embed", texts), handle, loaded
 
 
 async def embed(request: web.Request) -> web.Response:
     started = time.perf_counter()
-    req = parse(EmbedRequest, await body_of(request))
+    req = parse(EmbedRequest, await body_of(request), request.path)
     name = ollama.model_name(req.model)
     texts = [req.input] if isinstance(req.input, str) else list(req.input)
     if not texts or any(t == "" for t in texts):
@@ -257,7 +252,7 @@ async def embed(request: web.Request) -> web.Response:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    req = parse(EmbeddingsRequest, await body_of(request))
+    req = parse(EmbeddingsRequest, await body_of(request), request.path)
     name = ollama.model_name(req.model)
     if not req.prompt:  # as Ollama: an empty prompt has an empty embedding
         async with request.app[STATE].registry.use(name, req.keep_alive):
