@@ -134,6 +134,30 @@ def test_load_and_unload_by_empty_request(client):
     assert [m.model for m in client.ps().models] == [f"{MODEL}:latest"]
 
 
+def test_the_tagged_name_ollama_lists_names_the_model_on_every_route(client, echo_server):
+    """``test-model:latest`` (what /api/tags lists) on the OpenAI and Anthropic routes, through their SDKs."""
+    import anthropic
+
+    tagged = f"{MODEL}:latest"
+    assert tagged in [m.model for m in client.list().models]
+    oa = echo_server.openai()
+    chat = oa.chat.completions.create(model=tagged, messages=user("tagged chat"))
+    assert chat.choices[0].message.content == "tagged chat" and chat.model == tagged
+    assert oa.completions.create(model=tagged, prompt="tagged text", max_tokens=8).choices[0].text == "tagged text"
+    assert len(oa.embeddings.create(model=tagged, input="x").data[0].embedding) == 64
+    assert oa.responses.create(model=tagged, input="tagged response").output_text == "tagged response"
+    assert oa.models.retrieve(tagged).id == MODEL
+    an = anthropic.Anthropic(base_url=echo_server.base_url, api_key="none")
+    said = an.messages.create(model=tagged, max_tokens=16, messages=user("tagged message"))
+    assert said.content[0].text == "tagged message"
+    assert an.messages.count_tokens(model=tagged, messages=user("count me")).input_tokens > 0
+    status, body = echo_server.post_json("/v1/tokenize", {"model": tagged, "prompt": "a b"})
+    assert status == 200 and body["tokens"]
+    with pytest.raises(Exception) as e:  # another tag is still a variant that does not exist
+        oa.chat.completions.create(model=f"{MODEL}:nope", messages=user("x"))
+    assert getattr(e.value, "status_code", None) == 404
+
+
 # -- tools --------------------------------------------------------------------------------------------------
 def test_forced_tool_call_has_object_arguments(client):
     r = client.chat(model=MODEL, messages=user(SCRIPT), tools=[WEATHER])
@@ -237,13 +261,15 @@ def test_format_schema_and_json_on_llamacpp(tmp_path):
     with run_octo(gguf, "--engine", "llamacpp", env={"OCTO_CATALOG": str(catalog)}) as s:
         c = ollama.Client(host=s.base_url)
         name = c.list().models[0].model
-        assert name == gguf and "tagged:latest" in [m.model for m in c.list().models]  # servable on demand
+        assert name == "tiny-q8_0:latest" and "tagged:latest" in [m.model for m in c.list().models]  # a name
         assert c.chat(model="tagged:latest", messages=user("hi"), options={"num_predict": 2}).eval_count == 2
         assert [m.model for m in c.ps().models if m.model.startswith("tagged")] == ["tagged:q8"]
         status, msg = error_of(c.chat, model="tagged:nope", messages=user("hi"))
         assert status == 404 and "known variants: q8, other" in msg
         shown = c.show(name)  # read from the GGUF file (the model runs in a worker process)
         assert "<|im_start|>" in shown.template and shown.details.format == "gguf"
+        assert shown.modelfile.endswith("FROM tiny-q8_0:latest\n") and gguf not in json.dumps(
+            [m.model_dump(mode="json") for m in (*c.list().models, *c.ps().models, shown)])  # no server path
         assert shown.modelinfo["general.architecture"] and shown.capabilities[:2] == ["completion", "tools"]
         for temperature in (0.0, 1.0):
             r = c.chat(model=name, messages=user("Who?"), format=PERSON,

@@ -220,8 +220,8 @@ class Registry:
         return [s for s in self.slots if s.handle is not None]
 
     def find(self, model: str | None) -> Slot | None:
-        """The slot named ``model`` (a name, an alias, a path, ``whisper-1``, or ``base:adapter`` for one of a model's
-        LoRA adapters), without resolving anything."""
+        """The slot named ``model`` (a name, an alias, a path, ``whisper-1``, ``base:adapter`` for one of a model's
+        LoRA adapters, or ``name:latest``, Ollama's tag of a name), without resolving anything."""
         if model:
             slot = self._named(model)
             if slot is not None:
@@ -229,7 +229,7 @@ class Registry:
             base, sep, adapter = model.rpartition(":")
             if sep and base and adapter:
                 slot = self._named(base)  # one level: "a:b:c" is base "a:b" (a name:variant) and adapter "c"
-                if slot is not None and adapter in slot.spec.lora:
+                if slot is not None and (adapter in slot.spec.lora or adapter == "latest"):
                     return slot
         return None
 
@@ -271,6 +271,7 @@ class Registry:
         slot = self.find(model)
         if slot is not None:
             return slot
+        model = model.removesuffix(":latest") or model  # Ollama's tag of the default: the name alone
         try:
             return await self._slot_for(model, ModelSpec(model, declared=False, keep_alive=self.config.keep_alive))
         except (ModelNotFound, InvalidRequest):
