@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
@@ -156,6 +157,55 @@ def test_the_tagged_name_ollama_lists_names_the_model_on_every_route(client, ech
     with pytest.raises(Exception) as e:  # another tag is still a variant that does not exist
         oa.chat.completions.create(model=f"{MODEL}:nope", messages=user("x"))
     assert getattr(e.value, "status_code", None) == 404
+
+
+def _cors(server, method: str, path: str, origin: str, body: bytes | None = None) -> tuple[int, dict]:
+    """A browser's request (a preflight for OPTIONS) from ``origin``: (status, response headers)."""
+    headers = {"Origin": origin}
+    if method == "OPTIONS":
+        headers.update({"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    else:
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(server.url(path), body, headers, method=method)
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers)
+
+
+def test_ollamas_local_origins_on_ollamas_routes_only(echo_server):
+    """Ollama answers local web and desktop apps by default; octo does on Ollama's routes, not on the others."""
+    chat = json.dumps({"model": MODEL, "messages": user("from a local page"), "stream": False}).encode()
+    for origin in ("http://localhost:3000", "http://127.0.0.1:8081", "https://0.0.0.0", "app://obsidian.md",
+                   "tauri://localhost", "vscode-webview://abc", "file://"):
+        status, h = _cors(echo_server, "OPTIONS", "/api/chat", origin)
+        assert status == 204 and h["Access-Control-Allow-Origin"] == origin, (origin, h)
+        assert "POST" in h["Access-Control-Allow-Methods"] and "content-type" in h["Access-Control-Allow-Headers"]
+    status, h = _cors(echo_server, "POST", "/api/chat", "http://localhost:3000", chat)
+    assert status == 200 and h["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    status, h = _cors(echo_server, "GET", "/api/tags", "http://localhost:3000")
+    assert status == 200 and h["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    # not the OpenAI routes (only --cors-origins opens those), and no origin wider than Ollama's list
+    status, h = _cors(echo_server, "OPTIONS", "/v1/chat/completions", "http://localhost:3000")
+    assert status == 204 and "Access-Control-Allow-Origin" not in h
+    status, _ = _cors(echo_server, "POST", "/v1/chat/completions", "http://localhost:3000", chat)
+    assert status == 403
+    for origin in ("http://evil.example", "http://localhost.evil.example:3000", "http://localhost:3000.evil.example",
+                   "chrome-extension://abc", "null", "http://[::1]:3000", "http://192.168.1.2:3000"):
+        status, h = _cors(echo_server, "OPTIONS", "/api/chat", origin)
+        assert "Access-Control-Allow-Origin" not in h, origin
+        assert _cors(echo_server, "POST", "/api/chat", origin, chat)[0] == 403, origin
+
+
+def test_cors_origins_still_adds_and_opens_every_route():
+    with run_octo(MODEL, "--engine", "echo", "--cors-origins", "https://app.example") as s:
+        chat = json.dumps({"model": MODEL, "messages": user("x"), "stream": False}).encode()
+        for path in ("/api/chat", "/v1/chat/completions"):
+            status, h = _cors(s, "OPTIONS", path, "https://app.example")
+            assert h.get("Access-Control-Allow-Origin") == "https://app.example", path
+            assert _cors(s, "POST", path, "https://app.example", chat)[0] == 200
+        assert _cors(s, "OPTIONS", "/api/chat", "http://localhost:5173")[1]["Access-Control-Allow-Origin"]
 
 
 # -- tools --------------------------------------------------------------------------------------------------

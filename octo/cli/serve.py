@@ -154,7 +154,8 @@ def _keep_alive(ctx, param, value):
               **envvar("ALLOWED_HOSTS"))
 @click.option("--cors-origins", default="", callback=_cors_origins, metavar="ORIGINS",
               help="Let web pages from these origins call the API from a browser (CORS): comma-separated, e.g. "
-                   "http://localhost:3000,https://app.example.com, or * for any; default: none.",
+                   "http://localhost:3000,https://app.example.com, or * for any; default: none (Ollama's routes, "
+                   "/api/..., also answer the local origins Ollama answers by default).",
               **envvar("CORS_ORIGINS"))
 @click.option("--plugins-dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Load plugin modules (*.py) from this folder.", **envvar("PLUGINS_DIR"))

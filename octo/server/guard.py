@@ -23,7 +23,7 @@ from octo.server.hostcheck import HostGuard
 from octo.server.routes import anthropic as api_anthropic
 from octo.server.routes import dashboard as api_dashboard
 from octo.server.routes import openai as api
-from octo.server.stamp import stamp
+from octo.server.stamp import local_ollama_origin, stamp
 from octo.server.state import STATE, AppState
 
 log = logging.getLogger("octo.server.app")
@@ -83,7 +83,9 @@ async def serve(request: web.Request, handler: Any, state: AppState, guard: Host
         key = state.config.api_key
         # every method but OPTIONS (answered above), HEAD too; the dashboard page and its static files are open
         # (the API calls the page makes carry the key)
-        if "Origin" in request.headers:  # a browser's request: only from this server's own page or --cors-origins
+        # a browser's request: only from this server's own page, --cors-origins, or on Ollama's routes Ollama's
+        # default local origins
+        if "Origin" in request.headers and not local_ollama_origin(request):
             guard.check(request)
         if key and counted and not api_dashboard.is_public(request.path):
             _check_key(request, key)

@@ -1,6 +1,10 @@
 """The headers every response gets just before its headers go out: the request id, CORS for an allowed origin, and
 the Ray Serve replica that answered (--cluster).
 
+CORS: a route answers the origins of ``--cors-origins``; Ollama's routes (``/api/...`` and ``/``) also answer the
+local origins Ollama answers by default (:func:`ollama_origin`), so that local web and desktop apps made for Ollama
+work as they do with Ollama.
+
 The way in (``octo.server.guard``) stamps a response its handler returned; a handler that streams stamps its
 response here before it prepares it (:func:`start_stream`). Stamping twice changes nothing (aiohttp's
 ``on_response_prepare`` signal stamps too, where a plugin's routes are served: octo.server.app)."""
@@ -23,6 +27,33 @@ CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthr
                "OpenAI-Project, X-Request-Id"
 CORS_EXPOSE = "Retry-After, X-Request-Id"
 CORS_MAX_AGE = "7200"
+# Ollama's default origins (envconfig.AllowedOrigins of Ollama 0.32.15, without OLLAMA_ORIGINS): these hosts on http
+# and https, with any port or none, and every origin of these desktop-app schemes
+OLLAMA_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0")
+OLLAMA_SCHEMES = ("app", "file", "tauri", "vscode-webview", "vscode-file")
+
+
+def ollama_route(path: str) -> bool:
+    """Whether ``path`` is one of Ollama's routes (its native API and its root)."""
+    return path == "/" or path.startswith("/api/")
+
+
+def ollama_origin(origin: str) -> bool:
+    """Whether Ollama answers ``origin`` by default: http(s) on localhost, 127.0.0.1 or 0.0.0.0 with any port (or
+    none), or any origin of a desktop-app scheme (app://, file://, tauri://, vscode-webview://, vscode-file://)."""
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    if not sep:
+        return False
+    if scheme in OLLAMA_SCHEMES:
+        return True
+    host, colon, port = rest.partition(":")
+    return scheme in ("http", "https") and host in OLLAMA_HOSTS and (not colon or port.isdigit())
+
+
+def local_ollama_origin(request: web.Request) -> bool:
+    """A browser request to one of Ollama's routes from one of Ollama's default origins."""
+    origin = request.headers.get("Origin")
+    return origin is not None and ollama_route(request.path) and ollama_origin(origin)
 
 
 def stamp(request: web.Request, resp: web.StreamResponse, config: ServerConfig) -> None:
@@ -34,7 +65,7 @@ def stamp(request: web.Request, resp: web.StreamResponse, config: ServerConfig) 
     h["X-Request-Id"] = request.headers.get("X-Request-Id") or new_id("req")
     if config.cluster:  # the Ray Serve replica that answered (octo.cluster.deploy)
         _replica(h)
-    if config.cors_origins:
+    if config.cors_origins or ollama_route(request.path):
         _cors(request, h, config.cors_origins)
 
 
@@ -49,7 +80,7 @@ def _replica(h: Any) -> None:
 def _cors(request: web.Request, h: Any, allowed: tuple[str, ...]) -> None:
     h.add("Vary", "Origin")
     origin = request.headers.get("Origin")
-    if origin is None or ("*" not in allowed and origin.lower() not in allowed):
+    if origin is None or ("*" not in allowed and origin.lower() not in allowed and not local_ollama_origin(request)):
         return
     h["Access-Control-Allow-Origin"] = origin  # the origin itself, also for "*" (Vary: Origin above)
     h["Access-Control-Expose-Headers"] = CORS_EXPOSE
