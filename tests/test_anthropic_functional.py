@@ -12,7 +12,9 @@ import json
 import pytest
 
 from octo.scheduler.jobs import Result
-from octo.serving.anthropic import Options, StreamBlocks, ThinkSplitter, split_thinking, tool_use_id
+from octo.serving.anthropic import tool_use_id
+from octo.serving.anthropic_answer import Options, StreamBlocks
+from octo.text.reasoning import ThinkSplitter, split_thinking
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -293,7 +295,7 @@ def test_think_splitter_streams_as_whole():
 
 def test_stream_blocks_number_in_order():
     blocks = StreamBlocks(Options(thinking=True))
-    evs = blocks.text("<think>hmm</think>ok ")
+    evs = blocks.thinking("hmm") + blocks.text("ok ")
     evs += blocks.tool({"tool_calls": [{"index": 0, "id": "call_" + "a" * 24, "type": "function",
                                         "function": {"name": "f", "arguments": ""}}]})
     evs += blocks.tool({"tool_calls": [{"index": 0, "function": {"arguments": '{"x": 1}'}}]})

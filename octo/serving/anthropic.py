@@ -3,15 +3,13 @@
 A request becomes OpenAI chat messages and tools (:func:`chat_input`): the system text a system message,
 ``tool_use`` blocks an assistant message's ``tool_calls``, ``tool_result`` blocks ``tool`` messages (an ``is_error``
 result reads "Error: ..."), custom tools OpenAI function tools, ``tool_choice`` OpenAI's (``any``: required, ``tool``:
-a named function, ``disable_parallel_tool_use``: at most one call). The worker then renders, constrains and parses it
-through octo.serving.chatprep exactly as a chat request; a final assistant message is a prefill, continued
-(``chatprep.render_continue``), and the answer holds only the continuation, as Anthropic's does. Results become
-content blocks (:func:`response`): ``thinking`` (the ``<think>`` text of a model whose template reasons, when the
-request enables thinking), ``text`` (only when not empty), then ``tool_use``; an empty answer is one empty text block.
-A stream's events become Anthropic's block events (:class:`StreamBlocks`), numbered in order of appearance.
-
-Usage follows Anthropic's accounting: ``input_tokens`` are the prompt tokens not read from the prefix cache,
-``cache_read_input_tokens`` those that were (their sum is what ``count_tokens`` reports).
+a named function, ``disable_parallel_tool_use``: at most one call). Deferred tools (``defer_loading``) stay out of the
+prompt until a ``tool_reference`` loads them, and the server-side tool search is offered as a function
+(octo.serving.anthropic_tools). The worker then renders, constrains and parses it through octo.serving.chatprep
+exactly as a chat request; a final assistant message is a prefill, continued (``chatprep.render_continue``), and the
+answer holds only the continuation, as Anthropic's does. A model that reasons, asked to think, has its ``<think>``
+text split out where it runs (``GenerationRequest.reasoning``); any other model's text streams as it comes. The
+answer is shaped in the gateway by octo.serving.anthropic_answer.
 """
 
 from __future__ import annotations
@@ -23,28 +21,28 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-from pydantic_core import from_json
-
 from octo.engine import SamplingParams, Task
 from octo.errors import InvalidRequest, UnsupportedParameter
 from octo.protocol.anthropic import (
     AnthropicCountTokensRequest,
     AnthropicRequest,
     RedactedThinkingBlock,
-    ServerTool,
+    ServerToolUseBlock,
     TextBlock,
     ThinkingBlock,
+    ToolReferenceBlock,
     ToolResultBlock,
+    ToolSearchResultBlock,
     ToolUseBlock,
 )
-from octo.scheduler.jobs import GenerationRequest, Result
+from octo.scheduler.jobs import GenerationRequest
 from octo.serving import chatprep
+from octo.serving.anthropic_tools import SEARCH_NAMES, ToolSet, result_text
 from octo.serving.openai import require, unsupported_if
-from octo.text.reasoning import ThinkSplitter, split_thinking, supports_thinking, template_source
+from octo.text import toolsearch
+from octo.text.reasoning import prompt_opens_thinking, supports_thinking, template_source
 
 _ALNUM = string.ascii_letters + string.digits
-_STOP = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
 MIN_THINKING_BUDGET = 1024  # Anthropic's lower bound on thinking.budget_tokens
 
 
@@ -68,10 +66,12 @@ class ChatInput:
     """An Anthropic request in OpenAI's terms, for octo.serving.chatprep."""
 
     messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None  # what the model may call (constraints compile these)
     names: list[str]
     choice: Any  # OpenAI tool_choice: None, "auto", "required", "none" or a named function
     parallel: bool | None
+    prompt_tools: list[dict[str, Any]] | None = None  # what the prompt lists (deferred tools are not in it)
+    effort: str | None = None  # output_config.effort, the last system turn's own where one sets it
 
 
 def _text(content: Any, where: str) -> str:
@@ -107,31 +107,30 @@ def _unanswered(open_calls: dict[str, int]) -> InvalidRequest:
                           "block in the next message.", param=f"messages[{i}]")
 
 
-def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
+def _messages(req: AnthropicCountTokensRequest, tools: ToolSet) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = _text(req.system, "system")
     if system:
         out.append({"role": "system", "content": system})
     open_calls: dict[str, int] = {}  # tool_use id -> the message that made the call, until its result comes
+    last_user = max((i for i, m in enumerate(req.messages) if m.role == "user"), default=-1)
     for i, m in enumerate(req.messages):
-        if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1):  # "" or []
+        if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1) \
+                and not (m.role == "system" and m.output_config is not None):  # "" or []
             raise InvalidRequest(f"messages.{i}: all messages must have non-empty content except for the optional "
                                  "final assistant message", param=f"messages[{i}].content")
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if m.role == "system":  # a mid-conversation system turn, where it was sent
-            if i == 0:
-                raise InvalidRequest("messages.0.role: a conversation cannot start with a system turn; the system "
-                                     "prompt goes in the top-level `system` parameter.", param="messages[0].role")
-            if open_calls:
-                raise _unanswered(open_calls)
-            text = _text(m.content, f"messages[{i}].content")
-            if text:
-                out.append({"role": "system", "content": text})
+            _system_turn(req, i, open_calls, out, shown=m.clear_at != "next_user_message" or i > last_user)
             continue
+        for key in ("clear_at", "output_config"):
+            if getattr(m, key) is not None:
+                raise InvalidRequest(f"messages.{i}.{key}: only permitted on `role: \"system\"` messages.",
+                                     param=f"messages[{i}].{key}")
         if m.role == "assistant":
-            _assistant_turn(i, blocks, open_calls, out)
+            _assistant_turn(i, blocks, open_calls, out, tools)
         else:
-            _user_turn(i, blocks, open_calls, out)
+            _user_turn(i, blocks, open_calls, out, tools)
     if open_calls:
         raise _unanswered(open_calls)
     if out and out[-1]["role"] == "assistant" and not out[-1]["content"] and not out[-1].get("tool_calls"):
@@ -139,37 +138,79 @@ def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]]) -> None:
-    """An assistant turn (``messages[i]``): its text and tool calls as one chat message; its calls are open until a
-    user turn answers them."""
+def _system_turn(req: Any, i: int, open_calls: dict[str, int], out: list[dict[str, Any]], shown: bool) -> None:
+    """A system turn inside ``messages`` (``clear_at: "next_user_message"``: shown only until a user turn follows)."""
+    if i == 0:
+        raise InvalidRequest("messages.0.role: a conversation cannot start with a system turn; the system "
+                             "prompt goes in the top-level `system` parameter.", param="messages[0].role")
     if open_calls:
         raise _unanswered(open_calls)
-    texts, calls = [], []
+    text = _text(req.messages[i].content, f"messages[{i}].content")
+    if text and shown:
+        out.append({"role": "system", "content": text})
+
+
+def _call(b: Any) -> dict[str, Any]:
+    return {"id": b.id, "type": "function",
+            "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
+
+
+def _assistant_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]],
+                    tools: ToolSet) -> None:
+    """An assistant turn (``messages[i]``): its text and tool calls as chat messages; its calls are open until a user
+    turn answers them. A tool search (``server_tool_use``) is answered in the turn itself by its
+    ``tool_search_tool_result``, which becomes a tool message: what follows it is a new assistant message."""
+    if open_calls:
+        raise _unanswered(open_calls)
+    texts, calls, searches = [], [], {}  # searches: server_tool_use id -> its block's index, until its result
     for j, b in enumerate(blocks):
+        where = f"messages[{i}].content[{j}]"
         if isinstance(b, TextBlock):
             texts.append(b.text)
-        elif isinstance(b, ToolUseBlock):
-            if b.id in open_calls:
-                raise InvalidRequest(f"messages.{i}.content.{j}: `tool_use` ids must be unique: {b.id}.",
-                                     param=f"messages[{i}].content[{j}].id")
-            calls.append({"id": b.id, "type": "function",
-                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
-            open_calls[b.id] = i
+        elif isinstance(b, ToolUseBlock | ServerToolUseBlock):
+            if b.id in open_calls or b.id in searches:
+                raise InvalidRequest(f"messages.{i}.content.{j}: `{b.type}` ids must be unique: {b.id}.",
+                                     param=f"{where}.id")
+            if isinstance(b, ServerToolUseBlock):
+                if b.name not in SEARCH_NAMES:
+                    raise UnsupportedParameter(where, f"server tool '{b.name}' is not supported (octo runs only "
+                                               f"{' and '.join(SEARCH_NAMES)})")
+                searches[b.id] = j
+            else:
+                open_calls[b.id] = i
+            calls.append(_call(b))
+        elif isinstance(b, ToolSearchResultBlock):
+            if searches.pop(b.tool_use_id, None) is None:
+                raise InvalidRequest(f"messages.{i}.content.{j}: `tool_search_tool_result` block must follow its "
+                                     f"`server_tool_use` block in the same message: {b.tool_use_id}.",
+                                     param=f"{where}.tool_use_id")
+            _append(out, _assistant_message(texts, calls))
+            texts, calls = [], []
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result_text(b.content, tools,
+                                                                                              where)})
         elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
             continue  # earlier reasoning is not shown to the model again (as chat templates drop it)
         elif isinstance(b, ToolResultBlock):
             raise InvalidRequest(f"messages.{i}.content.{j}: `tool_result` blocks can only be in `user` "
-                                 "messages.", param=f"messages[{i}].content[{j}]")
-        else:
-            raise UnsupportedParameter(f"messages[{i}].content[{j}]",
-                                       f"content blocks of type '{b.type}' are not supported")
+                                 "messages.", param=where)
+        elif b.type != "fallback":  # a fallback block only says which model answered: nothing for the model
+            raise UnsupportedParameter(where, f"content blocks of type '{b.type}' are not supported")
+    if searches:
+        raise InvalidRequest(f"messages.{i}: `server_tool_use` ids were found without `tool_search_tool_result` "
+                             f"blocks after them: {', '.join(searches)}.", param=f"messages[{i}]")
+    if texts or calls or not out or out[-1]["role"] != "tool":
+        _append(out, _assistant_message(texts, calls))
+
+
+def _assistant_message(texts: list[str], calls: list[dict[str, Any]]) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         msg["tool_calls"] = calls
-    _append(out, msg)
+    return msg
 
 
-def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]]) -> None:
+def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]],
+               tools: ToolSet) -> None:
     """A user turn (``messages[i]``): its text, and its tool results as tool messages in place; each must answer
     one of the previous turn's calls, and all of them must be answered."""
     texts, answered = [], 0
@@ -186,12 +227,13 @@ def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[
             if texts:  # text before the result keeps its place
                 _append(out, {"role": "user", "content": "".join(texts)})
                 texts = []
-            result = _text(b.content, f"{where}.content")
+            result = _result(b.content, f"{where}.content", tools)
             if b.is_error:
                 result = f"Error: {result}" if result else "Error"
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
             answered += 1
-        elif isinstance(b, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock):
+        elif isinstance(b, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock | ServerToolUseBlock
+                        | ToolSearchResultBlock):
             raise InvalidRequest(f"messages.{i}.content.{j}: `{b.type}` blocks can only be in `assistant` "
                                  "messages.", param=where)
         else:
@@ -200,6 +242,22 @@ def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[
         raise _unanswered(open_calls)
     if texts or not answered:
         _append(out, {"role": "user", "content": "".join(texts)})
+
+
+def _result(content: Any, where: str, tools: ToolSet) -> str:
+    """A tool result's text: its text blocks, and the definitions of the tools its ``tool_reference`` blocks load (a
+    client-side tool search, as Claude Code's ToolSearch), expanded where the references stand."""
+    if not isinstance(content, list) or not any(isinstance(b, ToolReferenceBlock) for b in content):
+        return _text(content, where)
+    texts, fns = [], []
+    for k, b in enumerate(content):
+        if isinstance(b, ToolReferenceBlock):
+            fns.append(tools.reference(b.tool_name, f"{where}[{k}].tool_name"))
+        elif isinstance(b, TextBlock):
+            texts.append(b.text)
+        else:
+            raise UnsupportedParameter(f"{where}[{k}]", f"content blocks of type '{b.type}' are not supported")
+    return "\n".join(t for t in ("".join(texts), toolsearch.expansion(fns)) if t)
 
 
 def anthropic_paths(err: InvalidRequest) -> InvalidRequest:
@@ -213,19 +271,13 @@ def anthropic_paths(err: InvalidRequest) -> InvalidRequest:
 
 
 def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
-    messages = _messages(req)
+    toolset = ToolSet.of(req.tools)
+    messages = _messages(req, toolset)  # the tool references in the history load deferred tools
     tools: list[dict[str, Any]] | None = None
     names: list[str] = []
-    if req.tools:
-        tools = []
-        for k, t in enumerate(req.tools):
-            if isinstance(t, ServerTool):
-                raise UnsupportedParameter(f"tools[{k}]", f"tools of type '{t.type}' are not supported; define a "
-                                           "custom tool (name, description, input_schema)")
-            fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
-            if t.description:
-                fn["description"] = t.description
-            tools.append({"type": "function", "function": fn})
+    callable_fns = toolset.callable()
+    if callable_fns:
+        tools = [{"type": "function", "function": fn} for fn in callable_fns]
         try:
             names = chatprep.check_tools(tools)
         except InvalidRequest as err:
@@ -241,11 +293,18 @@ def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
                                  f"'{tc.type}'.", param="tool_choice.name")
         if tc.disable_parallel_tool_use:
             parallel = False
+        if tc.type == "tool" and tc.name in toolset.deferred and tc.name not in toolset.loaded:
+            raise InvalidRequest(f"tool_choice names tool {tc.name!r}, which is deferred (defer_loading) and not "
+                                 "loaded by a tool_reference in the conversation.", param="tool_choice.name")
         if tools or tc.type in ("any", "tool"):  # auto or none without tools: nothing to choose
             choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type) or \
                 {"type": "function", "function": {"name": tc.name}}
     chatprep.check_tool_choice(choice, names, bool(tools))
-    return ChatInput(messages, tools, names, choice, parallel)
+    prompt_tools = [{"type": "function", "function": fn} for fn in toolset.in_prompt()] or None
+    turns = [m.output_config.effort for m in req.messages if m.role == "system" and m.output_config is not None
+             and m.output_config.effort is not None]
+    effort = turns[-1] if turns else (req.output_config.effort if req.output_config is not None else None)
+    return ChatInput(messages, tools, names, choice, parallel, prompt_tools, effort)
 
 
 # -- thinking -------------------------------------------------------------------------------------------------------
@@ -275,8 +334,8 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
     """The template arguments of the request's ``thinking`` setting; a 400 naming it for a model that cannot."""
     th, engine = req.thinking, handle.engine
     reasons = supports_thinking(engine)
-    if not thinking_enabled(req) or (th.type == "adaptive" and not reasons):
-        # adaptive: the model decides whether to think; a model with no reasoning mode answers directly
+    if not thinking_enabled(req) or (th.type in ("adaptive", "between_tools") and not reasons):
+        # adaptive (and between_tools): the model decides whether to think; one with no reasoning mode answers directly
         return {"enable_thinking": False} if reasons else None
     if not reasons:
         raise UnsupportedParameter("thinking", f"model '{handle.name}' has no reasoning mode (its chat template knows "
@@ -304,15 +363,34 @@ def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], C
     engine = handle.engine
     inp = chat_input(req)
     template_kwargs = _check_thinking(handle, req)
-    effort = req.output_config.effort if req.output_config is not None else None
-    if effort not in (None, "high"):  # "high" is Anthropic's default: the model as it always answers
+    if inp.effort not in (None, "high"):  # "high" is Anthropic's default: the model as it always answers
         if "reasoning_effort" not in template_source(engine):
-            raise UnsupportedParameter("output_config.effort", f"model '{handle.name}' has no effort setting (its chat "
+            raise UnsupportedParameter(_effort_param(req), f"model '{handle.name}' has no effort setting (its chat "
                                        "template takes no reasoning_effort); only the default \"high\" is accepted")
-        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": effort}
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": inp.effort}
     fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
-    prompt = chatprep.render_continue(engine, inp.messages, inp.tools, fmt, inp.choice, template_kwargs)
-    return engine.tokenize(prompt, special=True), inp, fmt
+    prompt = chatprep.render_continue(engine, inp.messages, inp.prompt_tools, fmt, inp.choice, template_kwargs)
+    return engine.tokenize(prompt, special=True), inp, fmt, prompt
+
+
+def _effort_param(req: AnthropicCountTokensRequest) -> str:
+    """Where the effort in force was set: the last system turn that sets one, else the top-level output_config."""
+    for i in range(len(req.messages) - 1, -1, -1):
+        m = req.messages[i]
+        if m.role == "system" and m.output_config is not None and m.output_config.effort is not None:
+            return f"messages[{i}].output_config.effort"
+    return "output_config.effort"
+
+
+def refuse_threads(req: AnthropicRequest) -> None:
+    """``thread`` (server-side conversation threads, beta): octo keeps none. The refusal is the one Anthropic's API
+    gives a request it cannot thread (``error.details.error_code`` ``thread_unsupported_request``), on which the SDK's
+    tool runner goes on without a thread, sending the whole conversation."""
+    if req.thread is not None:
+        err = InvalidRequest("thread: octo keeps no server-side threads; send the whole conversation in `messages` "
+                             "without `thread`.", param="thread", code="thread_unsupported_request")
+        err.details = {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+        raise err
 
 
 def count_tokens(handle: Any, req: AnthropicCountTokensRequest) -> int:
@@ -322,7 +400,7 @@ def count_tokens(handle: Any, req: AnthropicCountTokensRequest) -> int:
 def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
     if req.service_tier not in (None, "auto", "standard_only"):
         raise UnsupportedParameter("service_tier")
-    tokens, inp, fmt = _prompt(handle, req)
+    tokens, inp, fmt, prompt = _prompt(handle, req)
     engine = handle.engine
     sp = SamplingParams()
     if req.temperature is not None:
@@ -347,161 +425,9 @@ def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
         # as Anthropic's API does for a max_tokens beyond the context window: generate to the window's end and stop
         # with "model_context_window_exceeded" (a prompt that does not fit is still a 400)
         max_tokens = min(max_tokens, n_ctx - len(tokens))
+    # thinking blocks: a model that reasons, asked to, has its <think> text split out where it runs (Reasoning
+    # events); any other model's text streams as it comes
+    reasons = thinking_enabled(req) and supports_thinking(engine)
     return GenerationRequest(tokens, sp, max_tokens, list(req.stop_sequences or []), req.stream,
-                             grammar=grammar, tools=chatprep.tool_spec(fmt, inp.names, inp.choice, inp.parallel))
-
-
-# -- results -> message ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Options:
-    """What shapes the answer's blocks, from the request."""
-
-    thinking: bool = False  # split <think> text into thinking blocks
-    omit_thinking: bool = False  # thinking.display "omitted": the blocks are there, their text is not
-    max_tokens: int = 0  # as requested: a "length" end before it is the context window's end
-
-    @classmethod
-    def of(cls, req: AnthropicRequest) -> Options:
-        th = req.thinking
-        return cls(thinking_enabled(req), bool(th is not None and th.display == "omitted"), req.max_tokens)
-
-
-def stop_reason(result: Result, opts: Options = Options()) -> tuple[str, str | None]:
-    if result.tool_calls and result.finish_reason in ("tool_calls", "stop"):
-        return "tool_use", None
-    if result.stop_sequence is not None:
-        return "stop_sequence", result.stop_sequence
-    if result.finish_reason == "length" and result.completion_tokens < opts.max_tokens:
-        return "model_context_window_exceeded", None
-    return _STOP.get(result.finish_reason, "end_turn"), None
-
-
-def usage(result: Result) -> dict[str, Any]:
-    return {"input_tokens": result.prompt_tokens - result.cached_tokens, "output_tokens": result.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": result.cached_tokens}
-
-
-def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
-    """The call's ``tool_use`` block; its ``input`` is the arguments' text as the model wrote it (an orjson
-    Fragment: numbers keep their digits, nothing is parsed and re-serialised), ``{}`` where it is not an object."""
-    text = call["function"]["arguments"] or "{}"
-    try:
-        value: Any = orjson.Fragment(text) if isinstance(orjson.loads(text), dict) else {}
-    except orjson.JSONDecodeError:  # a call cut off by max_tokens: what its arguments hold so far
-        value = _partial_object(text)
-    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"], "input": value}
-
-
-def _partial_object(text: str) -> dict[str, Any]:
-    try:
-        value = from_json(text, allow_partial="trailing-strings", allow_inf_nan=False)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def content_blocks(result: Result, opts: Options) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
-    text = result.text
-    if opts.thinking:
-        thinking, text = split_thinking(text)
-        if thinking is not None:
-            blocks.append({"type": "thinking", "thinking": "" if opts.omit_thinking else thinking, "signature": ""})
-    calls = result.tool_calls or []  # disable_parallel_tool_use: the scheduler kept the first call only
-    if text or not calls:
-        blocks.append({"type": "text", "text": text})
-    return blocks + [tool_use_block(c) for c in calls]
-
-
-def response(mid: str, model: str, result: Result, opts: Options = Options()) -> dict[str, Any]:
-    reason, seq = stop_reason(result, opts)
-    return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": content_blocks(result, opts), "stop_reason": reason, "stop_sequence": seq,
-            "usage": usage(result)}
-
-
-# -- streaming ------------------------------------------------------------------------------------------------------
-Event = tuple[str, dict[str, Any]]  # (SSE event name, data)
-
-
-def message_start(mid: str, model: str, n_prompt: int, cached: int) -> Event:
-    return "message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": n_prompt - cached, "output_tokens": 0,
-                                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}}}
-
-
-class StreamBlocks:
-    """The events of one streamed message's content blocks: numbered in order of appearance, a text block only when
-    there is text (an empty answer still gets one), each tool call a ``tool_use`` block whose input arrives as
-    ``input_json_delta`` fragments."""
-
-    def __init__(self, opts: Options) -> None:
-        self.opts = opts
-        self.splitter = ThinkSplitter() if opts.thinking else None
-        self.index = -1
-        self.open: str | None = None  # type of the open block
-        self.answered = False  # a text or tool_use block was opened
-        self.calls = 0
-
-    def _start(self, block: dict[str, Any]) -> list[Event]:
-        out = self._stop()
-        self.index += 1
-        self.open = block["type"]
-        self.answered = self.answered or block["type"] != "thinking"
-        return out + [("content_block_start", {"type": "content_block_start", "index": self.index,
-                                               "content_block": block})]
-
-    def _stop(self) -> list[Event]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
-
-    def _delta(self, delta: dict[str, Any]) -> Event:
-        return "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
-
-    def _pieces(self, pieces: list[tuple[str, str]]) -> list[Event]:
-        out: list[Event] = []
-        for kind, piece in pieces:
-            if not piece:
-                continue
-            if kind == "thinking":
-                if self.open != "thinking":
-                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-                if not self.opts.omit_thinking:
-                    out.append(self._delta({"type": "thinking_delta", "thinking": piece}))
-            else:
-                if self.open != "text":
-                    out += self._start({"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": piece}))
-        return out
-
-    def text(self, text: str) -> list[Event]:
-        return self._pieces(self.splitter.feed(text) if self.splitter is not None else [("text", text)])
-
-    def tool(self, delta: dict[str, Any]) -> list[Event]:
-        """A Chat Completions tool-call delta (octo.scheduler.emission): a new call opens a tool_use block."""
-        out: list[Event] = []
-        for tc in delta.get("tool_calls", []):
-            fn = tc.get("function") or {}
-            if tc.get("id"):
-                self.calls += 1
-                if self.splitter is not None:
-                    out += self._pieces(self.splitter.flush())
-                out += self._start({"type": "tool_use", "id": tool_use_id(tc["id"]), "name": fn.get("name", ""),
-                                    "input": {}})
-            if fn.get("arguments") and self.open == "tool_use":
-                out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
-        return out
-
-    def finish(self, result: Result) -> list[Event]:
-        out = self._pieces(self.splitter.finish()) if self.splitter is not None else []
-        if not self.answered:
-            out += self._start({"type": "text", "text": ""})
-        out += self._stop()
-        reason, seq = stop_reason(result, self.opts)
-        out.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                      "usage": usage(result)}))
-        out.append(("message_stop", {"type": "message_stop"}))
-        return out
+                             grammar=grammar, tools=chatprep.tool_spec(fmt, inp.names, inp.choice, inp.parallel),
+                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt))
