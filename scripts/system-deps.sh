@@ -21,9 +21,12 @@ elif ! npm install --global --prefix "$codex_prefix" --no-audit --no-fund --logl
       "@openai/codex@$CODEX_VERSION"; then
   echo "system-deps: npm could not install @openai/codex@$CODEX_VERSION (tests/test_codex_functional.py will skip)" >&2
 fi
-# Claude Code (Anthropic's coding agent) for tests/test_claude_code_functional.py, pinned, the same way
-CLAUDE_CODE_VERSION=2.1.197
-if [ -x "$codex_prefix/bin/claude" ] || command -v claude >/dev/null 2>&1; then
+# Claude Code (Anthropic's coding agent) for tests/test_claude_code_functional.py, pinned, the same way; an older
+# copy in .cache/npm is replaced (the test checks what this version sends: deferred tools, adaptive thinking)
+CLAUDE_CODE_VERSION=2.1.332
+claude_package="$codex_prefix/lib/node_modules/@anthropic-ai/claude-code/package.json"
+if { [ -f "$claude_package" ] && grep -q "\"version\": \"$CLAUDE_CODE_VERSION\"" "$claude_package"; } || \
+   { [ ! -f "$claude_package" ] && command -v claude >/dev/null 2>&1; }; then
   :
 elif ! command -v npm >/dev/null 2>&1; then
   echo "system-deps: npm not found, Claude Code not installed (tests/test_claude_code_functional.py will skip)" >&2
