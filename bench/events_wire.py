@@ -54,8 +54,14 @@ class _Sender:
 
 
 class _Resp:
+    """The response the events are written to; also the stream's keep-alive once stopped (``live`` false, ``resp``
+    itself: octo.server.keepalive.KeepAlive), so that a tree from before keep-alives is measured the same way."""
+
+    live = False
+
     def __init__(self) -> None:
         self.n = 0
+        self.resp = self
 
     async def write(self, data: bytes) -> None:
         self.n += len(data)

@@ -53,3 +53,4 @@ class ServerConfig:
     replica_resources: dict = field(default_factory=dict)  # with cluster: num_cpus, num_gpus, memory_gb per replica
     worker_timeout: float = 10.0  # a serving worker silent this long is killed and restarted (octo.runtime.supervision)
     load_timeout: float = 300.0  # a load (and a request's wait for it) may take this long (Ollama's default too)
+    stream_keepalive: float = 5.0  # seconds between keep-alives of a stream before its first token (0: none)

@@ -133,6 +133,12 @@ def _keep_alive(ctx, param, value):
 @click.option("--load-timeout", default=300.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds a model load may take, and a request may wait for the load it triggered (then its "
                    "--queue-timeout starts).", **envvar("LOAD_TIMEOUT"))
+@click.option("--stream-keepalive", default=5.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds between keep-alives of a streamed response while it waits for its model's load, the "
+                   "queue or its prompt's prefill (Anthropic ping events, Responses response.in_progress, SSE "
+                   "comments on chat and completions, empty chunks on Ollama's API); its headers go out after this "
+                   "long at the latest, so a later error ends the stream with the API's error event (0: no "
+                   "keep-alives, headers once the request is admitted).", **envvar("STREAM_KEEPALIVE"))
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1),
               help="Sequences decoded together (continuous batching).", **envvar("MAX_BATCH"))
 @click.option("--cache-size", default=512.0, show_default=True, type=click.FloatRange(0),
@@ -234,7 +240,7 @@ def _keep_alive(ctx, param, value):
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **envvar("LOG_LEVEL"))
 def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_budget, keep_alive, max_keep_alive,
-          engine, host, port, options, lora, draft,
+          engine, host, port, options, lora, draft, stream_keepalive,
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
           api_key, insecure_no_auth, allowed_hosts, cors_origins, plugins_dir, bench_seconds, rebench, bench_when_idle,
           share_cores, isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
@@ -270,7 +276,7 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
                           prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_mb=prefix_cache_disk_mb,
                           shutdown_timeout=shutdown_timeout, responses_ttl=responses_ttl,
                           responses_max_mb=responses_max_mb)
-    config.worker_timeout, config.load_timeout = worker_timeout, load_timeout
+    config.worker_timeout, config.load_timeout, config.stream_keepalive = worker_timeout, load_timeout, stream_keepalive
     if cluster or replicas != 1 or autoscaling:
         _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a

@@ -390,6 +390,10 @@ class EventStream:
         return [self._ev("response.created", response=self._response("in_progress")),
                 self._ev("response.in_progress", response=self._response("in_progress"))]
 
+    def in_progress(self) -> dict[str, Any]:
+        """``response.in_progress`` again: the stream's keep-alive before its first output (octo.server.keepalive)."""
+        return self._ev("response.in_progress", response=self._response("in_progress"))
+
     def text(self, delta: str, lps: list | None = None) -> list[dict[str, Any]]:
         out = self._close_call()
         if self._msg is None:

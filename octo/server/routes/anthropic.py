@@ -4,8 +4,8 @@ model's worker (octo.serving.anthropic builds it and shapes the answer).
 
 A stream's ``message_start`` is written when the first event of the sequence arrives, so that it can report
 ``usage.cache_read_input_tokens``: the engine thread posts a ``Cached`` event (``octo.scheduler.events``), before any
-text,
-when it restored prompt tokens from the prefix cache (none: nothing was cached)."""
+text, when it restored prompt tokens from the prefix cache (none: nothing was cached). While the request waits
+(its model's load, the queue, the prefill) ``ping`` events keep the stream alive (octo.server.keepalive)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from octo.errors import OctoError
 from octo.protocol.anthropic import AnthropicCountTokensRequest, AnthropicRequest
 from octo.protocol.openai import parse
 from octo.scheduler.events import Cached, Done, Failed, Reasoning, Text, ToolDelta
-from octo.server.routes.openai import dumps, event_stream, json_body, json_response, model_of, sse_response
+from octo.server.keepalive import SSE_HEADERS, KeepAlive
+from octo.server.routes.openai import dumps, event_stream, json_body, json_response, model_of
 from octo.serving import anthropic
 from octo.serving import anthropic_answer as answer
 
@@ -40,26 +41,19 @@ def _event(name: str, obj: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + dumps(obj) + b"\n\n"
 
 
+PING = _event("ping", {"type": "ping"})  # Anthropic's keep-alive, which every client skips
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     req = parse(AnthropicRequest, body)
     anthropic.refuse_threads(req)
+    if req.stream:
+        return await _streamed(request, req, len(body))
     async with model_of(request, req) as handle:
-        tickets, events = await handle.submit("messages", req, len(body))
-        try:
-            if not req.stream:  # a queue timeout arrives on the result future as well
-                return json_response(await _whole(handle, req, tickets))
-            await handle.wait_admitted(tickets)
-            mid, model = anthropic.new_id("msg"), req.model or handle.name
-            resp = await sse_response(request)
-            blocks = answer.StreamBlocks(answer.Options.of(req), req)
-            await _stream(resp, tickets[0], events, mid, model, blocks)
-            while blocks.pending:  # the model called the server-side tool search: it runs, the answer goes on
-                events = await _search(handle, resp, blocks, tickets)
-                if events is None:
-                    break
-                await _stream(resp, None, events, mid, model, blocks)
-            return resp
+        tickets, _ = await handle.submit("messages", req, len(body))
+        try:  # a queue timeout arrives on the result future as well
+            return json_response(await _whole(handle, req, tickets))
         finally:
             handle.abandon(tickets)
 
@@ -81,7 +75,55 @@ async def _whole(handle: Any, req: AnthropicRequest, tickets: list[Any]) -> dict
     return answer.response(anthropic.new_id("msg"), req.model or handle.name, result, opts, turn)
 
 
-async def _search(handle: Any, resp: web.StreamResponse, blocks: answer.StreamBlocks, tickets: list[Any]) -> Any:
+async def _streamed(request: web.Request, req: AnthropicRequest, size: int) -> web.StreamResponse:
+    """A streamed message: ``ping`` events keep it alive until its first content (octo.server.keepalive); an error
+    after its headers ends it with an ``error`` event."""
+    start = _Start()
+    ka = KeepAlive(request, SSE_HEADERS, start.beat)
+    try:
+        async with model_of(request, req) as handle:
+            tickets, events = await handle.submit("messages", req, size)
+            try:
+                await handle.wait_admitted(tickets)
+                start.args = (anthropic.new_id("msg"), req.model or handle.name, tickets[0].n_prompt)
+                await ka.open()
+                blocks = answer.StreamBlocks(answer.Options.of(req), req)
+                await _stream(ka, start, events, blocks)
+                while blocks.pending:  # the model called the server-side tool search: it runs, the answer goes on
+                    events = await _search(handle, ka, blocks, tickets)
+                    if events is None:
+                        break
+                    await _stream(ka, start, events, blocks)
+                return ka.resp
+            finally:
+                handle.abandon(tickets)
+    except OctoError as err:
+        return await ka.fail(err, _error)
+    finally:
+        ka.close()
+
+
+class _Start:
+    """A stream's ``message_start`` (and the ``ping`` Anthropic's API sends after it): written with the sequence's
+    first event, which reports the prompt tokens restored from the prefix cache, or with the first keep-alive after
+    admission when the prefill takes longer. Before admission a keep-alive is a ``ping`` alone."""
+
+    __slots__ = ("args", "sent")
+
+    def __init__(self) -> None:
+        self.args: tuple[str, str, int] | None = None  # (id, model, prompt tokens), once admitted
+        self.sent = False
+
+    def beat(self) -> bytes:
+        return self.opening(0) if self.args is not None and not self.sent else PING
+
+    def opening(self, cached: int) -> bytes:
+        self.sent = True
+        mid, model, n_prompt = self.args or ("", "", 0)
+        return _event(*answer.message_start(mid, model, n_prompt, cached)) + PING
+
+
+async def _search(handle: Any, ka: KeepAlive, blocks: answer.StreamBlocks, tickets: list[Any]) -> Any:
     """Run the searches the model asked for and write their result blocks; the events of the model call that goes on
     from there (its tickets join ``tickets``), or None when the answer pauses."""
     turn = blocks.turn
@@ -89,26 +131,20 @@ async def _search(handle: Any, resp: web.StreamResponse, blocks: answer.StreamBl
     follow = turn.follow_up()
     if follow is None:  # as many searches as one answer may run: it pauses (stop_reason "pause_turn")
         out += blocks.end()
-    await resp.write(b"".join(_event(name, obj) for name, obj in out))
+    await ka.resp.write(b"".join(_event(name, obj) for name, obj in out))
     if follow is None:
         return None
+    ka.resume()  # pings again while the next model call waits and prefills
     more, events = await handle.submit("messages", follow, 0)
     tickets += more
     await handle.wait_admitted(more)
     return events
 
 
-async def _stream(resp: web.StreamResponse, ticket: Any, events: Any, mid: str, model: str,
-                  blocks: answer.StreamBlocks) -> None:
-    """One model call's events (``ticket`` None: a call that goes on from a search, after the message started)."""
-    started = ticket is None
+async def _stream(ka: KeepAlive, start: _Start, events: Any, blocks: answer.StreamBlocks) -> web.StreamResponse:
     async for batch in event_stream(events, 1):
+        head = b"" if start.sent else start.opening(sum(ev.tokens for ev in batch if type(ev) is Cached))
         out: list[bytes] = []
-        if not started:  # the Cached event, when there is one, comes first
-            started = True
-            cached = sum(ev.tokens for ev in batch if isinstance(ev, Cached))
-            out.append(_event(*answer.message_start(mid, model, ticket.n_prompt, cached)))
-            out.append(_event("ping", {"type": "ping"}))
         for ev in batch:
             cls = type(ev)
             if cls is Text:
@@ -120,13 +156,23 @@ async def _stream(resp: web.StreamResponse, ticket: Any, events: Any, mid: str, 
             elif cls is Done:
                 evs = blocks.finish(ev.result)
             elif cls is Failed:
-                out.append(_event("error", anthropic_error_body(ev.error)))
+                out.append(_error(ev.error))
                 continue
             else:
                 continue  # Cached, Logprob
             out += [_event(name, obj) for name, obj in evs]
-        if out:
-            await resp.write(b"".join(out))
+        if not out:  # (the Cached event alone, or text a thinking block holds back)
+            if head:
+                await ka.send(head)
+            continue
+        if ka.live:
+            await ka.stop()
+        await ka.resp.write(head + b"".join(out))
+    return ka.resp
+
+
+def _error(exc: Any) -> bytes:
+    return _event("error", anthropic_error_body(exc))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

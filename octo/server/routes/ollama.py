@@ -26,14 +26,13 @@ from octo.runtime.specs import parse_keep_alive
 from octo.scheduler.events import Done, Failed, Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
+from octo.server.keepalive import NDJSON_HEADERS, KeepAlive
 from octo.server.routes import dashboard as api_dashboard
 from octo.server.routes import ollama_models as api_ollama_models
 from octo.server.routes.openai import dumps, json_response
-from octo.server.stamp import start_stream
 from octo.server.state import STATE
 from octo.serving import ollama
 
-NDJSON = "application/x-ndjson"
 ROOT_TEXT = "Ollama is running"
 
 
@@ -100,22 +99,42 @@ async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
             return await _load_or_unload(request, req, name, {"response": ""})
     elif not req.messages:
         return await _load_or_unload(request, req, name, {"message": {"role": "assistant", "content": ""}})
-    registry = request.app[STATE].registry
-    async with registry.use(name, req.keep_alive) as handle:
+    chunk = _shape(req, req.model)
+    if req.streaming:
+        return await _streamed(request, req, name, len(body), chunk, clock)
+    async with request.app[STATE].registry.use(name, req.keep_alive) as handle:
         clock.loaded = time.perf_counter()
-        inner = req.model_copy(update={"stream": req.streaming, "model": name})
-        tickets, events = await handle.submit("ollama", inner, len(body))
-        try:
-            chunk = _shape(req, req.model)
-            if not req.streaming:  # a queue timeout arrives on the result future as well
-                result = await tickets[0].result
-                clock.done = time.perf_counter()
-                out = _Output(result.text, result.reasoning, result.tool_calls, result.logprobs)
-                return json_response(_final(chunk, result, clock, out, True))
-            await handle.wait_admitted(tickets)
-            return await _stream(request, events, chunk, clock)
+        tickets, _ = await handle.submit("ollama", req.model_copy(update={"stream": False, "model": name}), len(body))
+        try:  # a queue timeout arrives on the result future as well
+            result = await tickets[0].result
+            clock.done = time.perf_counter()
+            out = _Output(result.text, result.reasoning, result.tool_calls, result.logprobs)
+            return json_response(_final(chunk, result, clock, out, True))
         finally:
             handle.abandon(tickets)
+
+
+async def _streamed(request: web.Request, req: Any, name: str, size: int, chunk: Any,
+                    clock: ollama.Clock) -> web.StreamResponse:
+    """A streamed answer (NDJSON). Until its first content an empty chunk (``done: false``, as Ollama's own streams
+    send while a tool call is parsed) keeps it alive (octo.server.keepalive); an error after its headers is an
+    ``{"error": ...}`` line, as Ollama's."""
+    ka = KeepAlive(request, NDJSON_HEADERS, lambda: dumps(chunk()) + b"\n")
+    try:
+        async with request.app[STATE].registry.use(name, req.keep_alive) as handle:
+            clock.loaded = time.perf_counter()
+            tickets, events = await handle.submit("ollama", req.model_copy(update={"stream": True, "model": name}),
+                                                  size)
+            try:
+                await handle.wait_admitted(tickets)
+                await ka.open()
+                return await _stream(ka, events, chunk, clock)
+            finally:
+                handle.abandon(tickets)
+    except OctoError as err:
+        return await ka.fail(err, error_line)
+    finally:
+        ka.close()
 
 
 async def _load_or_unload(request: web.Request, req: Any, name: str, empty: dict[str, Any]) -> web.Response:
@@ -166,16 +185,14 @@ def _final(chunk: Any, result: Result, clock: ollama.Clock, out: _Output, whole:
     return obj
 
 
-async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock: ollama.Clock) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await start_stream(request, resp)
+async def _stream(ka: KeepAlive, events: asyncio.Queue, chunk: Any, clock: ollama.Clock) -> web.StreamResponse:
     out = _Output()
     while True:
         batch = [await events.get()]
         while not events.empty():
             batch.append(events.get_nowait())
         lines: list[bytes] = []
+        end = False
         for ev in batch:
             kind = type(ev)
             if kind is Text:
@@ -191,21 +208,23 @@ async def _stream(request: web.Request, events: asyncio.Queue, chunk: Any, clock
                 out.lps.append(ev.entry)
                 continue
             elif kind is Done or kind is Failed:
-                clock.done = time.perf_counter()
+                clock.done, end = time.perf_counter(), True
                 if kind is Failed:
                     lines.append(error_line(ev.error))
-                    await resp.write(b"".join(lines))
-                    return resp
+                    break
                 if out.calls:  # Ollama sends whole calls: once they are complete
                     lines.append(dumps(chunk("", None, out.calls)) + b"\n")
                 lines.append(dumps(_final(chunk, ev.result, clock, out, False)) + b"\n")
-                await resp.write(b"".join(lines))
-                return resp
+                break
             else:
                 continue  # Cached
             lines.append(dumps(obj) + b"\n")
         if lines:
-            await resp.write(b"".join(lines))
+            if ka.live:
+                await ka.stop()
+            await ka.resp.write(b"".join(lines))
+        if end:
+            return ka.resp
 
 
 # -- /api/embed and /api/embeddings ----------------------------------------------------------------------------

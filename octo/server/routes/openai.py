@@ -1,7 +1,9 @@
 """Route handlers for generation and embeddings: parse, call the serving layer and scheduler, write JSON/SSE.
 
-Streams are started only once every sequence of the request is admitted, so queue errors (503, 504)
-and validation errors always arrive as a proper HTTP status, never in the middle of a stream.
+A stream's headers go out once every sequence of the request is admitted, or once the first keep-alive is due
+(octo.server.keepalive), whichever comes first: validation errors, a full queue (503) and an unknown model arrive as a
+proper HTTP status; an error after the headers (a load that fails, a queue time-out) ends the stream with an error
+event.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import asyncio
 import base64
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -27,11 +29,9 @@ from octo.protocol.openai import (
 from octo.scheduler.events import END, Done, Event, Failed, Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Result
 from octo.server.bodies import read_json_body
-from octo.server.stamp import start_stream
+from octo.server.keepalive import SSE_HEADERS, KeepAlive, comment
 from octo.server.state import STATE
 from octo.serving import openai as serving
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def dumps(obj: Any) -> bytes:
@@ -59,12 +59,6 @@ def model_of(request: web.Request, req: Any):
     return request.app[STATE].registry.use(req.model, req.keep_alive)
 
 
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers=SSE_HEADERS)
-    await start_stream(request, resp)
-    return resp
-
-
 def _data(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
@@ -82,14 +76,14 @@ async def event_stream(queue: asyncio.Queue, n: int) -> AsyncIterator[list[Event
         yield batch
 
 
-async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
+async def _write_events(ka: KeepAlive, queue: asyncio.Queue, n: int,
                         text_chunk: Callable[[int, str, list | None], bytes],
                         finish_chunk: Callable[[int, str, list | None], bytes],
                         tool_chunk: Callable[[int, dict, list | None], bytes] | None = None,
                         reasoning_chunk: Callable[[int, str], bytes] | None = None) -> list[Result | None]:
     """Write the events of ``n`` sequences as SSE chunks until all are done; their results by choice index
     (None for one that failed: its error went out as an error event). A token's logprobs ride on the next chunk of
-    its choice."""
+    its choice. The first chunk ends the keep-alives."""
     results: list[Result | None] = [None] * n
     pending: dict[int, list] = {}
     async for batch in event_stream(queue, n):
@@ -113,7 +107,9 @@ async def _write_events(resp: web.StreamResponse, queue: asyncio.Queue, n: int,
                 pending.pop(ev.index, None)
                 out.append(_error_event(ev.error))
         if out:
-            await resp.write(b"".join(out))
+            if ka.live:
+                await ka.stop()
+            await ka.resp.write(b"".join(out))
     return results
 
 
@@ -122,40 +118,69 @@ def _error_event(exc: Any) -> bytes:
     return _data(err.body())
 
 
+def _error_done(err: OctoError) -> bytes:
+    """An error that ends a stream before its first content."""
+    return _error_event(err) + b"data: [DONE]\n\n"
+
+
 # -- /v1/chat/completions ------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     req = parse(ChatCompletionRequest, body)
+    if req.stream:
+        return await _streamed(request, req, "chat", len(body), _chat_events)
     async with model_of(request, req) as handle:
-        tickets, events = await handle.submit("chat", req, len(body))
-        model, rid, fp = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint
-        try:
-            if not req.stream:  # a queue timeout arrives on the result future as well
-                results = [await t.result for t in tickets]
-                return json_response(serving.chat_response(rid, model, fp, results))
-            await handle.wait_admitted(tickets)
-            created = int(time.time())
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            resp = await sse_response(request)
-            extra = {"usage": None} if include_usage else {}
-
-            def chunk(index: int, delta: dict, finish: str | None = None, lps: list | None = None) -> bytes:
-                return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish, lps), **extra})
-
-            await resp.write(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
-            results = await _write_events(resp, events, req.n,
-                                          lambda i, text, lps: chunk(i, {"content": text}, None, lps),
-                                          lambda i, finish, lps: chunk(i, {}, finish, lps),
-                                          lambda i, delta, lps: chunk(i, delta, None, lps),
-                                          lambda i, text: chunk(i, {"reasoning_content": text}))
-            if include_usage and all(results):
-                usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
-                await resp.write(_data(usage))
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+        tickets, _ = await handle.submit("chat", req, len(body))
+        try:  # a queue timeout arrives on the result future as well
+            results = [await t.result for t in tickets]
+            return json_response(serving.chat_response(serving.new_id("chatcmpl"), req.model or handle.name,
+                                                       handle.fingerprint, results))
         finally:
             handle.abandon(tickets)
+
+
+async def _streamed(request: web.Request, req: Any, kind: str, size: int,
+                    write: Callable[[KeepAlive, Any, Any, list, asyncio.Queue], Awaitable[None]]) -> web.StreamResponse:
+    """A streamed chat or completion: the model (loaded on demand), admission, then ``write`` its events; SSE
+    comments keep the stream alive until its first content (octo.server.keepalive), and an error after the
+    headers ends it with an error event."""
+    ka = KeepAlive(request, SSE_HEADERS, comment)
+    try:
+        async with model_of(request, req) as handle:
+            tickets, events = await handle.submit(kind, req, size)
+            try:
+                await handle.wait_admitted(tickets)
+                await ka.open()
+                await write(ka, handle, req, tickets, events)
+            finally:
+                handle.abandon(tickets)
+        await ka.resp.write(b"data: [DONE]\n\n")
+        return ka.resp
+    except OctoError as err:
+        return await ka.fail(err, _error_done)
+    finally:
+        ka.close()
+
+
+async def _chat_events(ka: KeepAlive, handle: Any, req: ChatCompletionRequest, tickets: list,
+                       events: asyncio.Queue) -> None:
+    model, rid, fp, created = req.model or handle.name, serving.new_id("chatcmpl"), handle.fingerprint, int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, finish: str | None = None, lps: list | None = None) -> bytes:
+        return _data({**serving.chat_chunk(rid, model, fp, created, index, delta, finish, lps), **extra})
+
+    await ka.send(b"".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n)))
+    results = await _write_events(ka, events, req.n,
+                                  lambda i, text, lps: chunk(i, {"content": text}, None, lps),
+                                  lambda i, finish, lps: chunk(i, {}, finish, lps),
+                                  lambda i, delta, lps: chunk(i, delta, None, lps),
+                                  lambda i, text: chunk(i, {"reasoning_content": text}))
+    if include_usage and all(results):
+        usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "system_fingerprint": fp, "choices": [], "usage": serving.usage(results)}
+        await ka.resp.write(_data(usage))
 
 
 # -- /v1/completions -----------------------------------------------------------------------------------
@@ -164,39 +189,37 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse(CompletionRequest, body)
     if req.echo and req.stream:
         raise UnsupportedParameter("echo", "echo is only supported without stream")
+    if req.stream:
+        return await _streamed(request, req, "completion", len(body), _completion_events)
     async with model_of(request, req) as handle:
-        tickets, queue = await handle.submit("completion", req, len(body))
+        tickets, _ = await handle.submit("completion", req, len(body))
         model, rid, fp = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint
         try:
-            if not req.stream:
-                results = [await t.result for t in tickets]
-                texts = await handle.prompt_texts(req) if req.echo else [""] * (len(results) // req.n)
-                prefixes = [texts[i // req.n] for i in range(len(results))]
-                return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
-            await handle.wait_admitted(tickets)
-            created = int(time.time())
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            resp = await sse_response(request)
-
-            offsets: dict[int, int] = {}
-
-            def chunk(index: int, text: str, lps: list | None, finish: str | None = None) -> bytes:
-                logprobs = None
-                if lps is not None:
-                    logprobs = serving.completion_logprobs(lps, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-                return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish, logprobs))
-
-            results = await _write_events(resp, queue, len(tickets), chunk,
-                                          lambda i, finish, lps: chunk(i, "", lps, finish))
-            if include_usage and all(results):
-                u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
-                await resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                        "system_fingerprint": fp, "choices": [], "usage": u}))
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            results = [await t.result for t in tickets]
+            texts = await handle.prompt_texts(req) if req.echo else [""] * (len(results) // req.n)
+            prefixes = [texts[i // req.n] for i in range(len(results))]
+            return json_response(serving.completion_response(rid, model, fp, results, prefixes, req.n))
         finally:
             handle.abandon(tickets)
+
+
+async def _completion_events(ka: KeepAlive, handle: Any, req: CompletionRequest, tickets: list,
+                             events: asyncio.Queue) -> None:
+    model, rid, fp, created = req.model or handle.name, serving.new_id("cmpl"), handle.fingerprint, int(time.time())
+    offsets: dict[int, int] = {}
+
+    def chunk(index: int, text: str, lps: list | None, finish: str | None = None) -> bytes:
+        logprobs = None
+        if lps is not None:
+            logprobs = serving.completion_logprobs(lps, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+        return _data(serving.completion_chunk(rid, model, fp, created, index, text, finish, logprobs))
+
+    results = await _write_events(ka, events, len(tickets), chunk, lambda i, finish, lps: chunk(i, "", lps, finish))
+    if req.stream_options and req.stream_options.include_usage and all(results):
+        u = serving.completion_response(rid, model, fp, results, [""] * len(results), req.n)["usage"]
+        await ka.resp.write(_data({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                   "system_fingerprint": fp, "choices": [], "usage": u}))
 
 
 # -- /v1/embeddings ------------------------------------------------------------------------------------

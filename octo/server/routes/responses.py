@@ -16,8 +16,8 @@ from octo.errors import ContextLengthExceeded, NotFound, OctoError
 from octo.protocol.openai import ChatCompletionRequest, parse, validation_error
 from octo.protocol.responses import ResponsesRequest
 from octo.scheduler.events import Done, Failed, Logprob, Text, ToolDelta
-from octo.server.routes.openai import SSE_HEADERS, dumps, event_stream, json_body, json_response, model_of
-from octo.server.stamp import start_stream
+from octo.server.keepalive import SSE_HEADERS, KeepAlive
+from octo.server.routes.openai import dumps, event_stream, json_body, json_response, model_of
 from octo.server.state import STATE
 from octo.serving import responses
 from octo.serving.response_store import ResponseStore
@@ -79,6 +79,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         history = prev[1]
     chat_body, conversation = responses.to_chat(req, history)
     chat_req = _chat(chat_body, req)
+    if req.stream:
+        return await _streamed(request, req, chat_body, chat_req, conversation, len(body))
     try:
         async with model_of(request, chat_req) as handle:
             return await _serve(request, handle, req, chat_body, chat_req, conversation, len(body))
@@ -87,15 +89,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, chat_body: dict[str, Any],
-                 chat_req: ChatCompletionRequest, conversation: list[dict[str, Any]], size: int) -> web.StreamResponse:
-    rid, model = responses.new_id("resp"), req.model or handle.name
+                 chat_req: ChatCompletionRequest, conversation: list[dict[str, Any]], size: int,
+                 stream: _Stream | None = None) -> web.StreamResponse:
+    """The response (``stream``: streamed), the conversation cut from its oldest turn while it does not fit the
+    context with truncation "auto"."""
     for _ in range(MAX_TRUNCATIONS):
         tickets: list = []
         try:
             tickets, events = await handle.submit("chat", chat_req, size)
-            if req.stream:
+            if stream is not None:
                 await handle.wait_admitted(tickets)
-                return await _stream(request, handle, tickets, events, req, rid, model, conversation)
+                return await stream.write(request, events, conversation)
             result = await tickets[0].result
             break
         except ContextLengthExceeded:
@@ -106,6 +110,7 @@ async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, chat_
             handle.abandon(tickets)
     else:
         raise ContextLengthExceeded("The conversation does not fit the model's context.", param="input")
+    rid, model = responses.new_id("resp"), req.model or handle.name
     status, incomplete = responses.status_of(result)
     output = responses.output_items(result, req)
     obj = responses.response_object(rid, req, model, int(time.time()), status, output, result, incomplete)
@@ -123,38 +128,76 @@ def _warning(req: ResponsesRequest) -> dict[str, str] | None:
     return {WARNING_HEADER: warning}
 
 
-async def _stream(request: web.Request, handle: Any, tickets: list, events: Any, req: ResponsesRequest, rid: str,
-                  model: str, conversation: list[dict[str, Any]]) -> web.StreamResponse:
-    es = responses.EventStream(rid, req, model)
-    resp = web.StreamResponse(headers={**SSE_HEADERS, **(_warning(req) or {})})
-    await start_stream(request, resp)
-    await resp.write(b"".join(_sse_event(e) for e in es.start()))
-    lps: list = []
-    async for batch in event_stream(events, 1):
-        out: list[dict[str, Any]] = []
-        for ev in batch:
-            cls = type(ev)
-            if cls is Logprob:
-                lps.append(ev.entry)
-            elif cls is Text:
-                out += es.text(ev.text, lps)
-                lps = []
-            elif cls is ToolDelta:
-                out += es.tool(ev.delta)
-            elif cls is Done:
-                closing, final = es.finish(ev.result)
-                try:
-                    if req.store:
-                        await _store(request).put(final, [*conversation, responses.assistant_message(final["output"])])
-                    out += closing
-                except OctoError as err:  # the store failed while this response ran: it ends failed, not stored
+async def _streamed(request: web.Request, req: ResponsesRequest, chat_body: dict[str, Any],
+                    chat_req: ChatCompletionRequest, conversation: list[dict[str, Any]],
+                    size: int) -> web.StreamResponse:
+    """A streamed response; an error after its headers ends it with ``response.failed``."""
+    model = req.model or (await request.app[STATE].registry.route(None)).name
+    stream = _Stream(responses.EventStream(responses.new_id("resp"), req, model))
+    stream.ka = KeepAlive(request, {**SSE_HEADERS, **(_warning(req) or {})}, stream.beat)
+    try:
+        async with model_of(request, chat_req) as handle:
+            return await _serve(request, handle, req, chat_body, chat_req, conversation, size, stream)
+    except OctoError as err:
+        return await stream.ka.fail(responses.translate_error(err, req), stream.failed)
+    finally:
+        stream.ka.close()
+
+
+class _Stream:
+    """The events of one streamed response. Its keep-alive (octo.server.keepalive) is ``response.in_progress``, an
+    event, because Codex's idle timer counts events and SSE comments are none (docs/api.md); the first one, when it
+    comes before admission, opens the stream with ``response.created`` as every client expects first."""
+
+    __slots__ = ("es", "ka", "opened")
+
+    def __init__(self, es: responses.EventStream) -> None:
+        self.es = es
+        self.ka: KeepAlive
+        self.opened = False
+
+    def beat(self) -> bytes:
+        if not self.opened:
+            self.opened = True
+            return b"".join(_sse_event(e) for e in self.es.start())
+        return _sse_event(self.es.in_progress())
+
+    def failed(self, err: OctoError) -> bytes:
+        return _sse_event(self.es.failed(err))
+
+    async def write(self, request: web.Request, events: Any, conversation: list[dict[str, Any]]) -> web.StreamResponse:
+        es, ka, req = self.es, self.ka, self.es.req
+        if not self.opened:
+            await ka.send(self.beat())
+        lps: list = []
+        async for batch in event_stream(events, 1):
+            out: list[dict[str, Any]] = []
+            for ev in batch:
+                cls = type(ev)
+                if cls is Logprob:
+                    lps.append(ev.entry)
+                elif cls is Text:
+                    out += es.text(ev.text, lps)
+                    lps = []
+                elif cls is ToolDelta:
+                    out += es.tool(ev.delta)
+                elif cls is Done:
+                    closing, final = es.finish(ev.result)
+                    try:
+                        if req.store:
+                            await _store(request).put(final, [*conversation,
+                                                              responses.assistant_message(final["output"])])
+                        out += closing
+                    except OctoError as err:  # the store failed while this response ran: it ends failed, not stored
+                        out.append(es.failed(err))
+                elif cls is Failed:
+                    err = ev.error if isinstance(ev.error, OctoError) else OctoError(str(ev.error))
                     out.append(es.failed(err))
-            elif cls is Failed:
-                err = ev.error if isinstance(ev.error, OctoError) else OctoError(str(ev.error))
-                out.append(es.failed(err))
-        if out:
-            await resp.write(b"".join(_sse_event(e) for e in out))
-    return resp
+            if out:
+                if ka.live:
+                    await ka.stop()
+                await ka.resp.write(b"".join(_sse_event(e) for e in out))
+        return ka.resp
 
 
 async def get_response(request: web.Request) -> web.Response:
