@@ -15,6 +15,7 @@ receives every active sequence's feed, so a backend that can batch (llama.cpp) r
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -66,6 +67,13 @@ class ModelInfo:
     embedding_dim: int = 0
     tasks: frozenset[Task] | None = None  # what this model can do, when less than the engine's tasks
     extra: dict[str, Any] = field(default_factory=dict)  # shown in /v1/engines (threads, quant, ...)
+    # the media kinds this loaded model takes in a prompt ("image"; "audio" later): those of ``Engine.media_kinds``
+    # its files have an encoder for (llama.cpp: the projector loaded beside the GGUF); empty: text only
+    media: frozenset[str] = frozenset()
+
+    @property
+    def takes_images(self) -> bool:
+        return "image" in self.media
 
 
 @dataclass
@@ -134,13 +142,58 @@ def common_prefix(a: list[int], b: list[int], limit: int | None = None) -> int:
 _SAMPLING_DEFAULTS = tuple((f.name, getattr(SamplingParams(), f.name)) for f in fields(SamplingParams))
 
 
+# -- media in a prompt (images; audio later) -----------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class MediaInput:
+    """One media item of a request, as the serving layer hands it to ``Engine.tokenize_media``: decoded and checked.
+
+    ``digest`` is the SHA-256 (hex) of the bytes the client sent: the prefix cache keys the item's positions by it.
+    An image's ``data`` is its pixels, RGB, row by row (``width * height * 3`` bytes)."""
+
+    kind: str  # "image"
+    digest: str
+    data: bytes
+    width: int = 0
+    height: int = 0
+
+
+@dataclass(eq=False)
+class MediaChunk:
+    """Positions ``pos`` .. ``end - 1`` of a prompt that hold one media item's embeddings instead of token embeddings.
+
+    Their token ids are placeholders (:func:`media_token_ids`: negative, derived from the item's digest), so the prefix
+    cache, in-flight sharing and KV accounting treat an image as the tokens it takes, and two prompts with the same
+    image share its positions' KV as they share text. ``data`` is the engine's prepared input (``tokenize_media``),
+    ``embedding`` the encoder's output (``encode_media``, run by the scheduler before the positions are fed)."""
+
+    kind: str
+    digest: str
+    pos: int
+    n_tokens: int
+    data: Any = None
+    embedding: Any = None
+
+    @property
+    def end(self) -> int:
+        return self.pos + self.n_tokens
+
+
+def media_token_ids(digest: str, n_tokens: int) -> list[int]:
+    """The placeholder token ids of a media item's ``n_tokens`` positions: 32 bits of SHAKE-256 of its digest per
+    position, as negative int32 values below -1 (no real token id; int32, as the disk prefix cache stores tokens). Two
+    different items share a position's id with a chance of 2**-31 and all of them never in practice."""
+    raw = hashlib.shake_256(b"octo-media\0" + digest.encode()).digest(4 * n_tokens)
+    return [-2 - (int.from_bytes(raw[4 * i:4 * i + 4], "little") % (2**31 - 2)) for i in range(n_tokens)]
+
+
 @dataclass(eq=False)
 class Sequence:
     """One generation stream as the engine sees it.
 
     ``tokens`` is the prompt followed by every sampled token; the first ``n_cached`` of them are in the
     engine's KV for this sequence. ``slot`` is the engine's own per-sequence state (a llama.cpp
-    sequence id, a sampler chain, ...): set it in ``add_sequence``, drop it in ``remove_sequence``.
+    sequence id, a sampler chain, ...): set it in ``add_sequence``, drop it in ``remove_sequence``. ``media``: the
+    prompt's media items, in position order (their positions' ``tokens`` are placeholders).
     """
 
     id: int
@@ -148,6 +201,7 @@ class Sequence:
     sampling: SamplingParams
     n_cached: int = 0
     slot: Any = None
+    media: tuple[MediaChunk, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -169,6 +223,10 @@ class Feed:
     * ``prompt_logprobs`` >= 0: the engine sets ``prompt_out`` to one ``(logprob, top)`` pair per fed position whose
       next token is already in ``seq.tokens`` (the logprob of that next token; for a prompt, what OpenAI's
       completions ``echo`` + ``logprobs`` reports), from the raw logits (no penalties).
+    * ``media`` (engines whose model takes media): the feed's positions are those of this chunk of ``seq.media``,
+      from ``seq.n_cached`` to the chunk's end (the scheduler never mixes text into it and feeds the rest of a chunk
+      whole, once ``media.embedding`` is set): the engine appends rows ``seq.n_cached - media.pos`` on of the
+      embedding. ``tokens`` holds the placeholders.
     """
 
     seq: Sequence
@@ -180,6 +238,7 @@ class Feed:
     no_eos: bool = False
     logprob: Any = None
     prompt_out: Any = None
+    media: MediaChunk | None = None
 
 
 @dataclass(eq=False)
@@ -277,6 +336,9 @@ class Engine:
     supports_min_tokens: ClassVar[bool] = False
     # Greatest prompt chunk the scheduler feeds in one step (prefill chunking).
     prefill_chunk: ClassVar[int] = 512
+    # Media kinds ("image"; "audio" later) the engine takes in a prompt when the model it loads has an encoder for
+    # them: ``tokenize_media``, ``encode_media`` and ``Feed.media``. What a loaded model takes is ``ModelInfo.media``.
+    media_kinds: ClassVar[frozenset[str]] = frozenset()
     # Where a loaded model runs by default: "process" (its own worker process, so a native crash costs only its
     # requests) or "thread" (inside the gateway). Engines with native code keep "process"; --isolation overrides.
     isolation: ClassVar[str] = "process"
@@ -354,6 +416,22 @@ class Engine:
     def special_tokens(self) -> dict[str, int]:
         """Control tokens by their text (``{"<tool_call>": 151657}``), for grammars that must emit one; optional."""
         return {}
+
+    # -- media (models whose ModelInfo.media is not empty) ------------------------------------------------------------
+    def tokenize_media(self, parts: list[str | MediaInput]) -> tuple[list[int], list[MediaChunk]]:
+        """The prompt tokens of a rendered chat prompt cut at its media items (``parts``: text as ``tokenize(text,
+        special=True)`` reads it, and the items in their places), with a chunk per item: the tokens hold an item's
+        :func:`media_token_ids` at its positions, and whatever the model wraps around an item (Gemma 3's
+        ``<start_of_image>``) as text tokens. Called where requests are prepared, on any thread (as ``tokenize``); a
+        bad item raises :class:`octo.errors.InvalidRequest`."""
+        raise NotImplementedError
+
+    def encode_media(self, chunk: MediaChunk) -> Any:
+        """Run the model's encoder (a vision tower and its projector) on a chunk from ``tokenize_media``: its
+        embedding, one row per position, which the engine reads when a ``Feed.media`` brings the chunk. The scheduler
+        calls it on a thread of its own, one chunk at a time, while ``step`` runs on the engine thread (so an image's
+        encode never stalls the other sequences' decoding): it must not touch the serving context or the sequences."""
+        raise NotImplementedError
 
     def add_sequence(self, seq: Sequence) -> None:
         """Give ``seq`` a slot (KV sequence, sampler) before its first feed."""

@@ -306,4 +306,5 @@ class Scheduler(EngineLoop):
             "isolated_steps": self.isolation.isolated_steps,  # steps that raised, split until the failing one was alone
             "engine_thread": self.watchdog.state,
             "kv": self.engine.kv_stats(),
+            "media": self.media.stats(),
         }

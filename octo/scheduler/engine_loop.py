@@ -15,12 +15,15 @@ The loop holds its parts, each an object with its own state, given what it needs
   ``disk`` (:class:`octo.scheduler.disk_cache.DiskTier`, or None), its disk tier;
 - ``isolation`` (:class:`octo.scheduler.step_isolation.StepIsolation`): a raising step costs one request;
 - ``pacer`` (:class:`octo.scheduler.pacer.Pacer`): how much prompt a step may carry;
+- ``planner`` (:class:`octo.scheduler.planner.Planner`): a step's feeds;
+- ``media`` (:class:`octo.scheduler.media.MediaEncoder`): the encodes of the prompts' images, on a thread of their own;
 - ``watchdog`` (:class:`octo.scheduler.watchdog.Watchdog`, made by the Scheduler, its owner).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -37,7 +40,9 @@ from octo.scheduler.emission import Emission, put_event, token_id
 from octo.scheduler.events import Cached, Done, Failed, Text
 from octo.scheduler.jobs import Call, Job, Ticket
 from octo.scheduler.kv_pressure import KVPressure
-from octo.scheduler.pacer import Pacer, work_left
+from octo.scheduler.media import MediaEncoder
+from octo.scheduler.pacer import Pacer
+from octo.scheduler.planner import Planner
 from octo.scheduler.posting import (
     as_octo_error,
     deliver,
@@ -101,6 +106,8 @@ class EngineLoop:
         self.disk = DiskTier(disk, engine, cache) if disk is not None else None
         self.reuse = PrefixReuse(engine, cache, self.disk, self._free_kv) if cache is not None else None
         self.isolation = StepIsolation(engine, self._engine_step)
+        self.media = MediaEncoder(engine, functools.partial(self._wake.put, None))
+        self.planner = Planner(engine, self._active, self.pacer, self.sharing, self._pending)
         # the per-token path calls the emission part through these (one attribute look-up, as when it was a mixin)
         self._dress, self._accept, self._emit = self.emission.dress, self.emission.accept, self.emission.emit
 
@@ -223,6 +230,21 @@ class EngineLoop:
         finally:
             self.watchdog.idle()
 
+    def _nap(self) -> None:
+        """Nothing to feed but images being encoded: sleep until an encode ends or a request comes (a cancellation
+        is seen within the nap's 50 ms)."""
+        with self._lock:
+            if self._pending or self._stopping:
+                return
+            self._sleeping = True
+        self.watchdog.idle()
+        try:
+            self._wake.get(timeout=0.05)
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._sleeping = False
+
     def _interrupted(self) -> bool:
         return bool(self._pending or self._between or self._stopping)
 
@@ -336,6 +358,8 @@ class EngineLoop:
                 t.cached = cached
                 if t.req.stream:  # before any text: a stream reports it at its start (Anthropic's usage)
                     posts.append((put_event, t.events, Cached(t.index, t.cached)))
+        if seq.media:  # its images' encodes start now, beside what runs (octo.scheduler.media)
+            self.media.start(t)
         if t.prompt_lps is None:
             self.sharing.find_lead(t)
         self._active.append(t)
@@ -347,11 +371,15 @@ class EngineLoop:
         n_ctx = eng.info.n_ctx if eng.info else 1 << 30
         for t in [t for t in self._active if t.cancel_requested]:
             self._finish(t, "cancelled", posts)
+        for t, err in self.media.failed():  # an image that could not be encoded
+            self._fail(t, err, posts)
         self.sharing.join_leads()
         room = eng.kv_room()
         spare = 1 << 30 if room is None else self.kv.fit(room)
-        feeds, owners = self._plan(n_ctx, spare)
+        feeds, owners = self.planner.plan(n_ctx, spare)
         if not feeds:
+            if self.media.busy:  # sequences wait for their images' encodes (octo.scheduler.media)
+                self._nap()
             return
         dress = self._dress
         for f, t in zip(feeds, owners, strict=True):
@@ -370,47 +398,6 @@ class EngineLoop:
         self.steps += 1
         self.pacer.observe(time.perf_counter() - started, n_decode, n_fed - n_decode)
         self._take_outputs(feeds, owners, out, starts, n_ctx, posts)
-
-    def _plan(self, n_ctx: int, spare: int) -> tuple[list[Feed], list[Ticket]]:
-        """This step's feeds and the ticket of each: decode tokens first (one per sequence), then prompt chunks within
-        the engine's prefill budget, the pacer's and the ``spare`` KV cells."""
-        eng = self.engine
-        feeds: list[Feed] = []
-        owners: list[Ticket] = []  # the ticket of each feed
-        prefilling: list[Ticket] = []
-        for t in self._active:
-            seq = t.seq
-            remaining = len(seq.tokens) - seq.n_cached
-            if remaining == 1:
-                feeds.append(Feed(seq, seq.tokens[-1:], True))
-                owners.append(t)
-            elif remaining > 1 and t.lead is None:  # a follower waits for its lead's prefix (octo.scheduler.sharing)
-                prefilling.append(t)
-        budget = 1 << 30 if eng.batching == "window" else max(eng.prefill_chunk, 1)
-        paced, least, leads = budget, None, set()
-        if prefilling and eng.batching != "window":
-            leads = {id(t.lead) for t in self._active if t.lead is not None}
-            prefilling.sort(key=lambda t: (id(t) not in leads, work_left(t, n_ctx)))  # a shared prefix first
-            budget, paced, least = self.pacer.plan(budget, owners, prefilling, n_ctx, self._pending)
-        budget = min(budget, spare)  # under KV pressure a prompt chunk takes only the cells left over
-        for t in prefilling:
-            if budget <= 0:
-                break
-            seq = t.seq
-            remaining = len(seq.tokens) - seq.n_cached
-            cap = budget if least is None or remaining <= least else min(budget, paced)
-            if cap <= 0:
-                continue
-            take = min(remaining, cap)
-            if leads and id(t) in leads:  # end the chunk where a follower can join
-                stop = self.sharing.lead_stop(t)
-                if stop is not None:
-                    take = min(take, stop - seq.n_cached)
-            budget -= take
-            paced -= take
-            feeds.append(Feed(seq, seq.tokens[seq.n_cached:seq.n_cached + take], take == remaining))
-            owners.append(t)
-        return feeds, owners
 
     def _take_outputs(self, feeds: list[Feed], owners: list[Ticket], out: list, starts: list[int], n_ctx: int,
                       posts: list) -> None:
@@ -593,6 +580,7 @@ class EngineLoop:
                 job.state, job.error = "failed", err
         if self.cache is not None:
             self.cache.clear()
+        self.media.close()
         if (posts or pending) and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(deliver, posts)
             for job in pending:

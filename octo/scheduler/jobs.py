@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from octo.engine import SamplingParams, Sequence
+from octo.engine import MediaChunk, SamplingParams, Sequence
 from octo.errors import OctoError
 from octo.scheduler.events import END, Text
 from octo.text.reasoning import ThinkSplitter
@@ -46,6 +46,9 @@ class GenerationRequest:
     ignore_eos: bool = False  # never end at an end-of-sequence token (max_tokens, a stop string or the context do)
     reasoning: bool = False  # split <think> text out of the answer (octo.text.reasoning)
     reasoning_opened: bool = False  # the prompt ends inside an opened <think> block
+    # the prompt's media items (images) in position order; their positions in prompt_tokens hold placeholders
+    # (octo.engine.media_token_ids): octo.scheduler.media encodes them and feeds them whole
+    media: tuple[MediaChunk, ...] = ()
 
 
 @dataclass
@@ -93,7 +96,7 @@ class Ticket(Job):
         self.id = next(_ids)
         self.index = index  # choice index within its request
         self.req = req
-        self.seq = Sequence(self.id, list(req.prompt_tokens), sampling)
+        self.seq = Sequence(self.id, list(req.prompt_tokens), sampling, media=req.media)
         self.n_prompt = len(req.prompt_tokens)
         # the stream's octo.scheduler.events (Text, ..., then Done or Failed); shared by the tickets of one request
         self.events = events
