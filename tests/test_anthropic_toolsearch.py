@@ -175,3 +175,36 @@ def test_an_answer_that_keeps_searching_pauses():
     assert turn.add(Result("", "length", 20, 5, 0, [], tool_calls=[call])) == []
     other = {**call, "id": "call_" + "b" * 24, "function": {"name": "get_weather", "arguments": "{}"}}
     assert Turn(req, Options.of(req)).add(Result("", "tool_calls", 20, 5, 0, [], tool_calls=[call, other])) == []
+
+
+def test_tool_changes_in_a_system_turn():
+    """Beta mid-conversation-tool-changes (announced by Claude Code): a ``tool_addition`` loads a tool from there on
+    (its definition where the block stands), a ``tool_removal`` withdraws one (a line says so; no longer callable)."""
+    tools = [tool(WEATHER), tool(STOCK, defer_loading=True)]
+
+    def system(*blocks):
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "system", "content": [{"type": "text", "text": "tools changed"}, *blocks]},
+                {"role": "user", "content": "go on"}]
+
+    add = {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "getStockPrice"}}
+    inp = chat_input(request(tools, system(add)))
+    assert inp.names == ["get_weather", "getStockPrice"]
+    assert [t["function"]["name"] for t in inp.prompt_tools] == ["get_weather"]
+    stock = {"name": "getStockPrice", "description": STOCK["description"], "parameters": STOCK["parameters"]}
+    assert {"role": "system", "content": "tools changed\n" + toolsearch.expansion([stock])} in inp.messages
+    remove = {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}}
+    inp = chat_input(request(tools, system(remove)))
+    assert inp.names == [] and inp.tools is None
+    assert {"role": "system", "content": "tools changed\nThe tool get_weather is no longer available."} \
+        in inp.messages
+    assert chat_input(request(tools, system(remove, {**add, "tool": {**add["tool"], "name": "get_weather"}}))).names \
+        == ["get_weather"]  # added back
+    for bad, param in ((dict(add, tool={"type": "tool_definition", "definition": {}}), "content[1].tool"),
+                       (dict(remove, tool={"type": "tool_reference", "name": "nope"}), "content[1].tool.name")):
+        with pytest.raises(InvalidRequest) as e:
+            chat_input(request(tools, system(bad)))
+        assert e.value.param == f"messages[2].{param}", e.value.param
+    with pytest.raises(InvalidRequest) as e:  # only in system turns
+        chat_input(request(tools, [{"role": "user", "content": [add]}]))
+    assert e.value.param == "messages[0].content[0]"

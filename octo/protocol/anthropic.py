@@ -19,7 +19,7 @@ from octo.protocol.openai import INT32, MAX_TOKENS_LIMIT, Model, Other, check_st
 protocol.UNION_TAGS.update({"text-block", "other-block", "tool-use-block", "tool-result-block", "thinking-block",
                              "redacted-thinking-block", "custom-tool", "server-tool", "tool-search-tool",
                              "tool-reference-block", "server-tool-use-block", "tool-search-result-block",
-                             "search-hits", "search-error"})
+                             "search-hits", "search-error", "tool-change-block"})
 
 
 class CacheControl(Model):
@@ -133,9 +133,28 @@ class RedactedThinkingBlock(Model):
     data: str
 
 
+class ToolChange(Model):
+    """What a ``tool_addition`` or ``tool_removal`` names: octo takes ``tool_reference`` (a tool in ``tools``)."""
+
+    type: str
+    name: str | None = None
+    server_name: str | None = None
+    definition: dict[str, Any] | None = None
+
+
+class ToolChangeBlock(Model):
+    """A system turn's ``tool_addition`` / ``tool_removal`` (beta mid-conversation-tool-changes): the tool is offered,
+    or no longer, from that point of the conversation on."""
+
+    type: Literal["tool_addition", "tool_removal"]
+    tool: ToolChange
+    cache_control: CacheControl | None = None
+
+
 _BLOCK_TAGS = {"text": "text-block", "tool_use": "tool-use-block", "tool_result": "tool-result-block",
                "thinking": "thinking-block", "redacted_thinking": "redacted-thinking-block",
-               "server_tool_use": "server-tool-use-block", "tool_search_tool_result": "tool-search-result-block"}
+               "server_tool_use": "server-tool-use-block", "tool_search_tool_result": "tool-search-result-block",
+               "tool_addition": "tool-change-block", "tool_removal": "tool-change-block"}
 
 
 def _block_kind(value: Any) -> str:
@@ -149,6 +168,7 @@ ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[Too
                          | Annotated[RedactedThinkingBlock, Tag("redacted-thinking-block")]
                          | Annotated[ServerToolUseBlock, Tag("server-tool-use-block")]
                          | Annotated[ToolSearchResultBlock, Tag("tool-search-result-block")]
+                         | Annotated[ToolChangeBlock, Tag("tool-change-block")]
                          | Annotated[OtherBlock, Tag("other-block")], Discriminator(_block_kind)]
 
 
@@ -227,6 +247,7 @@ class ThinkingConfig(Model):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     display: Literal["summarized", "omitted"] | None = None
+    block_binding: dict[str, Any] | None = None  # checks of earlier thinking blocks: octo never shows them again
 
 
 class OutputFormat(Model):
@@ -239,6 +260,7 @@ class OutputConfig(Model):
 
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
+    task_budget: dict[str, Any] | None = None  # refused: the model would be told a budget it is not told here
 
 
 class ContextEdit(Other):
@@ -301,7 +323,7 @@ class AnthropicRequest(AnthropicCountTokensRequest):
     diagnostics: Diagnostics | None = None
     inference_geo: str | None = None
     fallbacks: list[dict[str, Any]] | None = None  # other models to try when this one fails: octo serves the one named
-    fallback_credit_token: dict[str, Any] | None = None
+    fallback_credit_token: str | dict[str, Any] | None = None  # billing of a retry after a refusal
     thread: Thread | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False

@@ -30,6 +30,7 @@ from octo.protocol.anthropic import (
     ServerToolUseBlock,
     TextBlock,
     ThinkingBlock,
+    ToolChangeBlock,
     ToolReferenceBlock,
     ToolResultBlock,
     ToolSearchResultBlock,
@@ -121,7 +122,7 @@ def _messages(req: AnthropicCountTokensRequest, tools: ToolSet) -> list[dict[str
                                  "final assistant message", param=f"messages[{i}].content")
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         if m.role == "system":  # a mid-conversation system turn, where it was sent
-            _system_turn(req, i, open_calls, out, shown=m.clear_at != "next_user_message" or i > last_user)
+            _system_turn(req, i, open_calls, out, tools, shown=m.clear_at != "next_user_message" or i > last_user)
             continue
         for key in ("clear_at", "output_config"):
             if getattr(m, key) is not None:
@@ -138,16 +139,42 @@ def _messages(req: AnthropicCountTokensRequest, tools: ToolSet) -> list[dict[str
     return out
 
 
-def _system_turn(req: Any, i: int, open_calls: dict[str, int], out: list[dict[str, Any]], shown: bool) -> None:
+def _system_turn(req: Any, i: int, open_calls: dict[str, int], out: list[dict[str, Any]], tools: ToolSet,
+                 shown: bool) -> None:
     """A system turn inside ``messages`` (``clear_at: "next_user_message"``: shown only until a user turn follows)."""
     if i == 0:
         raise InvalidRequest("messages.0.role: a conversation cannot start with a system turn; the system "
                              "prompt goes in the top-level `system` parameter.", param="messages[0].role")
     if open_calls:
         raise _unanswered(open_calls)
-    text = _text(req.messages[i].content, f"messages[{i}].content")
+    content = req.messages[i].content
+    if isinstance(content, list) and any(isinstance(b, ToolChangeBlock) for b in content):
+        text = _tool_changes(content, f"messages[{i}].content", tools)
+    else:
+        text = _text(content, f"messages[{i}].content")
     if text and shown:
         out.append({"role": "system", "content": text})
+
+
+def _tool_changes(blocks: list[Any], where: str, tools: ToolSet) -> str:
+    """A system turn's text with its ``tool_addition`` blocks (the tool's definition, expanded there, as a
+    ``tool_reference``) and ``tool_removal`` blocks (a line saying so; it can no longer be forced)."""
+    parts = []
+    for j, b in enumerate(blocks):
+        if isinstance(b, TextBlock):
+            parts.append(b.text)
+            continue
+        if not isinstance(b, ToolChangeBlock):
+            raise UnsupportedParameter(f"{where}[{j}]", f"content blocks of type '{b.type}' are not supported")
+        if b.tool.type != "tool_reference" or not b.tool.name:
+            raise UnsupportedParameter(f"{where}[{j}].tool", f"a {b.type} of a '{b.tool.type}' is not supported "
+                                       "(octo takes a tool_reference to a tool in tools)")
+        if b.type == "tool_addition":
+            parts.append(toolsearch.expansion([tools.reference(b.tool.name, f"{where}[{j}].tool.name")]))
+        else:
+            tools.remove(b.tool.name, f"{where}[{j}].tool.name")
+            parts.append(f"The tool {b.tool.name} is no longer available.")
+    return "\n".join(p for p in parts if p)
 
 
 def _call(b: Any) -> dict[str, Any]:
@@ -355,10 +382,12 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
 
 
 # -- prompt and generation ------------------------------------------------------------------------------------------
-def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], ChatInput, Any]:
-    """The prompt tokens of a request (as a real request renders them), its chat input and tool format."""
+def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], ChatInput, Any, str]:
+    """The prompt tokens of a request (as a real request renders them), its chat input, tool format and text."""
     require(handle, Task.CHAT)
     unsupported_if(req, ("mcp_servers", "container"))
+    if req.output_config is not None and req.output_config.task_budget is not None:
+        raise UnsupportedParameter("output_config.task_budget", "the model is not told a task budget here")
     _check_context_management(req)
     engine = handle.engine
     inp = chat_input(req)

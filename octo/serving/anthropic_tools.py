@@ -74,6 +74,7 @@ class ToolSet:
     search: ToolSearchTool | None = None
     searchable: bool = False  # the search tool's variant can run here
     loaded: set[str] = field(default_factory=set)  # deferred tools a reference loaded
+    removed: set[str] = field(default_factory=set)  # tools a tool_removal withdrew (until a later addition)
 
     @classmethod
     def of(cls, tools: list[Any] | None) -> ToolSet:
@@ -115,11 +116,19 @@ class ToolSet:
                                  param=where)
         if name in self.deferred:
             self.loaded.add(name)
+        self.removed.discard(name)
         return fn
+
+    def remove(self, name: str, where: str) -> None:
+        """A ``tool_removal``: the tool is no longer offered (its definition stays where it was shown)."""
+        if name not in self.functions:
+            raise InvalidRequest(f"{where}: tool '{name}' is not in tools.", param=where)
+        self.removed.add(name)
 
     def callable(self) -> list[dict[str, Any]]:
         """Every function the model may call now: the tools not deferred, the loaded ones, the search tool."""
-        fns = [fn for name, fn in self.functions.items() if name not in self.deferred or name in self.loaded]
+        fns = [fn for name, fn in self.functions.items()
+               if (name not in self.deferred or name in self.loaded) and name not in self.removed]
         return fns + ([search_function(self.search)] if self.search is not None and self.searchable else [])
 
     def in_prompt(self) -> list[dict[str, Any]]:
