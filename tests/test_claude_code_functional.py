@@ -100,13 +100,13 @@ def recording(upstream: str, refuse_deferred: bool = False):
         server.server_close()
 
 
-def run_claude(claude: str, base_url: str, home, work) -> subprocess.CompletedProcess:
+def run_claude(claude: str, base_url: str, home, work, prompt: str = PROMPT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
     env.update({"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"), "IS_SANDBOX": "1",
                 "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "dummy",
                 "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "NO_COLOR": "1"})
-    cmd = [claude, "-p", PROMPT, "--model", "test-model", "--dangerously-skip-permissions", "--output-format", "json"]
+    cmd = [claude, "-p", prompt, "--model", "test-model", "--dangerously-skip-permissions", "--output-format", "json"]
     return subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=180)
 
@@ -127,13 +127,18 @@ def text_deltas(sse: str) -> tuple[int, int]:
     return deltas, next(d["usage"]["output_tokens"] for d in data if d["type"] == "message_delta")
 
 
-def test_claude_code_runs_a_bash_command_through_messages(tmp_path):
+def installed_claude() -> str:
     claude = claude_binary()
     if claude is None:
         pytest.skip(f"Claude Code not found (neither {LOCAL_CLAUDE} nor `claude` in PATH): scripts/system-deps.sh "
                     "installs it with npm")
     if shutil.which("node") is None:
         pytest.skip("Claude Code is installed but `node` is not in PATH")
+    return claude
+
+
+def test_claude_code_runs_a_bash_command_through_messages(tmp_path):
+    claude = installed_claude()
     home, work, home2, work2 = (tmp_path / d for d in ("home", "work", "home2", "work2"))
     for d in (home, work, home2, work2):
         d.mkdir()
@@ -170,3 +175,26 @@ def test_claude_code_runs_a_bash_command_through_messages(tmp_path):
     assert not any(t.get("defer_loading") for t in fallback[0]["body"]["tools"])
     assert len(fallback[0]["body"]["tools"]) > len(first["tools"])
     assert smaller < larger * 0.8, (smaller, larger)
+
+
+def test_claude_codes_tool_search_loads_a_deferred_tool(tmp_path):
+    """The scripted model calls Claude Code's ToolSearch for a deferred tool (WebFetch); Claude Code answers with a
+    ``tool_reference`` and sends the tool, still deferred: octo expands its definition where the reference stands,
+    and the echo model's answer (that tool result) shows it."""
+    claude = installed_claude()
+    search = {"name": "ToolSearch", "arguments": {"query": "select:WebFetch"}}
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with run_octo("test-model", "--engine", "echo", "-o", "n_ctx=32768") as server:
+        with recording(server.base_url) as (url, seen):
+            proc = run_claude(claude, url, home, work, f"<tool_call>\n{json.dumps(search)}\n</tool_call>")
+    sent = [r for r in seen if r["path"].startswith("/v1/messages") and "count_tokens" not in r["path"]]
+    assert proc.returncode == 0 and len(sent) == 2, (proc.stdout, proc.stderr, [r["status"] for r in sent])
+    assert [r["status"] for r in sent] == [200, 200], [r["answer"][:500] for r in sent]
+    second = sent[1]["body"]
+    assert any(t["name"] == "WebFetch" and t.get("defer_loading") for t in second["tools"])
+    result = second["messages"][-1]["content"][0]
+    assert result["type"] == "tool_result" and {"type": "tool_reference", "tool_name": "WebFetch"} in result["content"]
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])["result"]
+    assert "<functions>" in answer and '\\"name\\": \\"WebFetch\\"' in answer, answer[:1000]
