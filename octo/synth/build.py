@@ -19,6 +19,14 @@ def build_for(name: str, engine: str, quant: str | None = "default", seed: int =
         shape, steady = parse_name(name)  # whisper-SHAPE or whisper-SHAPE-steady
         builder = {"whisper": build_whisper, "faster-whisper": build_whisper_ct2, "whispercpp": build_whisper_ggml}
         return builder[engine](shape, seed, steady=steady)
+    from octo.synth.vision import SHAPES as VISION_SHAPES
+
+    if name in VISION_SHAPES:  # a vision-language model: the GGUF and its projector, by llama.cpp's converter
+        if engine != "llamacpp":
+            raise ValueError(f"no synthetic builder for '{name}' on engine '{engine}' (known: llamacpp)")
+        from octo.synth.vision import build_vision_gguf
+
+        return build_vision_gguf(name, seed)
     spec = get_spec(name)
     if quant == "default":
         quant = DEFAULT_QUANT.get(engine)
