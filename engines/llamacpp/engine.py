@@ -36,12 +36,12 @@ import ctypes
 import importlib.util
 import logging
 import threading
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from octo.engine import Detection, Embeddings, Engine, EngineConfig, Feed, KVHandle, ModelInfo, Sequence, Task
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
-from . import background, context, layout, loading, lora
+from . import background, context, layout, loading, lora, vision
 from . import logits as lg
 from .adapt import AdaptiveLayout
 from .embeddings import embed_texts
@@ -51,6 +51,10 @@ from .native import version as lib_version
 from .sampling import SamplerChain
 from .speculate import Speculation
 from .template import ChatTemplate
+from .vision import Vision
+
+if TYPE_CHECKING:
+    from octo.engine import MediaChunk, MediaInput
 
 log = logging.getLogger("octo.engines.llamacpp")
 
@@ -76,6 +80,7 @@ class LlamaCppEngine(Engine):
     supports_logprobs: ClassVar[bool] = True
     supports_prompt_logprobs: ClassVar[bool] = True
     prefill_chunk: ClassVar[int] = 256
+    media_kinds: ClassVar[frozenset[str]] = frozenset({"image"})  # with a projector (mmproj) beside the GGUF: .vision
     supports_rollback: ClassVar[bool] = True  # kv_rollback: llama_memory_seq_rm of what a failed step wrote (.kvcache)
     fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = (
         ({"repack": "false"}, "the AMX/CPU weight repack crashed on this host"),
@@ -94,6 +99,7 @@ class LlamaCppEngine(Engine):
         self.cells = KVCells(self)
         self.layout = AdaptiveLayout(self)
         self.spec: Speculation | None = None
+        self.vision: Vision | None = None
 
     # -- discovery ---------------------------------------------------------------------------------
     @classmethod
@@ -166,6 +172,7 @@ class LlamaCppEngine(Engine):
                 self.flash_default = context.default_flash_attn(L, self.opts, unified)
                 self._build_context(pooling, self.n_ctx_opt, unified)
             self.layout.start(verdicts)
+            self.vision = vision.load(self) if not self.is_embedding else None
             if self.opts.get("draft"):
                 self.spec = Speculation.load(L, self.opts, self.vocab, eog, max_batch=self.config.max_batch,
                                              n_ctx=self.n_ctx_seq, n_threads=self.n_threads, repack=self.repack,
@@ -180,7 +187,8 @@ class LlamaCppEngine(Engine):
             n_vocab=self.n_vocab,
             embedding_dim=L.llama_model_n_embd_out(self.model) if self.is_embedding else 0,
             tasks=frozenset({Task.EMBEDDINGS}) if self.is_embedding else frozenset({Task.CHAT, Task.COMPLETION}),
-            extra=loading.describe(self, arch, pooling),
+            extra={**loading.describe(self, arch, pooling), **(self.vision.describe() if self.vision else {})},
+            media=frozenset({"image"}) if self.vision is not None else frozenset(),
         )
         return self.info
 
@@ -275,6 +283,9 @@ class LlamaCppEngine(Engine):
         if self.spec is not None:
             self.spec.close()
             self.spec = None
+        if self.vision is not None:
+            self.vision.close()
+            self.vision = None
         if L is not None:
             if self.ctx:
                 L.llama_free(self.ctx)
@@ -336,14 +347,17 @@ class LlamaCppEngine(Engine):
     def special_tokens(self) -> dict[str, int]:
         """Control and user-defined tokens by their text (llama.cpp's token attributes; the first id of a text)."""
         if self._special is None:
-            L = self.lib
-            flags = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
-            found: dict[str, int] = {}
-            for t in range(self.n_vocab):
-                if L.llama_vocab_get_attr(self.vocab, t) & flags and (text := self._text(t)):
-                    found.setdefault(text, t)
-            self._special = found
+            self._special = loading.special_tokens(self.lib, self.vocab, self.n_vocab)
         return dict(self._special)
+
+    # -- media (a projector beside the GGUF: .vision) ------------------------------------------------------------------
+    def tokenize_media(self, parts: list[str | MediaInput]) -> tuple[list[int], list[MediaChunk]]:
+        if self.vision is None:
+            raise InvalidRequest(f"Model '{self.info.name}' takes no images (no projector loaded).", param="model")
+        return self.vision.tokenize(parts)
+
+    def encode_media(self, chunk: MediaChunk) -> Any:
+        return self.vision.encode(chunk)
 
     # -- generation --------------------------------------------------------------------------------
     def _require_generative(self) -> None:
@@ -387,6 +401,8 @@ class LlamaCppEngine(Engine):
     def step(self, feeds: list[Feed]) -> list[int | BaseException | None]:
         if not feeds:
             return []
+        if self.vision is not None and any(f.media is not None for f in feeds):
+            return self.vision.step(feeds)  # images: their embeddings go in batches of their own (.vision)
         if self.layout.policy is not None:
             self.layout.before_step(feeds, self.spec.n_draft if self.spec is not None else 0)
         cells = self.cells
@@ -471,7 +487,7 @@ class LlamaCppEngine(Engine):
         b.struct.n_tokens = n
         rc = L.llama_decode(ctx, b.struct)
         if rc != 0:
-            self._decode_failed(rc, feeds)
+            cells.decode_failed(rc, feeds)
         if self.kv_unified:
             cells.count_runs(feeds)
         result: list[int | list[int] | BaseException | None] = []
@@ -496,18 +512,6 @@ class LlamaCppEngine(Engine):
             else:
                 result.append(lg.sample(L, ctx, self.n_vocab, f, start + k - 1, self.penalty_last_n))
         return result
-
-    def _decode_failed(self, rc: int, feeds: list[Feed]) -> None:
-        if rc == 1:  # no KV slot: the memory state was restored, nothing was consumed (the scheduler preempts)
-            used = self.cells.book.used()
-            raise KVCacheFull(
-                f"llama.cpp's KV cache is full ({self.kv_cells} cells shared by {len(self.active)} "
-                f"sequences holding {used} tokens)."
-            )
-        # A fatal error may leave part of the batch in memory: drop what each sequence added.
-        for f in feeds:
-            self.cells.seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
-        raise EngineError(f"llama_decode failed with code {rc}: {LogTap.tail()}")
 
     def remove_sequence(self, seq: Sequence) -> None:
         slot: Slot | None = seq.slot

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from octo.engine import KVHandle, Sequence, common_prefix
-from octo.errors import EngineError
+from octo.errors import EngineError, KVCacheFull
 
 from .cells import CellBook
 from .native import LogTap
@@ -93,6 +93,17 @@ class KVCells:
             L.llama_memory_seq_rm(mem, seq_id, -1, -1)
         self.book.truncate(seq_id, keep if ok else 0)
         return bool(ok)
+
+    def decode_failed(self, rc: int, feeds: list[Any]) -> None:
+        """Raise for a ``llama_decode`` that returned ``rc`` on ``feeds``: KVCacheFull for no KV slot (the memory state
+        was restored, nothing was consumed: the scheduler preempts), else EngineError, once what each sequence may
+        have added is dropped."""
+        if rc == 1:
+            raise KVCacheFull(f"llama.cpp's KV cache is full ({len(self.host.active)} sequences holding "
+                              f"{self.book.used()} tokens).")
+        for f in feeds:
+            self.seq_rm(f.seq.slot.seq_id, f.seq.n_cached)
+        raise EngineError(f"llama_decode failed with code {rc}: {LogTap.tail()}")
 
     def seq_cp(self, src: int, dst: int, n: int) -> None:
         """``dst`` (empty) joins the cells of ``src``'s first ``n`` positions: no data is copied."""

@@ -75,6 +75,18 @@ class EogScan:
         return self._ids
 
 
+def special_tokens(L: Any, vocab: Any, n_vocab: int) -> dict[str, int]:
+    """Control and user-defined tokens by their text (llama.cpp's token attributes; the first id of a text)."""
+    flags = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+    found: dict[str, int] = {}
+    for t in range(n_vocab):
+        if L.llama_vocab_get_attr(vocab, t) & flags:
+            raw = L.llama_vocab_get_text(vocab, t)
+            if raw:
+                found.setdefault(raw.decode("utf-8", "replace"), t)
+    return found
+
+
 def repack_choice(opts: dict[str, Any], version: str) -> tuple[bool, str]:
     """Weight repacking (the fast path) unless the user said no, or this host's probe crashed with it (on AMX hosts
     llama.cpp's repack segfaults), and where the choice came from."""

@@ -138,6 +138,8 @@ OPTIONS = {
     "lora": (parse_lora, "LoRA adapters (GGUF) a request picks by model name base:NAME: {\"NAME\": \"PATH\"} or "
              "NAME=PATH;NAME=PATH (what --lora passes)"),
     "draft": (str, "speculative decoding: a GGUF draft model with the same vocabulary (what --draft passes)"),
+    "mmproj": (str, "the projector (mmproj GGUF) of a vision-language model: images in prompts (default: the one "
+               "mmproj*.gguf beside the model's file; none: text only)"),
     "n_draft": (positive_int, "with draft: tokens the draft proposes per step (default 4)"),
     "draft_p_min": (probability, "with draft: a sequence stops drafting at a token the draft gives less probability "
                     "(default 0.75, as llama-server's --draft-p-min; 0: always n_draft)"),
@@ -221,6 +223,12 @@ class LogTap:
 
         cls._callback = _cb
         llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
+
+    @classmethod
+    def install_mtmd(cls, mtmd: Any) -> None:
+        """libmtmd's log (a projector's load, its encodes) into the same hook."""
+        cls.install()
+        mtmd.mtmd_helper_log_set(cls._callback, ctypes.c_void_p(0))
 
     @classmethod
     def tail(cls, n: int = 6) -> str:

@@ -80,7 +80,8 @@ class SamplerChain:
             )
             penalties = L.llama_sampler_chain_get(self.ptr, idx)
             for tok in history[-penalty_last_n:] if penalty_last_n > 0 else []:
-                L.llama_sampler_accept(penalties, tok)  # the prompt counts, as in llama-server
+                if tok >= 0:  # (an image's positions hold placeholders, no tokens)
+                    L.llama_sampler_accept(penalties, tok)  # the prompt counts, as in llama-server
         if p.greedy:
             self._add(L.llama_sampler_init_greedy())
             ids = np.array([int(tok) for tok in p.logit_bias or {}], np.int64)
