@@ -21,6 +21,9 @@ class ServerConfig:
     api_key: str | None = None
     max_audio_mb: float = 25.0
     max_audio_seconds: float = 1800.0
+    max_image_mb: float = 20.0  # --max-image-mb: the largest image a request may send (octo.serving.media)
+    max_images: int = 16  # --max-images: images in one request
+    max_image_pixels: int = 32 * 2**20  # --max-image-pixels: pixels of one image (a decompression bomb: refused)
     bench_seconds: float = 3.0
     rebench: bool = False
     bench_when_idle: bool = False  # serve at once; measure candidate engines without a cached result while idle

@@ -135,9 +135,9 @@ CASES = [
          param="messages[0].content[0].x", code="unknown_parameter"),
     Case("chat-part-type-int", CHAT, {"messages": [{"role": "user", "content": [{"type": 3}]}]},
          param="messages[0].content[0].type", code="invalid_type"),
-    Case("chat-image-part", CHAT,
+    Case("chat-image-part", CHAT,  # (a text-only model: the part is named, and the model in the message)
          {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         param="messages[0].content[0]", code="unsupported_parameter"),
+         param="messages[0].content[0]", code="model_not_multimodal"),
     Case("chat-message-extra-key", CHAT, {"messages": [{"role": "user", "content": "x", "zz": 1}]},
          param="messages[0].zz", code="unknown_parameter"),
     Case("chat-tool-message-no-id", CHAT, {"messages": [{"role": "tool", "content": "x"}]},

@@ -46,7 +46,7 @@ class Other(BaseModel):
 
 def _part_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "text-part" if kind == "text" else "other-part"
+    return "text-part" if kind == "text" else "image-part" if kind == "image_url" else "other-part"
 
 
 class TextPart(Model):
@@ -54,12 +54,22 @@ class TextPart(Model):
     text: str
 
 
+class ImageUrl(Model):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's projector decides the resolution
+
+
+class ImageUrlPart(Model):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class OtherPart(Other):
     pass
 
 
-ContentPart = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[OtherPart, Tag("other-part")],
-                        Discriminator(_part_kind)]
+ContentPart = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[ImageUrlPart, Tag("image-part")]
+                        | Annotated[OtherPart, Tag("other-part")], Discriminator(_part_kind)]
 
 
 class CalledFunction(Model):
@@ -305,7 +315,7 @@ def _check_unknown(value: Any, path: str) -> None:
 
 # -- errors -------------------------------------------------------------------------------------------
 UNION_TAGS = {"str", "list", "int", "float", "bool", "dict", "none", "function-after", "function-before",
-               "text-part", "other-part", "text-block", "other-block", "NamedToolChoice", "text-content",
+               "text-part", "image-part", "other-part", "text-block", "other-block", "NamedToolChoice", "text-content",
                "other-content", "message-item", "call-item", "output-item", "other-item", "function-tool",
                "other-tool", "FunctionChoice"}
 _EXPECTED = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",

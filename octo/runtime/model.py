@@ -24,6 +24,7 @@ from octo.scheduler.admission import Scheduler
 from octo.scheduler.jobs import Ticket
 from octo.scheduler.posting import safe_free, set_exception, set_result
 from octo.scheduler.prefix_cache import PrefixCache
+from octo.serving.media import MediaLimits
 
 log = logging.getLogger("octo.runtime.model")
 _OFFLOAD_BYTES = 64 * 1024  # prepare bigger requests in a worker thread so the loop never stalls
@@ -44,6 +45,7 @@ class ModelHandle(HandleInfo):
     engine_thread: Any = None  # the executor that loaded the engine: the scheduler steps on the same thread
     tool_format: str | None = None  # --tool-format (None: detected from the chat template)
     reasoning_format: str = "parsed"  # --reasoning-format
+    media_limits: Any = None  # octo.serving.media.MediaLimits (--max-image-mb, --max-images, --max-image-pixels)
     # In the gateway by --isolation thread (an engine that does not declare itself safe there), the engine's tokenizer
     # and chat template run off the event loop, timed: one that hangs would stop every route of the server (a worker
     # process has its own loop and a watch on it instead)
@@ -113,6 +115,7 @@ class ModelHandle(HandleInfo):
         self.cache = cache
         self.tool_format = config.tool_format
         self.reasoning_format = config.reasoning_format
+        self.media_limits = MediaLimits(int(config.max_image_mb * 2**20), config.max_images, config.max_image_pixels)
         self.prep_limit = max(PREP_STUCK_S, config.queue_timeout)
         disk = self._disk_cache(config) if cache is not None and config.prefix_cache_dir else None
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
@@ -298,7 +301,7 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
     try:
         gens, n = serving.prepare(handle, kind, req)
         for g in gens:
-            g.prompt_tokens = check_prompt(handle, g.prompt_tokens)
+            g.prompt_tokens = check_prompt(handle, g.prompt_tokens, g.media)
     except OctoError:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -306,12 +309,24 @@ def prepare(handle: Any, kind: str, req: Any) -> tuple[list[Any], int]:
     return gens, n
 
 
-def check_prompt(handle: Any, tokens: Any) -> list[int]:
+def check_prompt(handle: Any, tokens: Any, media: tuple = ()) -> list[int]:
     """The engine's tokenization of a prompt as a list of token ids; EngineError for anything else (a native engine
-    would crash on a negative id or one past its vocabulary). Two C-speed passes: this runs for every request."""
+    would crash on a negative id or one past its vocabulary). Two C-speed passes: this runs for every request. The
+    positions of ``media`` (images: octo.engine.MediaChunk) hold placeholders, negative ids; only the text is checked
+    against the vocabulary."""
     tokens = tokens if isinstance(tokens, list) else list(tokens)
-    if tokens:
-        low, high = min(tokens), max(tokens)  # (TypeError for what is not numbers)
+    text = tokens
+    if media:
+        text, at = [], 0
+        for m in media:
+            if not 0 <= at <= m.pos <= m.end <= len(tokens) or max(tokens[m.pos:m.end], default=-2) >= -1:
+                raise EngineError(f"The engine's tokenizer placed a {m.kind} at positions {m.pos}..{m.end - 1} of a "
+                                  f"{len(tokens)}-token prompt, or not as placeholders.")
+            text += tokens[at:m.pos]
+            at = m.end
+        text += tokens[at:]
+    if text:
+        low, high = min(text), max(text)  # (TypeError for what is not numbers)
         n_vocab = handle.info.n_vocab
         if low < 0 or (n_vocab and high >= n_vocab):
             raise EngineError(f"The engine's tokenizer produced token id {low if low < 0 else high}, which is outside "

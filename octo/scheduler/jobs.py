@@ -68,6 +68,7 @@ class Result:
     # there to the end (Ollama's prompt_eval_duration and eval_duration)
     prompt_eval_s: float = 0.0
     eval_s: float = 0.0
+    image_tokens: int = 0  # of prompt_tokens, the positions images take
 
 
 class Job:
@@ -161,7 +162,8 @@ class Ticket(Job):
         first = self.t_first or now
         return Result(text, finish, self.n_prompt, len(gen), self.cached, gen, self.stream.matched, calls,
                       self.lps, self.prompt_lps, "".join(self.reasoning) if self.thinker is not None and self.reasoning
-                      else None, first - (self.t_admit or first), now - first)
+                      else None, first - (self.t_admit or first), now - first,
+                      sum(c.n_tokens for c in self.req.media) if self.req.media else 0)
 
 
 class Call(Job):

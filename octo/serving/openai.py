@@ -19,11 +19,13 @@ from octo.protocol.openai import (
     MAX_EMBEDDING_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    ImageUrlPart,
     NamedToolChoice,
     TextPart,
 )
 from octo.scheduler.jobs import GenerationRequest, Result
-from octo.serving import chatprep
+from octo.serving import chatprep, media
+from octo.serving.media import ImageRef
 from octo.text.reasoning import prompt_opens_thinking, supports_thinking
 
 # SamplingParams field -> the request parameter a user would recognise
@@ -100,8 +102,9 @@ def require(handle: Any, task: Task) -> None:
 
 
 # -- chat ----------------------------------------------------------------------------------------------
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """OpenAI messages -> plain {role, content[, name, tool_calls, tool_call_id]} dicts for a chat template."""
+def chat_messages(req: ChatCompletionRequest, images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
+    """OpenAI messages -> plain {role, content[, name, tool_calls, tool_call_id]} dicts for a chat template; image
+    parts (when ``images`` collects them) become markers in the text (``octo.serving.media``)."""
     out = []
     tool_turns = False  # any assistant tool_calls or tool message: their pairing is checked
     for i, msg in enumerate(req.messages):
@@ -117,13 +120,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             raise UnsupportedParameter(f"messages[{i}].audio")
         content = msg.content
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, TextPart):
-                    raise UnsupportedParameter(f"messages[{i}].content[{j}]",
-                                               f"content parts of type '{part.type}' are not supported")
-                texts.append(part.text)
-            content = "".join(texts)
+            content = _content_text(content, i, msg.role, images)
         item = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
         if msg.name:
             item["name"] = msg.name
@@ -137,6 +134,23 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     if tool_turns:
         _check_tool_turns(out)
     return out
+
+
+def _content_text(parts: list[Any], i: int, role: str, images: list[ImageRef] | None) -> str:
+    texts: list[str | None] = []  # None: an image
+    for j, part in enumerate(parts):
+        if isinstance(part, ImageUrlPart) and images is not None:
+            if role != "user":
+                raise InvalidRequest(f"Image parts are allowed in user messages only, not in a {role} message.",
+                                     param=f"messages[{i}].content[{j}]")
+            images.append(ImageRef(f"messages[{i}].content[{j}]", part.image_url.url))
+            texts.append(None)
+        elif isinstance(part, TextPart):
+            texts.append(part.text)
+        else:
+            raise UnsupportedParameter(f"messages[{i}].content[{j}]",
+                                       f"content parts of type '{part.type}' are not supported")
+    return media.join_parts(texts) if None in texts else "".join(texts)  # (an image: as llama-server joins them)
 
 
 def _check_tool_turns(messages: list[dict[str, Any]]) -> None:
@@ -230,8 +244,11 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
     sampling = sampling_params(req, engine, handle.info.n_vocab)
     fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
     logprobs, tools, names, choice, grammar = (-1, None, [], None, None) if plain else _chat_features(engine, req, fmt)
-    prompt = chatprep.render(engine, chat_messages(req), tools, fmt, choice)
-    tokens = engine.tokenize(prompt, special=True)
+    refs: list[ImageRef] = []
+    messages = chat_messages(req, refs)
+    images = media.load_images(handle, refs) if refs else None  # 400s naming the part, or the model without images
+    prompt = chatprep.render(engine, messages, tools, fmt, choice)
+    tokens, chunks = media.tokenize(engine, prompt, images) if images else (engine.tokenize(prompt, special=True), ())
     max_tokens = req.max_completion_tokens or req.max_tokens
     # --reasoning-format parsed (the default): a reasoning model's <think> text is reasoning_content, not content
     reasons = getattr(handle, "reasoning_format", "parsed") != "none" and supports_thinking(engine)
@@ -243,7 +260,7 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
                                                    "max_tokens") if req.min_tokens else 0,
                              ignore_eos=ignore_eos(engine, req.ignore_eos) if req.ignore_eos else False,
                              reasoning=reasons,
-                             reasoning_opened=reasons and prompt_opens_thinking(prompt))
+                             reasoning_opened=reasons and prompt_opens_thinking(prompt), media=chunks)
 
 
 def usage(results: list[Result]) -> dict[str, Any]:
@@ -252,8 +269,11 @@ def usage(results: list[Result]) -> dict[str, Any]:
     for r in results:  # (a loop, not two generators: this runs for every response)
         completion += r.completion_tokens
         cached = max(cached, r.cached_tokens)
+    details = {"cached_tokens": cached}
+    if results and results[0].image_tokens:  # (a request with images: how many of its prompt tokens they are)
+        details["image_tokens"] = results[0].image_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": details}
 
 
 def _token(b: bytes) -> str:
