@@ -156,3 +156,13 @@ def test_a_projector_that_does_not_load_fails_the_load_saying_so(gguf, tmp_path)
         (tmp_path / name).write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(ConfigError, match="2 projectors beside m.gguf"):
         LlamaCppEngine(EngineConfig(max_batch=2)).load(str(model), "m")
+
+
+def test_the_memory_guard_counts_the_projector(gguf):
+    from pathlib import Path
+
+    from octo.runtime.memguard import gguf_kv_bytes, model_bytes
+
+    model = Path(gguf)
+    projector = model.parent / "mmproj-demo-vision-f16.gguf"
+    assert model_bytes(model) == model.stat().st_size + gguf_kv_bytes(model) + projector.stat().st_size

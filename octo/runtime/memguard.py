@@ -63,11 +63,15 @@ def gguf_kv_bytes(path: Path, n_ctx: int | None = None) -> int:
 
 
 def model_bytes(path: Path) -> int:
-    """Estimated memory of the model at ``path`` once loaded: its files, plus a GGUF model's KV cache."""
+    """Estimated memory of the model at ``path`` once loaded: its files, plus a GGUF model's KV cache and the
+    projector beside it (a vision-language model's ``mmproj*.gguf``, which llama.cpp loads with it)."""
     try:
         if path.is_file():
             size = path.stat().st_size
-            return size + (gguf_kv_bytes(path) if path.suffix.lower() == ".gguf" else 0)
+            if path.suffix.lower() == ".gguf":
+                projectors = [p for p in path.parent.glob("mmproj*.gguf") if p != path]
+                size += gguf_kv_bytes(path) + (projectors[0].stat().st_size if len(projectors) == 1 else 0)
+            return size
         if path.is_dir():
             return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     except OSError:
