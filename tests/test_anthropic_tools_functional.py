@@ -280,3 +280,31 @@ def test_a_model_that_reasons_streams_thinking_and_text_apart(reasoning_client):
     assert [(b.type, getattr(b, "thinking", None)) for b in omitted.content] == [("thinking", ""), ("text", None)]
     plain = ask(reasoning_client, said)  # thinking not asked for: the text as the model wrote it
     assert [b.type for b in plain.content] == ["text"] and plain.content[0].text.startswith("<think>")
+
+
+def test_the_stream_keeps_alive_while_the_search_result_prefills():
+    """The model call that goes on after a search prefills the search result (here the found tool's long
+    description, 25 ms a word): ``ping`` events keep the stream alive meanwhile, as before the first token."""
+    import time
+
+    import httpx
+    from serverproc import REPO
+
+    long = {**WEATHER, "description": " ".join(f"detail{i}" for i in range(160)), "defer_loading": True}
+    serve = ("slow", "--engine", "slowprefill", "--plugins-dir", str(REPO / "tests" / "plugins"),
+             "--stream-keepalive", "0.3", "-o", "prefill_ms=25", "-o", "prefill_chunk=8")
+    with run_octo(*serve) as server:
+        body = {"model": "slow", "max_tokens": 400, "stream": True, "tools": [BM25, long], "messages": [
+            {"role": "user", "content": call_text("tool_search_tool_bm25", {"query": "weather"})}]}
+        seen = []
+        with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    seen.append((time.monotonic(), line[7:]))
+    names = [name for _, name in seen]
+    starts = [i for i, name in enumerate(names) if name == "content_block_start"]  # server_tool_use, result, text
+    assert len(starts) == 3, names
+    after = names[starts[1] + 2:starts[2]]  # from the search result's end to the text's start
+    assert after.count("ping") >= 3, names  # about 4 s of prefill, a ping each 0.3 s
+    gaps = [b - a for (a, _), (b, _) in zip(seen, seen[1:], strict=False)]
+    assert max(gaps) < 2.0, gaps
