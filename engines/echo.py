@@ -46,6 +46,7 @@ class EchoEngine(Engine):
     name = "echo"
     tasks = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
     formats = frozenset({"any"})
+    option_names = frozenset(_OPTIONS)
     sampling_params = frozenset({"temperature", "top_p", "top_k", "min_p", "seed"})
     supports_logprobs = True  # a point mass: the echoed token has logprob 0 and is the only possible one
     supports_min_tokens = True  # Feed.no_eos: past its message it repeats it

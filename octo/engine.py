@@ -350,6 +350,11 @@ class Engine:
     # load, warm-up or its first steps: (options overlay, what crashed), e.g. ({"repack": "false"}, "the weight
     # repack crashed on this host"). An overlay is skipped when the user set one of its options explicitly.
     fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = ()
+    # The ``-o`` option names this engine takes (None: not declared). When several engines are candidates for a model,
+    # each gets only the options it declares (``-o n_threads=2`` is llama.cpp's: ONNX Runtime and MLX run without it);
+    # an engine that declares none gets them all and must refuse those it does not know. Only the class's own
+    # declaration counts: a subclass that takes options of its own declares them too (an inherited set is ignored).
+    option_names: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()

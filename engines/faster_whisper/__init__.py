@@ -45,7 +45,7 @@ from octo.engines.faster_whisper.common import (
 from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
 from octo.errors import ConfigError, EngineError, OctoError
 from octo.hookspecs import hookimpl
-from octo.options import positive_int
+from octo.options import SPEECH_DECODING, positive_int
 
 _EXTRA = {"compute_type": str, "device": str, "workers": positive_int, "encoder_threads": positive_int}
 # The largest model.bin whose encoder gets a copy of its own on more threads than the decoder by default (SplitModel):
@@ -69,6 +69,7 @@ class FasterWhisperEngine(Engine):
     aliases = ("faster_whisper", "ctranslate2")
     tasks = frozenset({Task.TRANSCRIPTION})
     formats = frozenset({"ct2"})
+    option_names = frozenset({*SPEECH_DECODING, *_EXTRA})
     batching = "window"  # queued requests come together (transcribe_batch): one CTranslate2 batch per round
     sampling_params = frozenset({"temperature"})
     supports_word_timestamps = True  # cross-attention alignment, as openai-whisper

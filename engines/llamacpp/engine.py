@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from octo.engine import Detection, Embeddings, Engine, EngineConfig, Feed, KVHandle, ModelInfo, Sequence, Task
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull, Overloaded
 
-from . import background, context, layout, loading, lora, vision
+from . import background, context, layout, loading, lora, native, vision
 from . import logits as lg
 from .adapt import AdaptiveLayout
 from .embeddings import embed_texts
@@ -70,6 +70,7 @@ class LlamaCppEngine(Engine):
     aliases: ClassVar[tuple[str, ...]] = ("llama.cpp", "llama-cpp", "llama_cpp")
     tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION, Task.EMBEDDINGS})
     formats: ClassVar[frozenset[str]] = frozenset({"gguf"})
+    option_names: ClassVar[frozenset[str] | None] = frozenset(native.OPTIONS)
     batching: ClassVar[str] = "continuous"
     sampling_params: ClassVar[frozenset[str]] = frozenset({
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",

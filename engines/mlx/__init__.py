@@ -71,6 +71,7 @@ class MLXEngine(Engine):
     aliases = ("mlx-lm", "mlx_lm")
     tasks = frozenset({Task.CHAT, Task.COMPLETION})
     formats = frozenset({"mlx"})
+    option_names = frozenset(_OPTIONS)
     batching = "continuous"
     sampling_params = SAMPLING_PARAMS
     supports_masks = True

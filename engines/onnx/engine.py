@@ -29,7 +29,7 @@ from octo.errors import ConfigError
 from octo.plugins import installed_version
 
 from .folder import DecoderSpec, TextCodec, read_config
-from .options import parse_options
+from .options import OPTIONS, parse_options
 from .sampler import SAMPLING_PARAMS
 
 log = logging.getLogger("octo.engines.onnx")
@@ -44,6 +44,7 @@ class OnnxEngine(Engine):
     aliases: ClassVar[tuple[str, ...]] = ("onnxruntime", "onnxruntime-genai", "ort")
     tasks: ClassVar[frozenset[Task]] = frozenset({Task.CHAT, Task.COMPLETION})
     formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
+    option_names: ClassVar[frozenset[str] | None] = frozenset(OPTIONS)
     batching: ClassVar[str] = "continuous"  # the session backend; a generator-backend instance says "window"
     sampling_params: ClassVar[frozenset[str]] = SAMPLING_PARAMS
     # the session and generator backends sample in octo (masks, logprobs, prompt logprobs); an instance on the

@@ -47,6 +47,7 @@ class WhisperEngine(Engine):
     name = "whisper"
     tasks = frozenset({Task.TRANSCRIPTION})
     formats = frozenset({"whisper"})
+    option_names = frozenset(_OPTIONS)
     batching = "window"  # queued requests are transcribed together (transcribe_batch), not joined mid-run
     sampling_params = frozenset({"temperature"})
     supports_word_timestamps = True  # cross-attention alignment (whisper.timing), for any checkpoint

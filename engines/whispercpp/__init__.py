@@ -40,7 +40,7 @@ from octo.engines.faster_whisper.common import (
 from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
 from octo.errors import ConfigError, EngineError, OctoError
 from octo.hookspecs import hookimpl
-from octo.options import optional_float
+from octo.options import SPEECH_DECODING, optional_float
 
 GGML_MAGIC = 0x67676D6C
 _EXTRA = {"entropy_threshold": optional_float}
@@ -77,6 +77,7 @@ class WhisperCppEngine(Engine):
     aliases = ("whisper.cpp", "pywhispercpp")
     tasks = frozenset({Task.TRANSCRIPTION})
     formats = frozenset({"ggml"})
+    option_names = frozenset({*SPEECH_DECODING, *_EXTRA})
     batching = "window"  # queued requests come together (transcribe_batch) and run in turn
     sampling_params = frozenset({"temperature"})
     supports_word_timestamps = True  # whisper.cpp token timestamps, grouped into words

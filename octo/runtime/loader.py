@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -280,7 +281,8 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     if not paths:
         raise ConfigError(f"No engine could get an artifact for '{resolved.name}': "
                           + "; ".join(f"{n}: {e}" for n, e in failed.items()))
-    cands = {n: candidate(registry[n], paths[n], resolved.name, config, say) for n in paths}
+    configs = options_per_engine({n: registry[n] for n in paths}, config, resolved.name, say)
+    cands = {n: candidate(registry[n], paths[n], resolved.name, configs[n], say) for n in paths}
     if len(cands) == 1:
         (chosen, cand), = cands.items()
         await _open_or_fail(cand, registry, lazy_rows)
@@ -313,25 +315,49 @@ def pending_of(model: str, aliases: tuple[str, ...], chosen: str, cands: dict[st
     if not names:
         return None
     from octo.runtime.remeasure import Pending
-    from octo.runtime.selection import cache_key
+    from octo.runtime.selection import candidate_key
 
     def make(n: str) -> WorkerCandidate:  # a new process: taking the spare would start its replacement meanwhile
-        cand = WorkerCandidate(cands[n].cls, cands[n].artifact, model, config, log.info)
+        cand = WorkerCandidate(cands[n].cls, cands[n].artifact, model, getattr(cands[n], "config", config), log.info)
         cand.spare = False
         return cand
 
     def serving_candidate(n: str) -> Candidate | None:
-        cand = candidate(cands[n].cls, cands[n].artifact, model, config, log.info)
+        cand = candidate(cands[n].cls, cands[n].artifact, model, getattr(cands[n], "config", config), log.info)
         return cand if isinstance(cand, WorkerCandidate) else None
 
     def handle_of(cand: Candidate, n: str, reason: str) -> tuple[Any, Any]:
         handle = cand.handle(aliases, selection={"reason": reason, "candidates": sorted(results)}, benchmarks=results)
         return handle, _rows(True, engines, n, results, engine=_engine_view(handle))
 
-    return Pending(model, chosen, config.bench_seconds, {n: cache_key(c.cls, c.artifact) for n, c in cands.items()},
+    return Pending(model, chosen, config.bench_seconds, {n: candidate_key(c) for n, c in cands.items()},
                    results, make, {n: c.artifact for n, c in cands.items()}, names, serving_candidate, handle_of,
                    first=any(results[n].get("unmeasured") for n in names),
                    unchosen=bool(results.get(chosen, {}).get("unmeasured")))
+
+
+def options_per_engine(classes: dict[str, type[Engine]], config: ServerConfig, model: str,
+                       say: Callable[[str], None]) -> dict[str, ServerConfig]:
+    """Each candidate engine's configuration: with several candidates, each gets only the ``-o`` options it declares
+    (``Engine.option_names``), so that ``-o n_threads=2`` (llama.cpp's) works whichever engine wins; one line says
+    which engines run without an option. An option no candidate declares is an error naming it."""
+    if len(classes) < 2 or not config.options:
+        return {n: config for n in classes}
+    declared = {n: cls.__dict__.get("option_names") for n, cls in classes.items()}  # the class's own declaration
+    takers = {key: [n for n, names in declared.items() if names is None or key in names] for key in config.options}
+    unknown = [key for key, names in takers.items() if not names]
+    if unknown:
+        known = sorted(set().union(*(names for names in declared.values() if names)))
+        raise ConfigError(f"Unknown option '{unknown[0]}': no engine that can serve '{model}' here "
+                          f"({', '.join(classes)}) takes it; their options: {', '.join(known)}.", param=unknown[0])
+    for key, names in takers.items():
+        if len(names) < len(classes):
+            left = [n for n in classes if n not in names]
+            say(f"octo: -o {key} is an option of {', '.join(names)} only: {', '.join(left)} "
+                f"{'runs' if len(left) == 1 else 'run'} without it")
+    return {n: config if all(n in takers[k] for k in config.options) else
+            dataclasses.replace(config, options={k: v for k, v in config.options.items() if n in takers[k]})
+            for n in classes}
 
 
 async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,

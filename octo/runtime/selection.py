@@ -85,11 +85,22 @@ def artifact_digest(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
-def cache_key(engine_cls: type[Engine], artifact: str) -> dict[str, Any]:
+def cache_key(engine_cls: type[Engine], artifact: str, options: dict[str, str] | None = None) -> dict[str, Any]:
+    """What a measurement is cached under: the host, the engine and its version, octo's version, the artifact, and
+    the ``-o`` options the engine ran with (none: the key a plain start has always had), so that a result under
+    options (a failure included) never stands for a start without them, nor the other way round."""
     from octo import __version__
 
-    return {"host": host_fingerprint(), "engine": engine_cls.name, "version": engine_cls.version(),
-            "octo": __version__, "artifact": artifact_digest(artifact)}
+    key = {"host": host_fingerprint(), "engine": engine_cls.name, "version": engine_cls.version(),
+           "octo": __version__, "artifact": artifact_digest(artifact)}
+    if options:
+        key["options"] = dict(sorted(options.items()))
+    return key
+
+
+def candidate_key(cand: Any) -> dict[str, Any]:
+    """The cache key of a selection candidate (its engine, artifact and the options it runs with)."""
+    return cache_key(cand.cls, cand.artifact, getattr(getattr(cand, "config", None), "options", None))
 
 
 def _cache_file(key: dict[str, Any]) -> Path:
@@ -175,7 +186,7 @@ async def select(candidates: dict[str, Candidate], seconds: float = 3.0, rebench
     best: tuple[str, Candidate, bool, float] | None = None  # name, candidate, loaded?, score
     t0 = time.perf_counter()
     ordered = _ordered(candidates)
-    keys = {name: cache_key(c.cls, c.artifact) for name, c in ordered.items()}
+    keys = {name: candidate_key(c) for name, c in ordered.items()}
     sweep(bench_dir())  # temporaries of writers that were killed
     cached_results = {name: None if rebench else cached_result(key) for name, key in keys.items()}
     kept = choice.incumbent(keys)  # (--rebench measures again; the choice still needs a clear win to move)
