@@ -176,15 +176,20 @@ def test_cache_control_everywhere(client):
 
 
 # -- thinking, prefill ----------------------------------------------------------------------------------------------
-def test_thinking_disabled_ok_enabled_refused(client):
-    m = ask(client, "plain words", thinking={"type": "disabled"})
-    assert m.content[0].text == "plain words"
-    msg = bad_request(ask, client, "plain words", max_tokens=2000,
-                      thinking={"type": "enabled", "budget_tokens": 1024})
-    assert "thinking" in msg
-    assert "thinking" in bad_request(client.messages.count_tokens, model=MODEL,
-                                     thinking={"type": "enabled", "budget_tokens": 1024},
-                                     messages=[{"role": "user", "content": "x"}])
+def test_thinking_on_a_model_without_reasoning_answers_directly(client):
+    """Every thinking setting is accepted on a model with no reasoning mode: it answers directly (no thinking
+    block, its text streamed as it comes); the budget's own rules still hold."""
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}):
+        m = ask(client, "plain words", max_tokens=2000, thinking=thinking)
+        assert [b.type for b in m.content] == ["text"] and m.content[0].text == "plain words"
+    with client.messages.stream(model=MODEL, max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 1024},
+                                messages=[{"role": "user", "content": "one two three four"}]) as stream:
+        deltas = [e.delta.text for e in stream if e.type == "content_block_delta" and e.delta.type == "text_delta"]
+    assert len(deltas) > 1 and "".join(deltas) == "one two three four"
+    assert "budget_tokens" in bad_request(ask, client, "plain words", max_tokens=2000,
+                                          thinking={"type": "enabled", "budget_tokens": 10})
+    assert client.messages.count_tokens(model=MODEL, thinking={"type": "enabled", "budget_tokens": 1024},
+                                        messages=[{"role": "user", "content": "x"}]).input_tokens > 0
 
 
 def test_what_claude_code_sends(client):

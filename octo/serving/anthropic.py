@@ -358,17 +358,12 @@ def thinking_enabled(req: AnthropicCountTokensRequest) -> bool:
 
 
 def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, Any] | None:
-    """The template arguments of the request's ``thinking`` setting; a 400 naming it for a model that cannot."""
+    """The template arguments of the request's ``thinking`` setting (None: the template takes none). A model with
+    no reasoning mode answers directly whatever the setting (adaptive, between_tools and enabled alike): its text
+    streams as it comes, with no thinking block (Claude Code sends adaptive thinking to every model)."""
     th, engine = req.thinking, handle.engine
     reasons = supports_thinking(engine)
-    if not thinking_enabled(req) or (th.type in ("adaptive", "between_tools") and not reasons):
-        # adaptive (and between_tools): the model decides whether to think; one with no reasoning mode answers directly
-        return {"enable_thinking": False} if reasons else None
-    if not reasons:
-        raise UnsupportedParameter("thinking", f"model '{handle.name}' has no reasoning mode (its chat template knows "
-                                   "neither enable_thinking nor <think>); send thinking {\"type\": \"disabled\"} or "
-                                   "leave it out")
-    if th.type == "enabled":
+    if thinking_enabled(req) and th.type == "enabled":
         if th.budget_tokens is None:
             raise InvalidRequest("thinking.budget_tokens: Field required.", param="thinking.budget_tokens",
                                  code="missing_required_parameter")
@@ -378,7 +373,7 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
         max_tokens = getattr(req, "max_tokens", None)
         if max_tokens is not None and th.budget_tokens >= max_tokens:
             raise InvalidRequest("`max_tokens` must be greater than `thinking.budget_tokens`.", param="max_tokens")
-    return {"enable_thinking": True}
+    return {"enable_thinking": thinking_enabled(req)} if reasons else None
 
 
 # -- prompt and generation ------------------------------------------------------------------------------------------
