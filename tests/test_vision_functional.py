@@ -131,8 +131,20 @@ def test_malformed_image_parts_are_400s_naming_the_field(client):
     assert err.value.body["param"] == "messages[0].content[0]" and "user messages only" in err.value.body["message"]
 
 
+def test_the_image_limits_are_the_flags():
+    with run_octo(MODEL, "--max-images", "1", "--max-image-mb", "0.002", timeout=600) as s:
+        client = s.openai()
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(client, data_url(png()), data_url(png((0, 0, 9))))
+        assert err.value.body["param"] == "messages[0].content[2]" and "--max-images" in err.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(client, data_url(png(size=(64, 64), fmt="BMP"), "image/bmp"))  # 12 KB
+        assert err.value.body["code"] == "image_too_large" and "--max-image-mb" in err.value.body["message"]
+        assert ask(client, data_url(png())).usage.prompt_tokens_details.image_tokens == IMAGE_TOKENS
+
+
 def test_a_text_only_model_refuses_an_image_naming_the_model():
-    with run_octo(MODEL, "-o", "mmproj=none", timeout=600) as s:
+    with run_octo(MODEL, "--mmproj", "none", timeout=600) as s:
         with pytest.raises(openai.BadRequestError) as err:
             ask(s.openai(), data_url(png()))
         body = err.value.body

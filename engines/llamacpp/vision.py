@@ -196,6 +196,8 @@ class Vision:
         """A step with image feeds: each image's embeddings decoded on their own, then the text feeds as usual. A full
         KV pool takes back what the step consumed before it raises (the scheduler makes room and runs it again)."""
         eng = self.engine
+        if eng.layout.policy is not None:  # a stream an image would outgrow: the pool first (.adapt)
+            eng.layout.before_step(feeds, 0)
         out: list[Any] = [None] * len(feeds)
         text = [i for i, f in enumerate(feeds) if f.media is None]
         done: list[Feed] = []

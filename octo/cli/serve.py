@@ -118,6 +118,9 @@ def _keep_alive(ctx, param, value):
               help="LoRA adapter for the models named here (repeatable): a request picks it with model 'MODEL:NAME' "
                    "(listed in /v1/models). llama.cpp: a GGUF LoRA file; MLX: an mlx-lm adapter folder.",
               **envvar("LORA"))
+@click.option("--mmproj", default=None, metavar="GGUF",
+              help="The projector of a vision-language GGUF for the models named here (llama.cpp): images in prompts "
+                   "(default: the one mmproj*.gguf beside the model's file; none: text only).", **envvar("MMPROJ"))
 @click.option("--draft", default=None, metavar="GGUF",
               help="Speculative decoding (llama.cpp) for the models named here: a draft model with the same vocabulary "
                    "proposes tokens the model verifies in one pass (same output; -o n_draft=4, -o draft_max_batch=4).",
@@ -150,6 +153,13 @@ def _keep_alive(ctx, param, value):
               help="Largest audio upload in MB (413 above).", **envvar("MAX_AUDIO_MB"))
 @click.option("--max-audio-seconds", default=1800.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Longest audio accepted, in seconds.", **envvar("MAX_AUDIO_SECONDS"))
+@click.option("--max-image-mb", default=20.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Largest image a request may send, in MB (a 400 naming the image above).", **envvar("MAX_IMAGE_MB"))
+@click.option("--max-images", default=16, show_default=True, type=click.IntRange(1),
+              help="Images one request may send.", **envvar("MAX_IMAGES"))
+@click.option("--max-image-pixels", default=32 * 2**20, show_default=True, type=click.IntRange(1),
+              help="Pixels of one image, read from its header before it is decoded (a decompression bomb is a 400).",
+              **envvar("MAX_IMAGE_PIXELS"))
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.",
               **envvar("API_KEY"))
 @click.option("--insecure-no-auth", is_flag=True,
@@ -245,7 +255,8 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
           api_key, insecure_no_auth, allowed_hosts, cors_origins, plugins_dir, bench_seconds, rebench, bench_when_idle,
           share_cores, isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
           prefix_cache_disk_mb, reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas,
-          autoscaling, replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout):
+          autoscaling, replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout,
+          max_image_mb, max_images, max_image_pixels, mmproj):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -279,26 +290,36 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
     config.worker_timeout, config.load_timeout, config.stream_keepalive = worker_timeout, load_timeout, stream_keepalive
     if cluster or replicas != 1 or autoscaling:
         _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
+    config.max_image_mb, config.max_images, config.max_image_pixels = max_image_mb, max_images, max_image_pixels
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
-    from octo.runtime.specs import ModelSpec, load_models_file
-
-    try:
-        opts = dict(config.options)
-        if draft:
-            if not os.path.isfile(os.path.expanduser(draft)):
-                raise click.BadParameter(f"nothing at {draft}", param_hint="--draft")
-            opts["draft"] = os.path.expanduser(draft)
-        specs = [ModelSpec(m, config.engine, opts, lora=dict(lora)) for m in model]
-        specs += load_models_file(models_file) if models_file else []
-    except OctoError as err:
-        raise click.ClickException(err.message) from None
+    specs = _model_specs(config, model, models_file, lora, draft=draft, mmproj=mmproj)
     import asyncio  # (after the worker's spawn, as everything the server needs: octo.runtime.prespawn)
 
     from octo.cli.startup import run
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(run(config, specs, socks))
+
+
+def _model_specs(config: ServerConfig, model: tuple[str, ...], models_file: str | None, lora: tuple, *,
+                 draft: str | None, mmproj: str | None) -> list:
+    """The models to load at start: those named (with -o, --lora, --draft and --mmproj) and the models file's."""
+    from octo.runtime.specs import ModelSpec, load_models_file
+
+    try:
+        opts = dict(config.options)
+        for flag, value in (("draft", draft), ("mmproj", mmproj)):
+            if value and not (flag == "mmproj" and value.lower() == "none"):
+                if not os.path.isfile(os.path.expanduser(value)):
+                    raise click.BadParameter(f"nothing at {value}", param_hint=f"--{flag}")
+                value = os.path.expanduser(value)
+            if value:
+                opts[flag] = value
+        specs = [ModelSpec(m, config.engine, opts, lora=dict(lora)) for m in model]
+        return specs + (load_models_file(models_file) if models_file else [])
+    except OctoError as err:
+        raise click.ClickException(err.message) from None
 
 
 def _allowed_hosts(value: str) -> tuple[str, ...]:
