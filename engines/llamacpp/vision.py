@@ -31,7 +31,7 @@ from . import logits as lg
 from .native import LogTap, check_gguf
 
 log = logging.getLogger("octo.engines.llamacpp")
-_IMAGE = 1  # MTMD_INPUT_CHUNK_TYPE_IMAGE
+_TEXT, _IMAGE = 0, 1  # MTMD_INPUT_CHUNK_TYPE_TEXT, _IMAGE
 
 
 def find_projector(artifact: str, option: str | None) -> Path | None:
@@ -159,10 +159,13 @@ class Vision:
         n_out = ctypes.c_size_t()
         for i in range(M.mtmd_input_chunks_size(chunks)):
             chunk = M.mtmd_input_chunks_get(chunks, i)
-            if M.mtmd_input_chunk_get_type(chunk) != _IMAGE:  # text (audio never reaches here: no audio projector)
+            kind = M.mtmd_input_chunk_get_type(chunk)
+            if kind == _TEXT:
                 ptr = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n_out))
                 tokens += ptr[:n_out.value] if n_out.value else []
                 continue
+            if kind != _IMAGE:  # (audio: no audio input is passed in yet)
+                raise EngineError(f"libmtmd made a chunk of type {kind} from a prompt of text and images")
             n = M.mtmd_input_chunk_get_n_tokens(chunk)
             if self.non_causal and n > self.n_ubatch:
                 raise InvalidRequest(f"An image takes {n} tokens, more than the {self.n_ubatch} of one micro-batch "
