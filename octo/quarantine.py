@@ -14,6 +14,8 @@ import os
 import time
 from pathlib import Path
 
+from octo.logsafe import quoted
+
 FOLDER = "quarantine"
 KEEP = 8
 MAX_BYTES = 1 << 30
@@ -26,17 +28,18 @@ def move_aside(path: Path, why: str, log: logging.Logger, *, keep: int = KEEP, m
     folder = path.parent / FOLDER
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     dest = folder / f"{path.name}.{stamp}.{os.getpid()}-{time.monotonic_ns() % 10**6}.bad"
+    shown = quoted(path, 1000, bare=True)  # (a file's name is anyone's who can write the folder: quoted)
     try:
         folder.mkdir(exist_ok=True)
         os.replace(path, dest)
     except OSError as exc:
         try:
             path.unlink(missing_ok=True)
-            log.warning("%s %s: %s; removed it (could not move it aside: %s)", what, path, why, exc)
+            log.warning("%s %s: %s; removed it (could not move it aside: %s)", what, shown, why, exc)
         except OSError as exc2:
-            log.warning("%s %s: %s; ignoring it (could neither move nor remove it: %s)", what, path, why, exc2)
+            log.warning("%s %s: %s; ignoring it (could neither move nor remove it: %s)", what, shown, why, exc2)
         return None
-    log.warning("%s %s: %s; moved it to %s", what, path, why, dest)
+    log.warning("%s %s: %s; moved it to %s", what, shown, why, quoted(dest, 1000, bare=True))
     prune(folder, keep, max_bytes)
     return dest
 
@@ -59,3 +62,34 @@ def prune(folder: Path, keep: int = KEEP, max_bytes: int = MAX_BYTES) -> None:
                 (folder / name).unlink()
             except OSError:
                 pass
+
+
+def read_json(path: Path, log: logging.Logger, *, max_bytes: int = 1 << 20, what: str = "file",
+              keep: int = KEEP) -> object | None:
+    """The JSON value in ``path``, read without trusting the file: None when there is none; a regular file only (a
+    symbolic link is not followed, and a FIFO or a device is refused before a read could block), at most
+    ``max_bytes``. One that fails any of this, or is not JSON, is moved aside (:func:`move_aside`, one log line) and
+    None returned, so the caller computes again what the file held."""
+    import json
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if os.path.islink(path):
+            move_aside(path, "a symbolic link (only regular files are read)", log, keep=keep, what=what)
+        return None  # (unreadable now: not moved, it may be fixed)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        why = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+            f"{st.st_size} bytes, more than such a file holds" if st.st_size > max_bytes else None
+        raw = f.read(max_bytes + 1) if why is None else b""
+    if why is None:
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            why = f"not JSON ({type(exc).__name__})"
+    move_aside(path, why, log, keep=keep, what=what)
+    return None

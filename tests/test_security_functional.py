@@ -211,6 +211,26 @@ def test_every_refusal_is_logged_once_without_its_body(server):
     assert secret not in log
 
 
+def test_request_values_cannot_forge_a_log_line(server):
+    """A model name, a path, a parameter name with a newline and ANSI escapes: quoted in the log line (as Go's %q,
+    as Ollama's slog lines), so a client cannot write a line of its own, nor colour the operator's terminal."""
+    forged = "x\n2099-01-01 00:00:00,000 ERROR octo.forged: \x1b[31mpwned\x1b[0m\u2028\u009b"
+    assert post(server, "/v1/chat/completions", {"model": forged, "messages": M}, JSON)[0] == 404
+    assert post(server, "/api/chat", {"model": forged, "messages": M, "stream": False}, JSON)[0] == 404
+    assert post(server, "/api/pull", {"model": forged}, JSON)[0] == 404
+    assert raw(server.port, f"GET /v1/models/{quote(forged, safe='')} HTTP/1.1\r\nHost: 127.0.0.1\r\n")[0] == 404
+    status, _ = post(server, "/v1/chat/completions", {"model": "test-model", "messages": M, forged: 1}, JSON)
+    assert status == 400
+    deadline = time.monotonic() + 5
+    while server.log().count("pwned") < 5 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = server.log()
+    assert log.count("pwned") >= 5, log[-3000:]
+    assert not [ln for ln in log.splitlines() if ln.startswith("2099")]  # no line of the client's own
+    assert "\x1b" not in log and "\u2028" not in log and "\u009b" not in log
+    assert "\\n2099-01-01" in log and "\\x1b[31mpwned" in log and "\\u2028" in log
+
+
 # -- /health behind a key --------------------------------------------------------------------------------------------
 def test_health_without_the_key_says_the_status_only():
     with run_octo("test-model", "--engine", "echo", api_key=KEY) as s:

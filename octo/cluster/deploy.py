@@ -30,6 +30,7 @@ import orjson
 
 from octo.config import ServerConfig
 from octo.errors import ConfigError, ModelFailed, OctoError, Overloaded, QueueTimeout
+from octo.logsafe import quoted
 from octo.runtime.handle import Forwarder, WireTicket
 from octo.runtime.specs import parse_cluster
 from octo.serving import openai as serving
@@ -202,7 +203,7 @@ class Cluster:
         opts = self.deployment_options(settings, config, app)
         how = (f"autoscaling {settings['autoscaling']['min_replicas']}-{settings['autoscaling']['max_replicas']}"
                if settings["autoscaling"] else f"{opts['num_replicas']} replica(s)")
-        say(f"octo: cluster: deploying '{config.model}' as Ray Serve app '{app}' ({how})")
+        say(f"octo: cluster: deploying '{quoted(config.model, bare=True)}' as Ray Serve app '{app}' ({how})")
         bound = serve.deployment(OctoReplica).options(**opts).bind(config, config.plugins_dir, download)
         self.apps.add(app)
         try:
@@ -370,7 +371,7 @@ class ClusterHandle(Forwarder):
         err = _error(exc, self.name)
         if isinstance(err, ReplicaLost):
             self.lost += 1
-            log.warning("%s: %s", self.name, err.message)
+            log.warning("%s: %s", quoted(self.name, bare=True), err.message)
         return err
 
     def _cancel(self, rid: int, tracked: bool) -> None:

@@ -27,6 +27,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from octo.config import ServerConfig
 from octo.errors import OctoError
+from octo.logsafe import quoted
 from octo.scheduler.events import DONE
 from octo.serving import openai as serving
 
@@ -99,7 +100,8 @@ class OctoReplica:
                      "batching": handle.engine.batching, "version": handle.engine_cls.version(),
                      "selection": handle.selection, "benchmarks": handle.benchmarks, "rows": rows,
                      "load_seconds": round(time.monotonic() - t0, 3), "threads": self.threads}
-        log.info("octo replica %s: '%s' ready with %s", self.meta["replica"], handle.name, handle.engine_name)
+        log.info("octo replica %s: '%s' ready with %s", self.meta["replica"], quoted(handle.name, bare=True),
+                 handle.engine_name)
 
     async def _fit_threads(self, handle: Any) -> int | None:
         """Compute with as many threads as the CPUs Ray reserved for this replica (when fewer than the node's cores

@@ -13,6 +13,7 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import ConfigError, ModelNotFound, OctoError
+from octo.logsafe import quoted
 from octo.plugins import KNOWN_ENGINES, engine_registry, load_errors
 from octo.runtime.prespawn import LOAD_HANDED_OVER
 from octo.runtime.selection import Candidate
@@ -270,7 +271,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     candidates = _candidates(resolved, engine_name, registry)
     if engine_name is not None:
         artifact = candidates[engine_name]
-        say(f"octo: {resolved.name}: loading with {engine_name} ({artifact.uri})")
+        say(f"octo: {quoted(resolved.name, bare=True)}: loading with {engine_name} ({quoted(artifact.uri, bare=True)})")
         path = await asyncio.to_thread(fetch, artifact, offline=offline)
         cand = candidate(registry[engine_name], str(path), resolved.name, config, say)
         await _open_or_fail(cand, registry, lazy_rows)
@@ -367,7 +368,7 @@ async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None
 
     paths, failed = {}, {}
     for engine, artifact in candidates.items():
-        say(f"octo: {name}: {engine} artifact {artifact.uri}")
+        say(f"octo: {quoted(name, bare=True)}: {engine} artifact {quoted(artifact.uri, bare=True)}")
         try:
             paths[engine] = str(await asyncio.to_thread(fetch, artifact, offline=offline))
         except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others

@@ -19,6 +19,7 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Embeddings, Engine, EngineConfig, ModelInfo, Task, Transcription
 from octo.errors import ConfigError, EngineError, InvalidRequest, ModelFailed, OctoError
+from octo.logsafe import quoted
 from octo.runtime.handle import HandleInfo
 from octo.scheduler.admission import Scheduler
 from octo.scheduler.jobs import Ticket
@@ -89,12 +90,13 @@ class ModelHandle(HandleInfo):
         if done:
             return fut.result()
         self._prep_stuck += 1
-        log.error("model %s: %s", self.name, self._prep_reason())
+        log.error("model %s: %s", quoted(self.name, bare=True), self._prep_reason())
 
         def unstuck(_: Any) -> None:
             self._prep_stuck -= 1
             if not self._prep_stuck:
-                log.warning("model %s: its tokenizer or chat template returned; serving again", self.name)
+                log.warning("model %s: its tokenizer or chat template returned; serving again",
+                            quoted(self.name, bare=True))
 
         fut.add_done_callback(unstuck)
         raise self._prep_failed()
@@ -135,7 +137,7 @@ class ModelHandle(HandleInfo):
         eng = type(self.engine)
         if eng.kv_export is Engine.kv_export or eng.kv_import is Engine.kv_import:
             log.warning("--prefix-cache-dir: the %s engine cannot save its KV to disk; model '%s' keeps an in-memory "
-                        "prefix cache only", self.engine_name, self.name)
+                        "prefix cache only", self.engine_name, quoted(self.name, bare=True))
             return None
         key = cache_key(self.engine_name, eng.version(), artifact_digest(self.artifact),
                         {k: str(v) for k, v in self.engine.config.options.items()})
@@ -143,7 +145,7 @@ class ModelHandle(HandleInfo):
             return DiskPrefixCache(config.prefix_cache_dir, key, int(config.prefix_cache_disk_mb * 2**20))
         except Exception as exc:  # noqa: BLE001 - a cache folder that cannot be used costs the disk tier, not the model
             log.warning("--prefix-cache-dir %s cannot be used (%s: %s); model '%s' keeps an in-memory prefix cache "
-                        "only", config.prefix_cache_dir, type(exc).__name__, exc, self.name)
+                        "only", quoted(config.prefix_cache_dir), type(exc).__name__, exc, quoted(self.name, bare=True))
             return None
 
     async def activate(self, config: ServerConfig) -> None:

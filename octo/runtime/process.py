@@ -20,6 +20,7 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import EngineCrashed, OctoError
+from octo.logsafe import quoted
 from octo.runtime import ipc, prespawn, supervision
 from octo.runtime.arbiter import ARBITER
 from octo.runtime.handle import consume_exception
@@ -420,8 +421,8 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
             if not supervision.config_fault(worker.returncode, False):
                 killed += supervision.outside_kill(worker.returncode)
                 if killed == 1 and supervision.outside_kill(worker.returncode):
-                    say(f"{cls.name}: the worker was killed ({why}) while {phase} '{name}', by the OOM killer or "
-                        "an operator, not by its configuration; trying the same configuration once more")
+                    say(f"{cls.name}: the worker was killed ({why}) while {phase} '{quoted(name, bare=True)}', by the "
+                        "OOM killer or an operator, not by its configuration; trying the same configuration once more")
                     continue
                 raise EngineCrashed(f"{cls.name} was stopped ({why}) while {phase} '{name}', from outside (the OOM "
                                     "killer or an operator: see dmesg), not by its configuration, which is kept.") \

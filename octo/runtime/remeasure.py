@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from octo import benchload
+from octo.logsafe import quoted
 from octo.runtime import engine_choice as choice
 from octo.runtime.selection import Candidate, cached_result, load_winner, measure, provisional, store_result
 
@@ -109,8 +110,8 @@ async def run(pending: Pending, activity: Activity, say: Callable[[str], None]) 
         if not await _idle_with_room(pending, name, activity):
             continue
         if not await asyncio.to_thread(benchload.quiet_now, QUIET_WINDOW_S):
-            log.debug("%s: the host is busy; looking again in %g s before measuring %s", pending.model, BUSY_RETRY_S,
-                      name)
+            log.debug("%s: the host is busy; looking again in %g s before measuring %s",
+                      quoted(pending.model, bare=True), BUSY_RETRY_S, name)
             await asyncio.sleep(BUSY_RETRY_S)
             continue
         res = await measure_once(pending, name, activity)
@@ -133,7 +134,8 @@ async def _idle_with_room(pending: Pending, name: str, activity: Activity) -> bo
         await asyncio.sleep(max(0.5, IDLE_S - activity.idle_for()))
         return False
     if not _room_for(pending, name):
-        log.info("%s: too little free memory to load %s beside the models; trying again later", pending.model, name)
+        log.info("%s: too little free memory to load %s beside the models; trying again later",
+                 quoted(pending.model, bare=True), name)
         await asyncio.sleep(RETRY_S[0])
         return False
     return True
@@ -153,12 +155,13 @@ def _room_for(pending: Pending, name: str) -> bool:
 async def measure_once(pending: Pending, name: str, activity: Activity) -> dict[str, Any] | None:
     """One measurement of ``name`` in a worker of its own; None when a request (or a load) stopped it."""
     cand = pending.make(name)
-    log.info("%s: measuring %s %swhile the model is idle", pending.model, name,
+    log.info("%s: measuring %s %swhile the model is idle", quoted(pending.model, bare=True), name,
              "" if pending.results[name].get("unmeasured") else "again ")
     got = await unless_busy(measure(name, cand, pending.keys[name], pending.seconds, _leader(pending, name),
                                     log.debug, store=False), cand, activity)
     if got is None:
-        log.info("%s: a request came; measuring %s again at the next idle moment", pending.model, name)
+        log.info("%s: a request came; measuring %s again at the next idle moment", quoted(pending.model, bare=True),
+                 name)
         return None
     res, loaded = got
     if loaded:
@@ -208,13 +211,14 @@ def record(pending: Pending, name: str, res: dict[str, Any], say: Callable[[str]
         store_result(key, kept)
         row.clear()  # in place: /v1/engines rows made before show the new result
         row.update(kept, cached=True, provisional=True)
-        log.info("%s: %s was disturbed by other processes again; next try in %g s", pending.model, name, delay)
+        log.info("%s: %s was disturbed by other processes again; next try in %g s", quoted(pending.model, bare=True),
+                 name, delay)
         return None
     store_result(key, res)
     row.clear()
     row.update(res)
     pending.names.remove(name)
-    log.info("%s: %s measured undisturbed: score %.2f", pending.model, name, res.get("score") or 0.0)
+    log.info("%s: %s measured undisturbed: score %.2f", quoted(pending.model, bare=True), name, res.get("score") or 0.0)
     if pending.names:
         return None
     best, line = settle(pending)
@@ -278,7 +282,7 @@ async def switch(pending: Pending, registry: Any, slot: Any, best: str, activity
             if await unless_busy(_loaded(cand, pending.results[best]), cand, activity) is None:
                 continue
         except Exception as exc:  # noqa: BLE001 - the engine that serves goes on serving
-            log.warning("%s: could not load %s to switch to it: %s", pending.model, best, exc)
+            log.warning("%s: could not load %s to switch to it: %s", quoted(pending.model, bare=True), best, exc)
             return
         why = f"{best}: {measured_while_idle(pending)}, switched from {old_name}"
         handle, rows = pending.handle_of(cand, best, why)
@@ -296,7 +300,7 @@ async def switch(pending: Pending, registry: Any, slot: Any, best: str, activity
             raise
         pending.serving = best
         await old.close()
-        say(f"octo: '{pending.model}' now served by {best} (switched from {old_name} in "
+        say(f"octo: '{quoted(pending.model, bare=True)}' now served by {best} (switched from {old_name} in "
             f"{time.monotonic() - t0:.2f} s, between two requests)")
 
 

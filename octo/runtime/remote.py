@@ -23,6 +23,7 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Engine, ModelInfo
 from octo.errors import EngineCrashed, ModelFailed, OctoError, QueueTimeout
+from octo.logsafe import quoted
 from octo.runtime import supervision
 from octo.runtime.handle import Forwarder, WireTicket, consume_exception
 from octo.runtime.prespawn import beat_interval
@@ -100,7 +101,7 @@ class RemoteHandle(Forwarder):
             except EngineCrashed:
                 pass  # a restarted worker starts with its full thread count
             except OctoError as exc:  # its set_threads failed: it computes with what it has
-                log.warning("%s: could not limit its threads to %s: %s", self.name, n, exc.message)
+                log.warning("%s: could not limit its threads to %s: %s", quoted(self.name, bare=True), n, exc.message)
 
     async def share_cores(self, on: bool) -> None:
         """Compute in turns with the other loaded models (octo.runtime.arbiter), or freely when alone."""
@@ -185,7 +186,7 @@ class RemoteHandle(Forwarder):
         else:
             self.failures = self.failures if soon else 0
             self.state = "crashed"
-        log.error("%s: %s", self.name, self.reason)
+        log.error("%s: %s", quoted(self.name, bare=True), self.reason)
 
     def _failed(self, why: str) -> None:
         self.failures += 1
@@ -209,7 +210,7 @@ class RemoteHandle(Forwarder):
         except BaseException as exc:
             self.reason = f"restart failed: {getattr(exc, 'message', None) or exc}"
             self._failed("")
-            log.error("%s: %s", self.name, self.reason)
+            log.error("%s: %s", quoted(self.name, bare=True), self.reason)
             if isinstance(exc, Exception):
                 raise ModelFailed(f"Model '{self.name}' ({cls.name}) could not be restarted: {self.reason}",
                                   param="model", headers=supervision.retry_after(self.retry_at - time.monotonic())) \
@@ -219,7 +220,7 @@ class RemoteHandle(Forwarder):
             self._restarting = None
         self.restarts += 1
         self.reason = None
-        log.warning("%s: %s worker restarted (pid %d)", self.name, cls.name, self.worker.pid)
+        log.warning("%s: %s worker restarted (pid %d)", quoted(self.name, bare=True), cls.name, self.worker.pid)
 
     # -- requests ----------------------------------------------------------------------------------------
     async def submit(self, kind: str, req: Any, size: int = 0) -> tuple[list[WireTicket], asyncio.Queue | None]:

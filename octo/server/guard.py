@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from octo.errors import InvalidRequest, NotFound, OctoError, Overloaded, PayloadTooLarge, Unauthorized
+from octo.logsafe import quoted
 from octo.server.bodies import BODY_KEY
 from octo.server.hostcheck import HostGuard
 from octo.server.routes import anthropic as api_anthropic
@@ -106,7 +107,7 @@ async def serve(request: web.Request, handler: Any, state: AppState, guard: Host
         status = 499  # client closed the connection
         raise
     except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
+        log.exception("unhandled error on %s %s", request.method, quoted(request.path, bare=True))
         err = OctoError("Internal server error; see the server log for details.")
         resp = error_response(request, err)
     finally:
@@ -202,8 +203,10 @@ def log_refusal(request: web.Request, status: int, err: OctoError | None) -> Non
     message = err.message if err is not None else "refused by the handler"
     param = err.param if err is not None else None
     code = err.code if err is not None else None
-    log.info("refused %s %s: %d %s%s: %s", request.method, request.path[:200], status, code or "",
-             f" (param {param})" if param else "", message)
+    # (the path, code, param and message may carry a request's own text: quoted, so it cannot forge a line)
+    log.info("refused %s %s: %d %s%s: %s", request.method, quoted(request.path, 200, bare=True), status,
+             quoted(code, bare=True) if code else "", f" (param {quoted(param, 200, bare=True)})" if param else "",
+             quoted(message, 2000))
     if log.isEnabledFor(logging.DEBUG):
         body = request.get(BODY_KEY)
         if body:

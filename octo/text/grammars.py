@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from octo.errors import InvalidRequest
+from octo.logsafe import quoted
 from octo.text.toolcalls import ToolFormat, get_format
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def usable_schema(schema: Any, strict: bool, param: str) -> Any:
     relaxed = {**schema, "x-guidance": {**(schema.get("x-guidance") or {}), "lenient": True}}
     if _schema_errors(relaxed, param):
         raise InvalidRequest(f"Unsupported JSON schema in {param}: {errors[0]}", param=param)
-    log.warning("%s: %s: relaxed, not enforced", param, "; ".join(errors))
+    log.warning("%s: %s: relaxed, not enforced", quoted(param, bare=True), quoted("; ".join(errors)))
     return relaxed
 
 

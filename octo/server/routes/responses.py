@@ -13,6 +13,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from octo.errors import ContextLengthExceeded, NotFound, OctoError
+from octo.logsafe import quoted
 from octo.protocol.openai import ChatCompletionRequest, parse, validation_error
 from octo.protocol.responses import ResponsesRequest
 from octo.scheduler.events import Done, Failed, Logprob, Text, ToolDelta
@@ -124,7 +125,7 @@ def _warning(req: ResponsesRequest) -> dict[str, str] | None:
     warning = responses.ToolNames(req).warning()
     if warning is None:
         return None
-    log.info("POST /v1/responses: %s", warning)
+    log.info("POST /v1/responses: %s", quoted(warning))
     return {WARNING_HEADER: warning}
 
 
