@@ -37,6 +37,9 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: Host names served on a loopback bind besides local ones
     models_dirs: tuple[str, ...] = ()  # --models-dir: folders whose models requests may load
     allow_any_path: bool = False  # --allow-any-path: requests may load any local path
+    allow_pull_hf: bool = False  # --allow-pull-hf: POST /api/pull may pull Hugging Face ids (else catalog names only)
+    max_pull_gb: float = 16.0  # --max-pull-gb: the most one such pull may download (0: no cap)
+    evict_startup_models: bool = False  # --evict-startup-models: loads on demand may unload models named at start
     share_cores: str = "os"  # "os": the OS shares the cores; "turns": models in workers compute in turns (arbiter)
     isolation: str | None = None  # "process" | "thread"; None: each engine's default (Engine.isolation)
     preempt: str = "swap"  # KV pressure: a preempted sequence's KV waits in host memory ("swap") or is recomputed

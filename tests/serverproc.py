@@ -134,8 +134,10 @@ class OctoServer:
 
 
 @contextlib.contextmanager
-def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0, api_key: str | None = None):
-    """``octo serve ARGS --port P``; waits for /health, yields an OctoServer, stops it afterwards."""
+def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0, api_key: str | None = None,
+             cwd: str | os.PathLike | None = None):
+    """``octo serve ARGS --port P`` (in ``cwd``, by default the repository); waits for /health, yields an OctoServer,
+    stops it afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "octo.cli", "serve", *args, "--port", str(port)]
     if "--shutdown-timeout" not in args:  # tests end with requests in flight on purpose: drain briefly
@@ -144,7 +146,7 @@ def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180
         cmd += ["--api-key", api_key]
     log = tempfile.NamedTemporaryFile("wb", prefix="octo-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                            cwd=REPO)
+                            cwd=cwd or REPO)
     server = OctoServer(port, proc, Path(log.name), api_key)
     try:
         deadline = time.monotonic() + timeout

@@ -138,8 +138,9 @@ def models(as_json: bool) -> None:
 @click.option("--refresh", is_flag=True, help="Ask the hub for a newer revision even if already downloaded.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def pull(model: str, engines: tuple[str, ...], refresh: bool, quiet: bool) -> None:
-    """Download MODEL[:VARIANT] (catalog name, Hugging Face id or hf:// URI) ahead of time."""
-    from octo.models.download import fetch
+    """Download MODEL[:VARIANT] (catalog name, Hugging Face id or hf:// URI) ahead of time. What it downloads is
+    recorded (OCTO_HOME/pulled.json): Ollama's DELETE /api/delete removes only models octo pulled."""
+    from octo.models.pulling import canonical, fetch_recorded
 
     states = engine_states()
     formats = {n: s.formats for n, s in states.items()}
@@ -169,7 +170,8 @@ def pull(model: str, engines: tuple[str, ...], refresh: bool, quiet: bool) -> No
             key = (artifact.uri, artifact.allow_patterns, artifact.subfolder, artifact.format == "synth" and engine)
             if key not in done:
                 was_there = not refresh and _downloaded(artifact) and artifact.format != "synth"
-                done[key] = str(fetch(artifact, progress=not quiet, refresh=refresh))
+                record = (canonical(model) or (resolved.name,))[0]
+                done[key] = str(fetch_recorded(record, artifact, progress=not quiet, refresh=refresh))
                 note = " (already downloaded)" if was_there else ""
             else:
                 note = " (same artifact)"

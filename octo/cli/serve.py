@@ -94,6 +94,16 @@ def _keep_alive(ctx, param, value):
               help="Let requests load any model file or folder this process can read (default: only catalog "
                    "models already downloaded, the models named here and files under --models-dir).",
               **envvar("ALLOW_ANY_PATH"))
+@click.option("--allow-pull-hf", is_flag=True,
+              help="Let Ollama's POST /api/pull download Hugging Face ids (org/name[:VARIANT]) with this server's "
+                   "HF_TOKEN, within --max-pull-gb (default: catalog models only).", **envvar("ALLOW_PULL_HF"))
+@click.option("--max-pull-gb", default=16.0, show_default=True, type=click.FloatRange(0),
+              help="With --allow-pull-hf: the most one pull of a Hugging Face id may download, checked against the "
+                   "hub's file sizes before downloading and counted while downloading (0: no cap).",
+              **envvar("MAX_PULL_GB"))
+@click.option("--evict-startup-models", is_flag=True,
+              help="Let models loaded on demand unload the models named at start (and in --models-file) to make "
+                   "room (default: those stay loaded).", **envvar("EVICT_STARTUP_MODELS"))
 @click.option("--max-loaded", default=None, type=click.IntRange(0),
               help="Models loaded at once; the least recently used idle one unloads to make room (0: no limit). "
                    "Default: 3, or the number of models named here if more.", **envvar("MAX_LOADED"))
@@ -249,8 +259,8 @@ def _keep_alive(ctx, param, value):
               help="With --cluster: memory (GB) Ray reserves for each replica (0: none).", **envvar("REPLICA_MEMORY"))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]), **envvar("LOG_LEVEL"))
-def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_budget, keep_alive, max_keep_alive,
-          engine, host, port, options, lora, draft, stream_keepalive,
+def serve(model, models_file, models_dirs, allow_any_path, allow_pull_hf, max_pull_gb, evict_startup_models, max_loaded,
+          memory_budget, keep_alive, max_keep_alive, engine, host, port, options, lora, draft, stream_keepalive,
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,
           api_key, insecure_no_auth, allowed_hosts, cors_origins, plugins_dir, bench_seconds, rebench, bench_when_idle,
           share_cores, isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
@@ -272,10 +282,10 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
         model = tuple(model.split())
     config = ServerConfig(model=model[0] if model else "", engine=engine, host=host, port=port,
                           options=serve_options(options), keep_alive=keep_alive, max_loaded=max_loaded,
-                          memory_budget_gb=memory_budget,
                           max_keep_alive=keep_alive if _defaulted("max_keep_alive") else max_keep_alive,
-                          allowed_hosts=_allowed_hosts(allowed_hosts),
-                          models_dirs=tuple(os.path.realpath(d) for d in models_dirs), allow_any_path=allow_any_path,
+                          memory_budget_gb=memory_budget, allowed_hosts=_allowed_hosts(allowed_hosts),
+                          models_dirs=_spellings(models_dirs), allow_any_path=allow_any_path, max_pull_gb=max_pull_gb,
+                          allow_pull_hf=allow_pull_hf, evict_startup_models=evict_startup_models,
                           max_queue=max_queue, queue_timeout=queue_timeout, max_batch=max_batch,
                           cache_size_mb=cache_size, no_cache=no_cache, max_body_mb=max_body_mb,
                           api_key=api_key, max_audio_mb=max_audio_mb, max_audio_seconds=max_audio_seconds,
@@ -300,6 +310,11 @@ def serve(model, models_file, models_dirs, allow_any_path, max_loaded, memory_bu
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(run(config, specs, socks))
+
+
+def _spellings(dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """Each --models-dir as its real path and as given (absolute): a request may spell a model's path either way."""
+    return tuple(dict.fromkeys(p for d in dirs for p in (os.path.realpath(d), os.path.abspath(d))))
 
 
 def _model_specs(config: ServerConfig, model: tuple[str, ...], models_file: str | None, lora: tuple, *,

@@ -254,21 +254,25 @@ class Catalog:
             for engine, s in entry.variants[variant].items()
         }
 
-    def resolve(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved:
+    def resolve(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False,
+                bare_paths: bool = True) -> Resolved:
         """``offline``: a Hugging Face id resolves from the local cache only (a request's model never reaches the
-        hub; one that is not downloaded is a 404 naming `octo pull`)."""
+        hub; one that is not downloaded is a 404 naming `octo pull`). ``bare_paths`` false: a name without a path's
+        marks (``/``, ``./``, ``../``, ``~``, a model file's suffix) is never looked up as a file or folder."""
         found = resolve_direct(spec, engine_formats, offline)
-        return found if found is not None else self.resolve_name(spec, engine_formats, offline)
+        return found if found is not None else self.resolve_name(spec, engine_formats, offline, bare_paths)
 
-    def resolve_name(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved:
-        """:meth:`resolve` of a spec ``resolve_direct`` left to the catalog (a name, ``org/name``, a bare folder)."""
+    def resolve_name(self, spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False,
+                     bare_paths: bool = True) -> Resolved:
+        """:meth:`resolve` of a spec ``resolve_direct`` left to the catalog (a name, ``org/name``, and with
+        ``bare_paths`` a folder relative to the working folder: the operator's ``octo serve models/x``)."""
         spec = spec.strip()
-        path = expanduser(Path(spec))
         name, variant = split_variant(spec)
         entry = self.get(name)
         if entry is not None:
             return self._resolve_entry(entry, variant, spec, engine_formats)
-        if path_exists(path):
+        path = expanduser(Path(spec)) if bare_paths else None
+        if path is not None and path_exists(path):
             return resolve_path(spec, path, engine_formats)
         if HF_ID.match(name):
             return resolve_hf(spec, name, None, variant, engine_formats, suggest=self._closest(name),

@@ -143,6 +143,22 @@ def local_path(artifact: Artifact) -> Path | None:
     return path if path.exists() else None
 
 
+def downloaded_files(artifact: Artifact) -> set[str]:
+    """The files of ``artifact``'s download on this machine now: every file of its hub repository's cached snapshots
+    (a pull's own files are the difference before and after it), or a plain URL's file; none for a synthetic model
+    or a local path (nothing octo downloads)."""
+    kind = uri_kind(artifact.uri)
+    if artifact.format in ("synth", "none") or kind not in ("hf", "url"):
+        return set()
+    if kind == "url":
+        dest = _url_dest(artifact.uri)
+        return {str(dest)} if dest.is_file() else set()
+    out: set[str] = set()
+    for root, _dirs, files in os.walk(_storage(parse_hf(artifact.uri)[0]) / "snapshots"):
+        out.update(os.path.join(root, f) for f in files)
+    return out
+
+
 def repo_files(repo_id: str, *, offline: bool | None = None) -> list[str]:
     """The file list of a hub repository (main revision), from the hub or, offline, from the local cache."""
     from huggingface_hub import HfApi
@@ -205,6 +221,11 @@ def _network_errors() -> tuple[type[BaseException], ...]:
 
 def _storage(repo_id: str) -> Path:
     return hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+
+
+def repo_storage(repo_id: str) -> Path:
+    """The hub cache's folder of repository ``repo_id`` (``models--ORG--NAME``)."""
+    return _storage(repo_id)
 
 
 def _main_commit(repo_id: str) -> str | None:

@@ -15,7 +15,19 @@ from octo.errors import ModelNotFound
 from octo.models.formats import EXPECTED, FILE_FORMATS, detect_repo, inspect_path
 
 VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+# A Hugging Face repository id as the hub allows it (huggingface_hub's validate_repo_id): two parts of letters, digits,
+# '_', '.', '-', each starting and ending with a letter, digit or '_', no '--' or '..' anywhere. So '.', '..', 'a/..'
+# and 'a/.b' are never ids, and an id never names a folder above another.
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?"
+HF_ID = re.compile(rf"^(?!.*(?:--|\.\.)){_PART}/{_PART}$")
+
+
+def is_hf_id(name: str) -> bool:
+    """Whether ``name`` is a Hugging Face id, ``org/name`` or ``org/name:VARIANT`` (decided from the text alone)."""
+    head, sep, tail = name.rpartition(":")
+    if sep and not VARIANT.match(tail):
+        return False
+    return len(name) <= 200 and HF_ID.match(head if sep else name) is not None
 
 
 @dataclass(frozen=True)
@@ -177,11 +189,14 @@ def resolve_direct(spec: str, engine_formats: dict[str, frozenset[str]], offline
     return None
 
 
-def resolve(spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False) -> Resolved:
-    """``Catalog.resolve`` of the catalog in use (``load_catalog``), which it loads only for a spec that needs it."""
+def resolve(spec: str, engine_formats: dict[str, frozenset[str]], offline: bool = False,
+            bare_paths: bool = True) -> Resolved:
+    """``Catalog.resolve`` of the catalog in use (``load_catalog``), which it loads only for a spec that needs it.
+    ``bare_paths`` false (a request's model): a name without a path's marks (``org/name``, a bare word) is a catalog
+    name or a Hugging Face id, never a file or folder under the working folder."""
     found = resolve_direct(spec, engine_formats, offline)
     if found is not None:
         return found
     from octo.models.catalog import load_catalog
 
-    return load_catalog().resolve_name(spec, engine_formats, offline)
+    return load_catalog().resolve_name(spec, engine_formats, offline, bare_paths)

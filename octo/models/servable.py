@@ -4,23 +4,22 @@ A request's ``model`` that no loaded or declared model answers to is resolved he
 or the network for it. By default it may name a catalog model (``octo models``; loaded only if already downloaded),
 a Hugging Face id already in the local cache (``octo pull``), or a model file or folder under one of the
 ``--models-dir`` folders (by its path, absolute or relative to the folder). Anything else (a path outside those
-folders, ``~user``, an ``org/name`` that is not downloaded) gets the same 404 as a name that does not exist, so a
-request learns nothing about the files and users of the machine. ``--allow-any-path`` restores loading any readable
-path (relative to the server's working folder). A path becomes its real path (symlinks and ``.`` resolved) before it
-names a model, so one file is one model however a request spells it.
+folders, ``~user``, an ``org/name`` that is not downloaded, ``rel/..``) gets the same 404 as a name that does not
+exist, decided from the name's text (and the ``--models-dir`` folders) before the file system is asked, so a request
+learns nothing about the files and users of the machine. A relative name without a path's marks (``org/name``) is a
+catalog name or a Hugging Face id, never a file or folder under the server's working folder. ``--allow-any-path``
+restores loading any readable path (relative to the server's working folder). A path becomes its real path (symlinks
+and ``.`` resolved) before it names a model, so one file is one model however a request spells it.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from octo.errors import ModelNotFound
 from octo.models.formats import FILE_FORMATS
-from octo.models.resolve import path_exists
-
-_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+(:[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+from octo.models.resolve import is_hf_id, path_exists
 
 
 def unknown_model(model: str, dirs: tuple[str, ...]) -> ModelNotFound:
@@ -52,13 +51,23 @@ def request_model(model: str, catalog_names: set[str], dirs: tuple[str, ...], al
     found = under_dirs(model, dirs)
     if found is not None:
         return found
-    if known_paths and model.startswith("/") and "\x00" not in model:
-        real = os.path.realpath(model)
-        if real in known_paths:
-            return real
-    if _HF_ID.match(model) and not looks_like_path(model):
-        return model
+    known = known_path(model, known_paths)
+    if known is not None:
+        return known
+    if is_hf_id(model) and not looks_like_path(model):
+        return model  # resolved as a Hugging Face id only (bare_paths=False): never a folder of the working folder
     raise unknown_model(model, dirs)
+
+
+def known_path(model: str, known_paths: frozenset[str]) -> str | None:
+    """The real path of ``model`` when it is another spelling of a model named at start; the file system is asked
+    only about paths whose file name is one of those models' (an unrelated path costs no look-up)."""
+    if not model.startswith("/") or "\x00" in model or len(model) > 4096:
+        return None
+    if os.path.basename(os.path.normpath(model)) not in {os.path.basename(k) for k in known_paths}:
+        return None
+    real = os.path.realpath(model)
+    return real if real in known_paths else None
 
 
 def under_dirs(model: str, dirs: tuple[str, ...]) -> str | None:
@@ -71,12 +80,11 @@ def under_dirs(model: str, dirs: tuple[str, ...]) -> str | None:
         return None
     for folder in dirs:  # (real paths: the CLI resolves them)
         lexical = os.path.normpath(os.path.join(folder, model))
-        if not path_exists(Path(lexical)):
+        # inside by its spelling, decided before the file system is asked (a path outside costs no look-up); a
+        # symlink the operator put in the folder counts, whatever it points to
+        if not _inside(lexical, folder) or not path_exists(Path(lexical)):
             continue
-        real = os.path.realpath(lexical)
-        # inside by its spelling (a symlink the operator put in the folder counts) or by its real path
-        if _inside(lexical, folder) or _inside(real, folder):
-            return real
+        return os.path.realpath(lexical)
     return None
 
 

@@ -200,7 +200,8 @@ def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engin
     engine_name = canonical_engine(engine, registry, isolation)
     if engine_name is not None and "any" in registry[engine_name].formats:
         return model, (), "chat", 0
-    resolved = resolve(model, {c.name: c.formats for c in registry.values()}, offline=need_local)
+    resolved = resolve(model, {c.name: c.formats for c in registry.values()}, offline=need_local,
+                       bare_paths=not need_local)  # a request's 'org/name' is never a folder of the working folder
     candidates = _candidates(resolved, engine_name, registry)
     local = {e: a for e, a in candidates.items() if is_downloaded(a)}
     if not local and need_local:
@@ -267,7 +268,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
     from octo.models.resolve import resolve
 
     formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
-    resolved = await asyncio.to_thread(resolve, config.model, formats, not download)
+    resolved = await asyncio.to_thread(resolve, config.model, formats, not download, download)
     candidates = _candidates(resolved, engine_name, registry)
     if engine_name is not None:
         artifact = candidates[engine_name]

@@ -381,6 +381,14 @@ class Registry:
         await self._unload(slot)
         return slot
 
+    def forget(self, slot: Slot) -> None:
+        """Forget an unloaded model loaded on demand whose files are gone (``DELETE /api/delete``)."""
+        if slot.handle is None and slot.loading is None and not slot.spec.declared and slot in self.slots:
+            self.slots.remove(slot)
+            for table in (self._by_name, self._spellings):
+                for name in [n for n, s in table.items() if s is slot]:
+                    del table[name]
+
     def _load(self, slot: Slot) -> asyncio.Future:
         """The slot's load (one task however many requests wait for it)."""
         if slot.handle is not None:

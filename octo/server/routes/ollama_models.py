@@ -17,14 +17,13 @@ import asyncio
 import functools
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from octo.errors import InvalidRequest, ModelNotFound, NotFound, OctoError
+from octo.errors import InvalidRequest, NotFound, OctoError
 from octo.models.resolve import uri_kind
 from octo.protocol.ollama import ModelRequest, parse
 from octo.server.bodies import read_json_body
@@ -78,12 +77,13 @@ def _artifact_path(model: str, engines: dict[str, Any]) -> tuple[str, Path | Non
     Face id that is not in the catalog is not looked up: that would ask the hub)."""
     from octo.models.catalog import load_catalog  # (yaml and the catalog's schema: when an API call needs them)
     from octo.models.download import fetch, is_downloaded
+    from octo.models.servable import looks_like_path
 
     base = model.rpartition(":")[0] if ":" in model.rpartition("/")[2] else model
-    if "/" in base and load_catalog().get(base) is None and not os.path.exists(os.path.expanduser(base)):
-        return "", None, None
+    if "/" in base and load_catalog().get(base) is None and not looks_like_path(base):
+        return "", None, None  # (decided from the name: 'org/name' is never a folder of the working folder)
     try:
-        resolved = load_catalog().resolve(model, {n: c.formats for n, c in engines.items()})
+        resolved = load_catalog().resolve(model, {n: c.formats for n, c in engines.items()}, bare_paths=False)
     except OctoError:
         return "", None, None
     entry = load_catalog().get(base)
@@ -218,57 +218,30 @@ async def show(request: web.Request) -> web.Response:
 
 
 # -- pull and delete --------------------------------------------------------------------------------------------
-def _pull_artifacts(state: Any, name: str) -> list[Any]:
-    """The artifacts ``octo pull NAME`` would fetch: one per engine usable here."""
-    from octo.models.catalog import load_catalog
-
-    engines = state.registry.engines
-    resolved = load_catalog().resolve(name, {n: c.formats for n, c in engines.items()})
-    usable = [e for e in resolved.artifacts if e in engines and engines[e].detect().available]
-    if not usable:
-        raise ModelNotFound(f"no engine usable here has an artifact for '{resolved.name}'", param="model")
-    seen, out = set(), []
-    for e in usable:
-        art = resolved.artifacts[e]
-        if (art.uri, art.allow_patterns, art.subfolder) not in seen:
-            seen.add((art.uri, art.allow_patterns, art.subfolder))
-            out.append(art)
-    return out
+PULLING: set[str] = set()  # canonical names this server is pulling now (deleting one of them is refused: 409)
 
 
-def progress_class(report: Any) -> type:
-    """A tqdm class huggingface_hub draws its bars with, reporting (file, total, completed) instead."""
-    from tqdm.auto import tqdm
-
-    class Progress(tqdm):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.octo_name = str(kwargs.get("desc") or "model")
-            self.octo_total = int(kwargs.get("total") or 0)
-            self.octo_done = int(kwargs.get("initial") or 0)
-            self.octo_bytes = kwargs.get("unit") == "B"
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-            self.octo_report()
-
-        def octo_report(self) -> None:
-            if self.octo_bytes:
-                report(self.octo_name, self.octo_total, self.octo_done)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            self.octo_done += int(n or 0)
-            self.octo_report()
-            return None
-
-    return Progress
+def _busy(message: str) -> InvalidRequest:
+    err = InvalidRequest(message, param="model", code="model_busy")
+    err.status = 409
+    return err
 
 
 async def pull(request: web.Request) -> web.StreamResponse:
-    from octo.models.download import fetch
+    """Catalog names only; a Hugging Face id with the operator's --allow-pull-hf, within --max-pull-gb (checked
+    against the hub's metadata before the stream starts, and while downloading); recorded (octo.models.pulled)."""
+    from octo.models import pulling
+    from octo.models.servable import unknown_model
 
     req = await _body(request)
     state = request.app[STATE]
+    config = state.config
     name = ollama.model_name(req.target)
-    artifacts = await asyncio.to_thread(_pull_artifacts, state, name)  # 404 before any stream byte
+    plan = await asyncio.to_thread(pulling.plan, name, state.registry.engines, config.allow_pull_hf,
+                                   lambda n: unknown_model(n, config.models_dirs))  # 404/403 before any stream byte
+    cap = int(config.max_pull_gb * pulling.GB) if plan.hub_id else 0
+    if plan.hub_id:
+        await asyncio.to_thread(pulling.check_size, plan.artifacts, cap)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     last: dict[str, float] = {}
@@ -281,11 +254,20 @@ async def pull(request: web.Request) -> web.StreamResponse:
         loop.call_soon_threadsafe(queue.put_nowait, {"status": f"pulling {file}", "digest": file, "total": total,
                                                      "completed": min(done, total) if total else done})
 
-    def work() -> None:
-        for art in artifacts:
-            fetch(art, progress=progress_class(report))
+    budget = pulling.Budget(cap)
 
+    def work() -> None:
+        for art in plan.artifacts:
+            pulling.fetch_recorded(plan.name, art, progress=pulling.progress_class(report, budget), max_bytes=cap)
+
+    PULLING.add(plan.name.lower())
     job = loop.run_in_executor(None, work)
+    job.add_done_callback(lambda _: PULLING.discard(plan.name.lower()))
+    return await _stream_pull(request, req, job, queue)
+
+
+async def _stream_pull(request: web.Request, req: ModelRequest, job: asyncio.Future,
+                       queue: asyncio.Queue) -> web.StreamResponse:
     resp = None
     if req.stream is not False:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -313,32 +295,39 @@ async def pull(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _remove(path: Path) -> None:
-    """Remove a downloaded file or folder of the hub cache (its blobs too); never anything outside the cache."""
-    from octo.models.download import downloads_dir, hub_cache_dir
-
-    roots = [hub_cache_dir().resolve(), downloads_dir().resolve()]
-    if not any(path.absolute().is_relative_to(r) for r in roots):
-        raise InvalidRequest(f"'{path}' is not a download octo manages; remove it yourself", param="model")
-    files = [p for p in path.rglob("*") if p.is_file() or p.is_symlink()] if path.is_dir() else [path]
-    for p in files:
-        blob = p.resolve()
-        p.unlink(missing_ok=True)
-        if blob != p and blob.is_relative_to(roots[0]):
-            blob.unlink(missing_ok=True)
-
-
 async def delete(request: web.Request) -> web.Response:
+    """Deletes what octo pulled (the record of pulls), by the names /api/tags lists; everything is checked (pulled,
+    not being pulled, not a start-up model, no request in flight) before anything is unloaded or deleted, so a
+    refused delete changes nothing. Never by path: a name that octo did not pull is the same 404 however it reads."""
+    from octo.models import pulled, pulling
+
     req = await _body(request)
     registry = request.app[STATE].registry
     name = ollama.model_name(req.target)
-    fmt, path, _ = await asyncio.to_thread(_artifact_path, name, registry.engines)
-    if path is None:
-        raise NotFound(f"model '{req.target}' not found", param="model", code="model_not_found")
-    slot = registry.find(name)
+    found = await asyncio.to_thread(pulling.canonical, name)
+    record = await asyncio.to_thread(pulled.find, found[0]) if found is not None else None
+    slot = registry.find(name) or (registry.find(found[0]) if found is not None else None)
+    if record is None:
+        if slot is not None or await asyncio.to_thread(pulling.on_disk, name):  # listed here, not pulled by octo
+            raise InvalidRequest(f"'{req.target}' was not pulled by octo, so octo does not delete it (it deletes "
+                                 "only what `octo pull` or /api/pull downloaded).", param="model",
+                                 code="model_not_pulled")
+        raise NotFound(f"model '{req.target}' not found: octo deletes only the models it pulled", param="model",
+                       code="model_not_found")
+    if record.name.lower() in PULLING:
+        raise _busy(f"'{req.target}' is being pulled; delete it when the pull is done.")
+    if slot is not None and slot.spec.declared:
+        raise _busy(f"'{req.target}' is served as a model named at start; it is not deleted while the server runs.")
+    if slot is not None and (slot.inflight or slot.loading is not None):
+        raise _busy(f"'{req.target}' has requests in flight or is loading; delete it when they are done.")
     if slot is not None and slot.handle is not None:
-        await registry.unload(slot.name)  # 409 while requests use it
-    await asyncio.to_thread(_remove, path)
+        await registry.unload(slot.name)  # (checks again: a request that came meanwhile makes it a 409, nothing done)
+    failed = await asyncio.to_thread(pulled.delete_files, record)
+    await asyncio.to_thread(pulled.forget, record.name, failed)
+    if slot is not None:
+        registry.forget(slot)  # (no longer listed: its files are gone)
+    if failed:
+        raise OctoError(f"'{req.target}': {len(failed)} of its files could not be deleted (see the server's log).")
     return web.Response(status=200)
 
 
