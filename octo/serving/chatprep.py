@@ -109,12 +109,41 @@ def _folding(render_fn):
 
 @_folding
 def render(engine: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, fmt: ToolFormat,
-           tool_choice: Any = "auto") -> str:
-    """The prompt text of a chat history with tools, through the model's own template."""
+           tool_choice: Any = "auto", template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of a chat history with tools, through the model's own template (``template_kwargs``, e.g.
+    ``enable_thinking``, where its ``render_chat`` takes them)."""
     chat = prepare_chat(messages, tools, fmt, tool_choice if tool_choice is not None else "auto")
-    if chat.tools:
-        return engine.render_chat(chat.messages, True, tools=chat.tools)
-    return engine.render_chat(chat.messages, True)
+    return _render_chat(engine, chat.messages, True, chat.tools, template_kwargs)
+
+
+# OpenAI's reasoning efforts (and the tiers clients add) as Ollama maps them onto its think levels
+# (thinkFromReasoningEffort in Ollama's openai/openai.go): False turns thinking off
+EFFORTS: dict[str, str | bool] = {"none": False, "minimal": "low", "low": "low", "medium": "medium", "high": "high",
+                                  "xhigh": "max", "ultra": "max", "max": "max"}
+
+
+def reasoning_kwargs(handle: Any, effort: str, param: str = "reasoning_effort") -> dict[str, Any] | None:
+    """The template arguments of an OpenAI reasoning effort, as Ollama's ``think`` levels: on a model whose template
+    reasons, "none" turns thinking off and any level on (the level reaches a template that takes
+    ``reasoning_effort``, "max" as "high"); on a model that does not reason, "none" is accepted and a level is a 400
+    naming ``param``, as OpenAI answers for its models without reasoning."""
+    from octo.text.reasoning import supports_thinking, template_source
+
+    if effort not in EFFORTS:
+        raise InvalidRequest(f"Invalid value for '{param}': expected one of {', '.join(EFFORTS)}.", param=param,
+                             code="invalid_value")
+    level, engine = EFFORTS[effort], handle.engine
+    if not supports_thinking(engine):
+        if level is False:
+            return None
+        raise UnsupportedParameter(param, f"model '{handle.name}' does not reason (its chat template has no "
+                                   "reasoning mode); leave it out or send \"none\"")
+    if level is False:
+        return {"enable_thinking": False}
+    kwargs: dict[str, Any] = {"enable_thinking": True}
+    if "reasoning_effort" in template_source(engine):
+        kwargs["reasoning_effort"] = "high" if level == "max" else level
+    return kwargs
 
 
 def tool_spec(fmt: ToolFormat, names: list[str], tool_choice: Any, parallel: bool | None = None) -> ToolSpec | None:

@@ -213,8 +213,8 @@ _CHAT_FEATURES = frozenset({"audio", "functions", "function_call", "prediction",
 
 def _check_chat_options(req: ChatCompletionRequest) -> None:
     _check_stream_options(req)
-    unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options",
-                          "reasoning_effort", "verbosity", "store"))
+    unsupported_if(req, ("audio", "functions", "function_call", "prediction", "web_search_options", "verbosity",
+                          "store"))
     if req.modalities not in (None, ["text"]):
         raise UnsupportedParameter("modalities", "only text output is supported")
     if req.service_tier not in (None, "auto", "default"):
@@ -247,7 +247,8 @@ def chat_generation(handle: Any, req: ChatCompletionRequest) -> GenerationReques
     refs: list[ImageRef] = []
     messages = chat_messages(req, refs)
     images = media.load_images(handle, refs) if refs else None  # 400s naming the part, or the model without images
-    prompt = chatprep.render(engine, messages, tools, fmt, choice)
+    kwargs = chatprep.reasoning_kwargs(handle, req.reasoning_effort) if req.reasoning_effort is not None else None
+    prompt = chatprep.render(engine, messages, tools, fmt, choice, kwargs)
     tokens, chunks = media.tokenize(engine, prompt, images) if images else (engine.tokenize(prompt, special=True), ())
     max_tokens = req.max_completion_tokens or req.max_tokens
     # --reasoning-format parsed (the default): a reasoning model's <think> text is reasoning_content, not content

@@ -101,9 +101,7 @@ def check_unsupported(req: ResponsesRequest) -> None:
     if req.background:
         raise UnsupportedParameter("background", "responses run in the foreground only")
     if req.reasoning is not None:  # a reasoning summary of a model that does not reason is empty: accepted
-        if req.reasoning.effort not in (None, "none"):
-            raise UnsupportedParameter("reasoning.effort", "octo's Responses models have no reasoning effort setting")
-        for name in ("summary", "generate_summary"):
+        for name in ("summary", "generate_summary"):  # (the effort is the chat's reasoning_effort: to_chat)
             if getattr(req.reasoning, name) not in (None, *REASONING_SUMMARIES):
                 raise InvalidRequest(f"Invalid value for 'reasoning.{name}': expected one of "
                                      f"{', '.join(REASONING_SUMMARIES)}.", param=f"reasoning.{name}",
@@ -237,6 +235,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[
         value = getattr(req, ours)
         if value is not None:
             body[theirs] = value
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort  # honoured on a model that reasons (chatprep.reasoning_kwargs)
     if req.include and INCLUDE_LOGPROBS in req.include:
         body["logprobs"] = True
         body["top_logprobs"] = req.top_logprobs or 0
@@ -245,8 +245,9 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[
     return body, conversation
 
 
-_PARAMS = (("tools[", "tools["), ("response_format.json_schema.", "text.format."),
-           ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+_PARAMS = (("tools[", "tools["), ("reasoning_effort", "reasoning.effort"),
+           ("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+           ("max_completion_tokens", "max_output_tokens"),
            ("tool_choice.function.name", "tool_choice.name"), ("messages", "input"))
 
 
@@ -471,3 +472,75 @@ class EventStream:
         self.output = [{k: v for k, v in it.items() if not k.startswith("_")} for it in self.output]
         return self._ev("response.failed", response=self._response(
             "failed", error={"code": err.code or "server_error", "message": err.message}))
+
+
+# -- GET /v1/responses/{id}/input_items ---------------------------------------------------------------------------
+INCLUDABLE = frozenset({"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                        "message.input_image.image_url", "computer_call_output.output.image_url",
+                        "code_interpreter_call.outputs", INCLUDE_REASONING, INCLUDE_LOGPROBS})
+
+
+def _item_id(rid: str, prefix: str, *where: int) -> str:
+    """A stable id of one input item of response ``rid`` (the same at every listing, so pages can point at it)."""
+    import hashlib
+
+    return f"{prefix}_{hashlib.sha256(':'.join(map(str, (rid, *where))).encode()).hexdigest()[:40]}"
+
+
+def input_items(rid: str, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input items a stored response was generated from, oldest first, in the Responses API's shapes: the stored
+    conversation (earlier turns of a ``previous_response_id`` chain, their answers and this request's input) without
+    the response's own answer; ``instructions`` are not items."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(conversation[:-1]):
+        role, content = m["role"], m.get("content")
+        if role == "tool":
+            out.append({"id": _item_id(rid, "fco", i), "type": "function_call_output", "call_id":
+                        m.get("tool_call_id", ""), "output": content or "", "status": "completed"})
+            continue
+        if content or not m.get("tool_calls"):
+            part = {"type": "output_text", "text": content or "", "annotations": []} if role == "assistant" else \
+                {"type": "input_text", "text": content or ""}
+            out.append({"id": _item_id(rid, "msg", i), "type": "message", "role": role, "content": [part],
+                        "status": "completed"})
+        for j, c in enumerate(m.get("tool_calls") or ()):
+            out.append({"id": _item_id(rid, "fc", i, j), "type": "function_call", "call_id": c["id"],
+                        "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                        "status": "completed"})
+    return out
+
+
+def input_items_page(rid: str, conversation: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """OpenAI's list of a response's input items: ``order`` (``desc``, the default, newest first, or ``asc``),
+    ``limit`` (1-100, default 20), ``after`` / ``before`` (an item id: the items after or before it in that order),
+    ``include`` (accepted: these items carry none of the includable parts)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("Invalid value for 'order': expected 'asc' or 'desc'.", param="order",
+                             code="invalid_value")
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise InvalidRequest("Invalid value for 'limit': an integer from 1 to 100.", param="limit",
+                             code="invalid_value")
+    for value in query.getall("include", []) + query.getall("include[]", []):
+        if value not in INCLUDABLE:
+            raise InvalidRequest(f"Invalid value for 'include': '{value[:100]}' is not an includable field.",
+                                 param="include", code="invalid_value")
+    items = input_items(rid, conversation)
+    if order == "desc":
+        items.reverse()
+    ids = [it["id"] for it in items]
+    start, end = 0, len(items)
+    for name in ("after", "before"):
+        cursor = query.get(name)
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise InvalidRequest(f"No input item with id '{cursor[:100]}' in response '{rid}'.", param=name)
+        if name == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    page = items[start:end][:int(raw)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}

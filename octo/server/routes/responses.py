@@ -1,6 +1,6 @@
 """Route handlers of the Responses API: ``POST /v1/responses`` (streaming and not), ``GET`` and ``DELETE
-/v1/responses/{id}``. The request runs as a chat generation (octo.serving.responses.to_chat); stored responses live in
-SQLite (octo.serving.response_store)."""
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``. The request runs as a chat generation
+(octo.serving.responses.to_chat); stored responses live in SQLite (octo.serving.response_store)."""
 
 from __future__ import annotations
 
@@ -209,6 +209,14 @@ async def get_response(request: web.Request) -> web.Response:
     return json_response(found[0])
 
 
+async def list_input_items(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    found = await _store(request).get(rid)
+    if found is None:
+        raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+    return json_response(responses.input_items_page(rid, found[1], request.query))
+
+
 async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
     if not await _store(request).delete(rid):
@@ -238,4 +246,5 @@ def setup(app: web.Application) -> None:
 def add_routes(router: web.UrlDispatcher) -> None:
     router.add_post("/v1/responses", create_response)
     router.add_get("/v1/responses/{response_id}", get_response)
+    router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     router.add_delete("/v1/responses/{response_id}", delete_response)
