@@ -192,7 +192,7 @@ def test_parse_drops_unknown_keys_with_a_warning_and_names_bad_values(caplog):
                                  b'"extra": 1}]}', "/api/chat")
     assert not req.model_extra and not req.messages[0].model_extra  # dropped, as Ollama's Go decoder drops them
     (rec,) = caplog.records
-    assert "/api/chat" in rec.getMessage() and "'nope'" in rec.getMessage() and "messages[0].extra" in rec.getMessage()
+    assert "/api/chat" in rec.getMessage() and '"nope"' in rec.getMessage() and "messages[0].extra" in rec.getMessage()
     for body, where in ((b'{"model": "m", "think": "extreme"}', "think"),
                         (b'{"model": "m", "stream": "yes"}', "stream"),
                         (b'{"model": "m", "options": {"x": NaN}}', None)):

@@ -95,7 +95,7 @@ def test_options_are_honoured_or_ignored_with_one_warning(client, echo_server):
     line = next(ln for ln in reversed(echo_server.log().splitlines()) if "ignoring options" in ln)
     for name in ("num_thread", "num_batch", "use_mmap", "repeat_last_n", "mirostat", "tfs_z", "repeat_penalty",
                  "num_gpu"):
-        assert repr(name) in line, (name, line)
+        assert f'"{name}"' in line, (name, line)
     assert "num_keep" not in line and "low_vram" not in line  # honoured (the cut keeps it); null is unset
     r = client.generate(model=MODEL, prompt="with options", options={"num_ctx": 4096, "mirostat": 0, "numa": False})
     assert r.response == "with options"
@@ -109,7 +109,7 @@ def test_errors_in_ollamas_shape(client, echo_server):
     status, body = echo_server.post_json("/api/chat", {"model": MODEL, "messages": user("x"), "bogus": 1,
                                                        "stream": False})
     assert status == 200 and body["message"]["content"] == "x"  # an unknown field is ignored, as Ollama does
-    assert "ignoring fields Ollama's API does not have: 'bogus'" in echo_server.log()
+    assert "ignoring fields Ollama's API does not have: \"bogus\"" in echo_server.log()
     status, body = echo_server.post_json("/api/chat", {"model": MODEL, "messages": user("x"), "stream": "no"})
     assert status == 400 and list(body) == ["error"] and "stream" in body["error"]
     status, msg = error_of(client.chat, model=MODEL, messages=[{"role": "user", "content": "x", "images": ["aGk="]}])

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from octo.errors import InvalidRequest
+from octo.logsafe import quoted
 
 THINK_LEVELS = ("high", "medium", "low", "max")
 log = logging.getLogger("octo.protocol.ollama")
@@ -156,8 +157,8 @@ def parse(model: type[OllamaModel], body: bytes, route: str = "") -> Any:
     unknown: list[str] = []
     _unknown(req, "", unknown)
     if unknown:
-        log.warning("%s: ignoring fields Ollama's API does not have: %s", route or model.__name__,
-                    ", ".join(repr(u[:80]) for u in unknown[:20]))
+        log.warning("%s: ignoring fields Ollama's API does not have: %s", quoted(route or model.__name__, bare=True),
+                    ", ".join(quoted(u, 80) for u in unknown[:20]))
     return req
 
 

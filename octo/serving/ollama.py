@@ -25,6 +25,7 @@ from typing import Any
 
 from octo.engine import SamplingParams, Task
 from octo.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParameter
+from octo.logsafe import quoted
 from octo.protocol.ollama import ChatRequest, GenerateRequest
 from octo.scheduler.jobs import GenerationRequest, Result
 from octo.serving import chatprep
@@ -159,7 +160,7 @@ def warn_ignored(route: str, names: list[str]) -> None:
     """One warning line per request naming the options octo ignored (Ollama logs "invalid option provided")."""
     if names:
         log.warning("%s: ignoring options octo cannot use: %s", route,
-                    ", ".join(repr(n[:64]) for n in dict.fromkeys(names)))
+                    ", ".join(quoted(n, 64) for n in dict.fromkeys(names)))
 
 
 # -- request -> generation ------------------------------------------------------------------------------------------
