@@ -303,6 +303,14 @@ def fallback_temperatures(temperature: float, increment: float) -> tuple[float, 
     return tuple(out) or (temperature,)
 
 
+def ffmpeg_note() -> str:
+    """What a speech engine's ``detect`` reason says about uploads: the gateway decodes them with ffmpeg, and without
+    ffmpeg on PATH reads WAV files only (``octo.server.wav``); the engines themselves take samples, never files."""
+    import shutil
+
+    return "" if shutil.which("ffmpeg") else "; no ffmpeg on PATH: the server decodes WAV uploads only"
+
+
 @dataclass
 class Transcription:
     text: str

@@ -182,19 +182,26 @@ def test_progress_bars(hub, capfd, monkeypatch):
     assert "M-Q8_0" not in capfd.readouterr().err
 
 
-def test_synthetic_artifacts_are_built_by_octo_synth(monkeypatch, tmp_path):
-    import octo.synth
+def test_synthetic_artifacts_are_built_by_octo_synth_in_a_child_process(tmp_path):
+    """A synthetic artifact is built by ``python -m octo.synth.build``: the builder's libraries (PyTorch here) never
+    load into the process that asked (a gateway, which would keep them and, for some, print leak reports at exit);
+    a build that fails is a ConfigError with the builder's reason."""
+    import subprocess
+    import sys
 
-    calls = []
-
-    def build_for(name: str, engine: str):
-        calls.append((name, engine))
-        return tmp_path / f"{name}-{engine}"
-
-    monkeypatch.setattr(octo.synth, "build_for", build_for, raising=False)
+    code = ("import sys\nfrom octo.models.download import fetch, is_downloaded\n"
+            "from octo.models.resolve import Artifact\n"
+            "art = Artifact('whisper', 'synth://whisper-test', 'synth')\n"
+            "path = fetch(art, offline=True)\n"
+            "print(path.name, path.is_file(), is_downloaded(art), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OCTO_HOME": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["model.pt", "True", "True", "False"], out.stderr[-2000:]
     art = load_catalog().resolve("demo", DEFAULT_ENGINE_FORMATS).artifacts["llamacpp"]
-    assert fetch(art, offline=True) == tmp_path / "demo-llamacpp" and calls == [("demo", "llamacpp")]
-    assert is_downloaded(art)
+    assert is_downloaded(art)  # nothing to download: a synthetic model counts as here
+    with pytest.raises(ConfigError, match="Synthetic model 'whisper-nosuchshape' cannot be built for whisper: "
+                                          "ValueError: unknown whisper shape 'nosuchshape'"):
+        fetch(Artifact("whisper", "synth://whisper-nosuchshape", "synth"), offline=True)
 
 
 # -- octo pull ---------------------------------------------------------------------------------------

@@ -268,7 +268,7 @@ def test_a_model_that_does_not_fit_in_memory_is_a_503_naming_why(models_dir, tmp
 
 def test_a_load_waits_for_a_busy_model_then_503_and_keep_alive_is_capped(models_dir):
     with run_octo("busy", "--engine", "echo", "-o", "token_delay_ms=40", "--max-loaded", "1", "--queue-timeout",
-                  "3", "--models-dir", str(models_dir), "--keep-alive", "2m") as s:
+                  "3", "--models-dir", str(models_dir), "--keep-alive", "2m", "--evict-startup-models") as s:
         client = s.openai(max_retries=0)
         words = " ".join(f"w{i}" for i in range(250))  # 10 s of stream
         stream = client.chat.completions.create(model="busy", stream=True, messages=[{"role": "user",
@@ -291,6 +291,26 @@ def test_a_load_waits_for_a_busy_model_then_503_and_keep_alive_is_capped(models_
         assert s.get_json(f"/v1/models/{models_dir / 'tiny-q8_0.gguf'}")["keep_alive"] == 120
         client.completions.create(model="tiny-q8_0.gguf", prompt="x", max_tokens=2, extra_body={"keep_alive": 30})
         assert s.get_json(f"/v1/models/{models_dir / 'tiny-q8_0.gguf'}")["keep_alive"] == 30
+
+
+def test_models_named_at_start_stay_loaded_and_a_failed_load_unloads_nothing(models_dir, tmp_path):
+    with run_octo("test-model", "--engine", "echo", "--max-loaded", "1", "--models-dir", str(models_dir)) as s:
+        t0 = time.monotonic()
+        status, body = post(s, "/v1/completions", {"model": "tiny-q8_0.gguf", "prompt": "x"}, JSON)
+        assert status == 503 and body["error"]["code"] == "no_room" and "named at start" in body["error"]["message"]
+        assert time.monotonic() - t0 < 20  # nothing to wait for: the model named at start does not go
+        assert {m["id"]: m["state"] for m in s.get_json("/v1/models")["data"]}["test-model"] == "ready"
+    (tmp_path / "broken.gguf").write_bytes(gguf_bytes())  # a sound header, no tensors: llama.cpp cannot load it
+    with run_octo("--models-dir", f"{models_dir}", "--models-dir", str(tmp_path), "--max-loaded", "1") as s:
+        client = s.openai(max_retries=0)
+        assert client.completions.create(model="tiny-q8_0.gguf", prompt="x", max_tokens=1).choices
+        status, body = post(s, "/v1/completions", {"model": "broken.gguf", "prompt": "x"}, JSON)
+        assert status >= 500, body
+        states = {m["id"]: m["state"] for m in s.get_json("/v1/models")["data"]}
+        assert states[str(models_dir / "tiny-q8_0.gguf")] == "ready", states  # over the count only: kept
+        import urllib.request
+
+        assert "octo_model_unloads_total 0.0" in urllib.request.urlopen(s.url("/metrics")).read().decode()
 
 
 def test_three_models_on_demand_by_default_and_max_keep_alive(models_dir):

@@ -38,11 +38,20 @@ from octo.engines.faster_whisper.common import (
     check_request,
     finish,
     parse_options,
+    quiet_library_logs,
     run_batch,
     temperatures,
 )
 
-from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
+from octo.engine import (
+    Detection,
+    Engine,
+    ModelInfo,
+    Task,
+    Transcription,
+    TranscriptionRequest,
+    ffmpeg_note,
+)
 from octo.errors import ConfigError, EngineError, OctoError
 from octo.hookspecs import hookimpl
 from octo.options import SPEECH_DECODING, positive_int
@@ -92,7 +101,7 @@ class FasterWhisperEngine(Engine):
                 return Detection(False, f"{package} is not installed (pip install 'octo[speech]')")
         # not imported here: detect() runs in the gateway, and CTranslate2 brings its own OpenMP runtime
         return Detection(True, "cpu (cuda when built with it); compute_type auto (int8 weights on CPU; "
-                               "-o compute_type=float32|default|...)")
+                               "-o compute_type=float32|default|...)" + ffmpeg_note())
 
     @classmethod
     def version(cls) -> str:
@@ -115,6 +124,7 @@ class FasterWhisperEngine(Engine):
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"{artifact} has no tokenizer.json (faster-whisper would download one).")
         self.path = path
+        quiet_library_logs("faster_whisper")
         record = None if self.opts.get("threads") else tuning.read_record(self)
         cached = tuning.verdict_threads(record)
         threads = self.opts.get("threads") or cached or os.cpu_count() or 1

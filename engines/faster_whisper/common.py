@@ -8,6 +8,7 @@ language, else it is detected on the first 30 seconds; each window's text condit
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,15 @@ def parse_options(engine: str, options: dict[str, str], extra: dict[str, Callabl
 
 
 temperatures = fallback_temperatures
+
+
+def quiet_library_logs(*names: str) -> None:
+    """The speech libraries' own info lines (faster-whisper's "Processing audio with duration ..." on every call,
+    pywhispercpp's "Transcribing ...") at warning level, unless octo logs at debug level."""
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in names:
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def check_request(req: TranscriptionRequest, languages: frozenset[str], multilingual: bool) -> str | None:

@@ -17,7 +17,6 @@ per 30-second window; default whisper's n_text_ctx/2 = 224; bounds random-weight
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from octo.engine import (
     Transcription,
     TranscriptionRequest,
     VerboseSegment,
+    ffmpeg_note,
 )
 from octo.errors import ConfigError, EngineError, InvalidRequest, OctoError
 from octo.hookspecs import hookimpl
@@ -67,9 +67,8 @@ class WhisperEngine(Engine):
         for module, package in (("torch", "torch==2.13.0"), ("whisper", "openai-whisper")):
             if importlib.util.find_spec(module) is None:
                 return Detection(False, f"{package} is not installed (pip install 'octo[whisper]')")
-        if shutil.which("ffmpeg") is None:
-            return Detection(False, "ffmpeg is not on PATH (needed to decode uploaded audio)")
-        return Detection(True, "cpu (cuda when available)")
+        # uploads are decoded by the gateway (ffmpeg, or octo itself for WAV): the engine takes samples, never files
+        return Detection(True, "cpu (cuda when available)" + ffmpeg_note())
 
     @classmethod
     def version(cls) -> str:

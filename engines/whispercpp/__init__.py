@@ -20,12 +20,14 @@ entropy instead).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +36,26 @@ from octo.engines.faster_whisper.common import (
     check_request,
     finish,
     parse_options,
+    quiet_library_logs,
     run_batch,
 )
 
-from octo.engine import Detection, Engine, ModelInfo, Task, Transcription, TranscriptionRequest
+from octo.engine import (
+    Detection,
+    Engine,
+    ModelInfo,
+    Task,
+    Transcription,
+    TranscriptionRequest,
+    ffmpeg_note,
+)
 from octo.errors import ConfigError, EngineError, OctoError
 from octo.hookspecs import hookimpl
 from octo.options import SPEECH_DECODING, optional_float
 
 GGML_MAGIC = 0x67676D6C
 _EXTRA = {"entropy_threshold": optional_float}
+log = logging.getLogger("octo.engines.whispercpp")
 _CENTI = 0.01  # whisper.cpp's timestamps are in 10 ms units
 
 
@@ -102,7 +114,7 @@ class WhisperCppEngine(Engine):
             import _pywhispercpp  # noqa: F401 - the compiled extension
         except ImportError as exc:
             return Detection(False, f"pywhispercpp's extension does not load: {exc}")
-        return Detection(True, "cpu (whisper.cpp through pywhispercpp)")
+        return Detection(True, "cpu (whisper.cpp through pywhispercpp)" + ffmpeg_note())
 
     @classmethod
     def version(cls) -> str:
@@ -125,6 +137,7 @@ class WhisperCppEngine(Engine):
         if not is_ggml_whisper(Path(artifact)):
             raise ConfigError(f"{artifact} is not a whisper.cpp ggml model file.")
         beam = self.opts["beam_size"] > 1
+        quiet_library_logs("pywhispercpp")
         threads = self.opts.get("threads") or os.cpu_count() or 1
         try:
             self.model = Model(artifact, params_sampling_strategy=1 if beam else 0, redirect_whispercpp_logs_to=None,
@@ -192,7 +205,7 @@ class WhisperCppEngine(Engine):
         language = check_request(request, self.languages, self.multilingual)
         audio = np.ascontiguousarray(request.audio, dtype=np.float32).reshape(-1)
         cancelled = request.cancelled
-        with self.lock:
+        with self.lock, native_log(cancelled):
             try:
                 self.model.transcribe(audio, abort_callback=(lambda: bool(cancelled())) if cancelled else None,
                                       **self._params(request, language))
@@ -209,6 +222,27 @@ class WhisperCppEngine(Engine):
     def transcribe_batch(self, requests: list[TranscriptionRequest],
                          on_done: Callable[[int, Any], None] | None = None) -> list[Transcription | OctoError]:
         return run_batch(self.transcribe, requests, on_done, 1)
+
+
+@contextlib.contextmanager
+def native_log(cancelled: Callable[[], bool] | None) -> Iterator[None]:
+    """whisper.cpp's own log lines during a call go to octo's log instead of raw to stderr (where "whisper_full:
+    failed to encode" showed whenever a cancelled request or a benchmark's deadline stopped it): its warnings and
+    errors at warning level unless the call was cancelled, the rest at debug level. Set around each call only: a
+    Python callback still set when the interpreter exits would crash it."""
+    import _pywhispercpp as pw
+
+    def emit(level: int, text: str) -> None:  # ggml's levels: 3 warning, 4 error
+        if level >= 3 and not (cancelled is not None and cancelled()):
+            log.warning("whisper.cpp: %s", text.rstrip())
+        else:
+            log.debug("whisper.cpp: %s", text.rstrip())
+
+    pw.whisper_log_set(emit)
+    try:
+        yield
+    finally:
+        pw.whisper_log_set(None)
 
 
 def _segment(pw, ctx, i: int, words: bool) -> SpeechSegment:

@@ -451,11 +451,20 @@ def _sha256(path: Path) -> str:
 
 # -- synthetic models ------------------------------------------------------------------------------
 def _build_synth(artifact: Artifact) -> Path:
+    """The synthetic model, built in a child process (``python -m octo.synth.build``): its libraries (PyTorch,
+    transformers, MLX) stay out of this process."""
+    import json
+    import subprocess
+    import sys
+
     name = artifact.uri.removeprefix("synth://")
+    proc = subprocess.run([sys.executable, "-m", "octo.synth.build", name, artifact.engine], stdout=subprocess.PIPE,
+                          text=True)
     try:
-        from octo.synth import build_for
-    except ImportError as exc:
-        raise ConfigError(
-            f"Synthetic model '{name}' cannot be built: octo.synth.build_for is not available ({exc})."
-        ) from None
-    return Path(build_for(name, artifact.engine))
+        out = json.loads((proc.stdout.strip().splitlines() or ["{}"])[-1])
+    except ValueError:
+        out = {}
+    if proc.returncode != 0 or "path" not in out:
+        why = out.get("error") or f"the builder exited with status {proc.returncode}"
+        raise ConfigError(f"Synthetic model '{name}' cannot be built for {artifact.engine}: {why}")
+    return Path(out["path"])

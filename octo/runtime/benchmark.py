@@ -348,7 +348,10 @@ def speech_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
     decoding rules, as requests get), after an untimed one, until ``seconds`` are spent (at least one timed
     run), for each of its ``thread_counts`` in turn (the budget split between them; the fastest is set). Score:
     seconds of audio transcribed per second (x real time). Never raises; a run still going at twice the budget
-    is cancelled at its next window and counts as done then (its score is an upper bound)."""
+    is cancelled at its next window and counts as done then (its score is an upper bound). Measured under a
+    ``LoadMonitor``, as text engines are: one that other processes disturbed is ``conditions.disturbed``, so the
+    selection uses it provisionally and it is measured again while the model is idle."""
+    mon = LoadMonitor().start()
     t_start = time.perf_counter()
     hard = t_start + 2 * seconds + FLOOR_GRACE
     clip = speech_clip()
@@ -378,6 +381,7 @@ def speech_benchmark(engine: Engine, seconds: float = 3.0) -> dict[str, Any]:
         log.warning("speech benchmark of %s failed: %s", engine.name, exc)
         result["error"] = f"{type(exc).__name__}: {exc}"
     result["seconds"] = round(time.perf_counter() - t_start, 3)
+    result["conditions"].update({**mon.stop(), "loadavg": loadavg_1min()})
     return result
 
 

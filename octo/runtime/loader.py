@@ -180,9 +180,13 @@ def _candidates(resolved: Any, engine_name: str | None, registry: dict[str, type
     candidates = real or usable
     if not candidates:
         have = ", ".join(sorted(resolved.artifacts)) or "none"
-        extras = " or ".join(f"pip install 'octo[{e}]'" for e in sorted(resolved.artifacts) if e in ENGINE_EXTRAS)
+        why = [f"{e}: {registry[e].detect().reason}" for e in sorted(resolved.artifacts) if e in registry]
+        extras = " or ".join(f"pip install 'octo[{e}]'" for e in sorted(resolved.artifacts)
+                             if e in ENGINE_EXTRAS and e not in registry)
         raise ConfigError(f"No installed engine can serve '{resolved.name}' here (artifacts for: {have}). "
-                          + (f"Install one with {extras}." if extras else "Install an engine plugin that reads it."))
+                          + (f"Unavailable here: {'; '.join(why)}. " if why else "")
+                          + (f"Install one with {extras}." if extras else
+                             "" if why else "Install an engine plugin that reads it."))
     return candidates
 
 

@@ -4,15 +4,15 @@ Models named at start-up (``octo serve A B``, ``--models-file``) load then and s
 ``keep_alive``; a request for any other servable model (a catalog entry whose artifact is here, a local path, a
 synthetic model) loads it on demand, once however many requests wait for it, and it unloads after ``--keep-alive``
 idle. ``--max-loaded`` and ``--memory-budget`` make room by unloading the least recently used idle model (never
-one with requests in flight, never a pinned one). Each loaded model is an ordinary handle (``octo.runtime.model`` in
-this process, ``octo.runtime.remote`` in a worker), chosen by the start-up benchmark like a single served model.
+one with requests in flight, never a pinned one or one named at start: octo.runtime.room). Each loaded model is an
+ordinary handle (``octo.runtime.model`` in this process, ``octo.runtime.remote`` in a worker), chosen by the start-up
+benchmark like a single served model.
 What the server is told about each model (``ModelSpec``, the models file, ``keep_alive``) is in ``octo.runtime.specs``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -25,7 +25,8 @@ from typing import Any
 from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, Overloaded, QueueTimeout
-from octo.runtime.memguard import DEFAULT_MAX_LOADED, no_room
+from octo.logsafe import quoted
+from octo.runtime.room import RoomMixin
 from octo.runtime.specs import ModelSpec, parse_keep_alive
 
 log = logging.getLogger("octo.runtime.registry")
@@ -111,7 +112,7 @@ class Slot:
         return model == "whisper-1" and self.task == "transcription"
 
 
-class Registry:
+class Registry(RoomMixin):
     def __init__(self, config: ServerConfig, engines: dict[str, type[Engine]],
                  say: Callable[[str], None] = log.info) -> None:
         self.config = config
@@ -413,7 +414,7 @@ class Registry:
                 # weights plus the prefix-cache share; the KV pool is counted once the engine reports it
                 slot.estimated_bytes = slot.artifact_bytes + int(config.cache_size_mb * 2**20)
                 await self._make_room(slot)
-                self.say(f"octo: loading '{slot.name}'")
+                self.say(f"octo: loading '{quoted(slot.name, bare=True)}'")
                 if self.cluster is not None:  # a deployment whose replicas each run this same loading
                     handle, rows = await self.cluster.open_model(slot.spec, config, self.engines, say=self.say,
                                                                  download=slot.spec.declared)
@@ -421,6 +422,7 @@ class Registry:
                     handle, rows = await open_model(config, self.engines, say=self.say,
                                                     download=slot.spec.declared, lazy_rows=True)
                 await handle.activate(config)
+                await self._trim(slot)  # (a model over the count alone goes only now: octo.runtime.room)
             slot.handle, slot.rows, slot.error, slot.failures = handle, rows, None, 0
             slot.task = handle.task
             slot.aliases.update(handle.aliases)
@@ -430,7 +432,7 @@ class Registry:
             slot.last_used = time.monotonic()
             slot.load_seconds = round(time.monotonic() - t0, 3)
             self.loads += 1
-            self.say(f"octo: '{slot.name}' ready with {handle.engine_name} ({handle.isolation}) in "
+            self.say(f"octo: '{quoted(slot.name, bare=True)}' ready with {handle.engine_name} ({handle.isolation}) in "
                      f"{slot.load_seconds:.2f} s")
             slot.remeasure = handle.remeasure.start(self, slot) if getattr(handle, "remeasure", None) else None
             await self._share_cores()
@@ -450,7 +452,7 @@ class Registry:
                 slot.error = ModelFailed(f"{why} It is tried again in {delay:g} s, or now with POST "
                                          f"/v1/models/{slot.name}/load.", param="model", headers=retry_after(delay))
                 slot.error.why = why
-            log.error("loading '%s' failed: %s", slot.name, cause.message)
+            log.error("loading '%s' failed: %s", quoted(slot.name, bare=True), quoted(cause.message))
             raise slot.error from None
         finally:
             slot.loading = None
@@ -467,43 +469,6 @@ class Registry:
         return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=options,
                                    max_batch=spec.max_batch or c.max_batch, cache_size_mb=share)
 
-    def max_loaded(self) -> int:
-        """Models loaded at once (0: no limit): --max-loaded, by default 3 (Ollama's on a CPU host) or the number
-        of models named at start if more."""
-        if self.config.max_loaded is not None:
-            return self.config.max_loaded
-        return max(DEFAULT_MAX_LOADED, sum(1 for s in self.slots if s.spec.declared))
-
-    async def _make_room(self, slot: Slot) -> None:
-        """Unload the least recently used idle models (never pinned ones, never one with requests in flight) until
-        ``slot`` fits; wait up to --queue-timeout for a busy one to become idle; 503 when it cannot fit."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.queue_timeout
-        try:
-            while True:
-                others = [s for s in self.loaded() if s is not slot]
-                why, possible = no_room(self.config, self.max_loaded(), slot.estimated_bytes, slot.spec.declared,
-                                        [s.estimated_bytes for s in others])
-                if not why:
-                    return
-                if not possible:
-                    raise Overloaded(f"No room to load '{slot.name}': {why}.", code="no_room",
-                                     headers={"Retry-After": "60"})
-                idle = sorted((s for s in others if s.inflight == 0 and not s.spec.pinned), key=lambda s: s.last_used)
-                if idle:
-                    self.say(f"octo: unloading '{idle[0].name}' (least recently used) to make room for '{slot.name}'")
-                    await self._unload(idle[0])
-                    continue
-                if loop.time() >= deadline or not any(not s.spec.pinned for s in others):
-                    raise Overloaded(f"No room to load '{slot.name}': {why}, and every loaded model is busy or "
-                                     "pinned; retry later.", code="no_room", headers={"Retry-After": "5"})
-                slot.no_room = f"{why}, and every loaded model is busy or pinned"
-                self._freed.clear()
-                with contextlib.suppress(TimeoutError):  # a second at most: memory frees up outside octo too
-                    await asyncio.wait_for(self._freed.wait(), min(1.0, deadline - loop.time()))
-        finally:
-            slot.no_room = ""
-
     async def _unload(self, slot: Slot) -> None:
         handle, slot.handle = slot.handle, None
         if handle is None:
@@ -516,12 +481,12 @@ class Registry:
         try:
             await handle.close()
         except Exception:  # noqa: BLE001
-            log.exception("unloading '%s' failed", slot.name)
+            log.exception("unloading '%s' failed", quoted(slot.name, bare=True))
         self.unloads += 1
         self._freed.set()
         del handle
         gc.collect()  # an in-process engine's memory goes back now, not at the next collection
-        self.say(f"octo: unloaded '{slot.name}'")
+        self.say(f"octo: unloaded '{quoted(slot.name, bare=True)}'")
         await self._share_cores()
 
     def _busy_changed(self) -> None:
@@ -551,7 +516,7 @@ class Registry:
                 try:
                     await handle.share_cores(on)
                 except OctoError as exc:  # a worker that just died is restarted with the current setting
-                    log.warning("%s: could not switch core sharing: %s", handle.name, exc.message)
+                    log.warning("%s: could not switch core sharing: %s", quoted(handle.name, bare=True), exc.message)
 
     async def _sweep(self) -> None:
         """Unload idle models whose keep-alive has run out (once a second)."""
@@ -561,7 +526,8 @@ class Registry:
             for slot in self.loaded():
                 if not (slot.spec.pinned or slot.inflight or slot.keep_alive is None or slot.loading is not None) \
                         and now - slot.last_used >= slot.keep_alive:
-                    self.say(f"octo: '{slot.name}' idle for {slot.keep_alive:g} s (keep_alive): unloading")
+                    self.say(f"octo: '{quoted(slot.name, bare=True)}' idle for {slot.keep_alive:g} s (keep_alive): "
+                             "unloading")
                     await self._unload(slot)
 
 

@@ -24,6 +24,7 @@ the leader's score after its single-stream decode): its result says ``stopped`` 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -137,8 +138,23 @@ def distrust(result: dict[str, Any], seconds: float) -> str | None:
 
 def provisional(result: dict[str, Any]) -> bool:
     """Whether ``result`` was measured while other processes competed for the cores: it decides, but only until it is
-    measured again undisturbed (``octo.runtime.remeasure``)."""
-    return bool((result.get("conditions") or {}).get("disturbed")) and not result.get("error")
+    measured again undisturbed (``octo.runtime.remeasure``). A measurement that ran out of time ("hung") while other
+    processes kept the cores busy counts too: it says nothing of the engine, so it is measured again when idle."""
+    err = result.get("error") or ""
+    return bool((result.get("conditions") or {}).get("disturbed")) and (not err or err.startswith("hung"))
+
+
+def busy_host(window: float = 0.5) -> dict[str, Any] | None:
+    """The cores' conditions over ``window`` seconds, ``disturbed``, if other processes keep them busy; else None
+    (blocking)."""
+    from octo.benchload import DISTURBED_STEAL, QUIET_FOREIGN, LoadMonitor
+
+    mon = LoadMonitor().start()
+    time.sleep(window)
+    cond = mon.stop()
+    foreign = cond["foreign_load"]
+    busy = foreign is not None and (foreign >= QUIET_FOREIGN or cond["steal"] >= DISTURBED_STEAL)
+    return {**cond, "disturbed": True} if busy else None
 
 
 def store_result(key: dict[str, Any], result: dict[str, Any]) -> None:
@@ -250,17 +266,30 @@ async def measure(name: str, cand: Candidate, key: dict[str, Any], seconds: floa
         loaded = True
     except Exception as exc:  # noqa: BLE001 - a failed, crashed or hung candidate loses with the reason
         res = failed_result(exc, seconds, time.perf_counter() - t_load)
+        if res["error"].startswith("hung") and "while measuring" in res["error"] \
+                and (busy := await asyncio.to_thread(busy_host)) is not None:  # out of time on a busy host
+            res["conditions"].update(busy)
     cond = res.setdefault("conditions", {"budget_s": seconds, "disturbed": False})
     if provisional(res):
         res["provisional"] = True
     if store:
         store_result(key, res)
-    say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  (prefill "
-        f"{res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
-        f"{res['batch_decode_tok_s']} tok/s, threads {res['threads']})"
-        + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "") + _notes(cond, seconds)
-        if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}")
+    say(f"octo: bench {name:9s} {res['seconds']:6.2f} s  score {res['score']:8.2f}  ({figures(res)}, threads "
+        f"{res['threads'] or '-'})" + (f"; stopped early, {res['stopped']}" if res.get("stopped") else "")
+        + _notes(cond, seconds) if not res.get("error") else f"octo: bench {name:9s} FAILED: {res['error']}"
+        + (BUSY_FAILURE if res.get("provisional") else ""))
     return res, loaded
+
+
+BUSY_FAILURE = "; other processes kept the cores busy, so it is measured again when the model is idle"
+
+
+def figures(res: dict[str, Any]) -> str:
+    """A result's figures as its progress line says them: a speech engine's speed as a multiple of real time."""
+    if res.get("speech_x_realtime") is not None:
+        return f"{res['speech_x_realtime']:g}x real time"
+    return (f"prefill {res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
+            f"{res['batch_decode_tok_s']} tok/s")
 
 
 def failed_result(exc: BaseException, seconds: float, took: float | None) -> dict[str, Any]:
@@ -280,11 +309,11 @@ def unmeasured() -> dict[str, Any]:
 def _use_cached(name: str, cached: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any]:
     """A cached result as this start uses it, and its progress line."""
     res = {**cached, "cached": True, **({"provisional": True} if provisional(cached) else {})}
-    say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  (prefill {res['prefill_tok_s']} tok/s, "
-        f"decode {res['decode_tok_s']} tok/s, batch x{BATCH} {res['batch_decode_tok_s']} tok/s)"
+    say(f"octo: bench {name:9s} cached    score {res['score']:8.2f}  ({figures(res)})"
         + ("; measured while other processes were busy: measured again when the model is idle"
            if res.get("provisional") else "")
-        if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}")
+        if not res.get("error") else f"octo: bench {name:9s} cached    FAILED: {res['error']}"
+        + (BUSY_FAILURE if res.get("provisional") else ""))
     return res
 
 
@@ -398,20 +427,24 @@ def _ordered(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
     host = host_fingerprint()
     past: dict[str, float] = {}
     for f in bench_dir().glob("*.json") if bench_dir().is_dir() else ():
-        try:
-            data = json.loads(f.read_text())
-            key, res = data["key"], data["result"]
-            if key["host"] == host and key["engine"] in candidates and not res.get("error") \
-                    and not res.get("stopped"):
-                past[key["engine"]] = max(past.get(key["engine"], 0.0), float(res["score"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        data = read_json(f, log, what="benchmark cache")
+        if data is None:
             continue
+        key, res = (data.get("key"), data.get("result")) if isinstance(data, dict) else (None, None)
+        if not isinstance(key, dict) or not isinstance(key.get("engine"), str) or not sound_result(res):
+            move_aside(f, "not a benchmark result of this octo's shape", log, what="benchmark cache")
+        elif key.get("host") == host and key["engine"] in candidates and not res.get("error") \
+                and not res.get("stopped"):
+            past[key["engine"]] = max(past.get(key["engine"], 0.0), float(res["score"]))
     names = sorted(candidates, key=lambda n: -past.get(n, -1.0))  # stable: no history keeps the given order
     return {n: candidates[n] for n in names}
 
 
 def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callable[[str], None]) -> None:
-    say(f"{'engine':10s} {'prefill':>9s} {'decode':>9s} {'batch x4':>9s} {'threads':>7s} {'score':>9s}  note")
+    w = max(10, *map(len, ranked))
+    speech = any("speech_x_realtime" in r for r in results.values())  # speech engines: x real time, no tokens
+    head = f"{'x realtime':>10s}" if speech else f"{'prefill':>9s} {'decode':>9s} {'batch x4':>9s}"
+    say(f"{'engine':{w}s} {head} {'threads':>7s} {'score':>9s}  note")
     for n in ranked:
         r = results[n]
         note = "WINNER" if n == winner else (r.get("error") or ("stopped early (cannot win)" if r.get("stopped")
@@ -423,5 +456,6 @@ def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callab
 
         def f(v, digits=1):
             return f"{v:9.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
-        say(f"{n:10s} {f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))} "
-            f"{str(r.get('threads') or '-'):>7s} {f(r['score'], 2)}  {note}")
+        rates = (f" {f(r.get('speech_x_realtime'), 2)}" if speech else
+                 f"{f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))}")
+        say(f"{n:{w}s} {rates} {str(r.get('threads') or '-'):>7s} {f(r['score'], 2)}  {note}")

@@ -47,3 +47,27 @@ def build_for(name: str, engine: str, quant: str | None = "default", seed: int =
 
         return build_hf(spec, seed)
     raise ValueError(f"no synthetic builder for engine '{engine}' (known: llamacpp, mlx, onnx, echo)")
+
+
+def main(argv: list[str]) -> int:
+    """``python -m octo.synth.build NAME ENGINE``: build (or find) the model and print ``{"path": ...}`` as the last
+    line of stdout, or ``{"error": ...}`` with exit status 1. A server builds its synthetic models this way
+    (``octo.models.download``), so that the builders' libraries (PyTorch, transformers, MLX, Triton) never load into
+    the gateway: they would stay there for its whole life, and some print leak reports at its exit."""
+    import json
+
+    name, engine = argv
+    try:
+        path = build_for(name, engine)
+    except Exception as exc:  # noqa: BLE001 - the caller shows the reason
+        hint = " (pip install 'octo[synth]')" if isinstance(exc, ImportError) else ""
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}{hint}"}), flush=True)
+        return 1
+    print(json.dumps({"path": str(path)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

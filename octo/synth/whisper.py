@@ -284,3 +284,46 @@ def build_whisper_hf(shape: str = "test", seed: int = 0, out: str | Path | None 
 
     build_file(folder, write, done=lambda p: (p / "model.safetensors").is_file())
     return folder
+
+
+def voiced_clip(out: str | Path, seconds: float = 3.0) -> Path:
+    """A WAV file (16 kHz mono, 16-bit) of voiced tones with a syllable rhythm: a stand-in for speech that needs no
+    tool (with ``demo-whisper``, any sound gives the same transcript)."""
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * 16000)) / 16000.0
+    voice = sum(np.sin(2 * np.pi * f * t) / k for k, f in enumerate((140.0, 280.0, 420.0, 700.0, 1100.0), 1))
+    x = 0.1 * voice * 0.5 * (1 + np.sin(2 * np.pi * 3.0 * t))
+    out = Path(out)
+    with wave.open(str(out), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``python -m octo.synth.whisper OUT.wav [TEXT]``: a clip to transcribe, TEXT spoken by espeak-ng when it is
+    installed, else voiced tones (:func:`voiced_clip`)."""
+    import shutil
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__)
+        return 0 if argv else 2
+    out, text = argv[0], " ".join(argv[1:]) or "The old lighthouse stood at the edge of the harbor."
+    if shutil.which("espeak-ng"):
+        speech(text, out)
+        print(f"{out}: '{text}' spoken by espeak-ng")
+    else:
+        voiced_clip(out)
+        print(f"{out}: 3 seconds of voiced tones (espeak-ng is not installed to speak '{text}')")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

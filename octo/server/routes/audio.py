@@ -8,6 +8,8 @@ Uploads are decoded by ffmpeg in an asyncio subprocess, fed through stdin and re
 event loop never blocks and no file is written, except for MP4-family containers (m4a, mp4, mov), whose
 index may sit at the end and needs seeking: those go through a private temporary file that is deleted
 in ``finally``, whatever happens. Decoding stops as soon as the audio exceeds ``--max-audio-seconds``.
+Without ffmpeg on the server, WAV uploads are decoded by octo itself (``octo.server.wav``) and any other format is a
+415 that names ffmpeg.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from octo.engine import Transcription, TranscriptionRequest
 from octo.errors import (
-    EngineError,
     InvalidRequest,
     PayloadTooLarge,
     UnsupportedMediaType,
@@ -226,8 +227,8 @@ async def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
     """Mono float32 samples at 16 kHz of any format ffmpeg reads; 400 for non-audio or too long audio."""
     import numpy as np
     ffmpeg = shutil.which("ffmpeg")
-    if ffmpeg is None:
-        raise EngineError("ffmpeg is not installed on the server; it is needed to decode audio uploads.")
+    if ffmpeg is None:  # WAV is read without it (octo.server.wav); other formats need it
+        return await _without_ffmpeg(data, max_seconds)
     tmp_path = None
     proc = None
     try:
@@ -267,6 +268,21 @@ async def decode_audio(data: bytes, *, max_seconds: float) -> np.ndarray:
     if len(pcm) < 2:
         raise InvalidRequest("The file contains no audio samples.", param="file")
     return np.frombuffer(pcm[: len(pcm) // 2 * 2], np.int16).astype(np.float32) / 32768.0
+
+
+async def _without_ffmpeg(data: bytes, max_seconds: float) -> np.ndarray:
+    """A WAV upload decoded by octo itself; any other format is a 415 that names ffmpeg."""
+    from octo.server.wav import NotWav, decode_wav, is_riff_wave
+
+    why = "this file is not a WAV file"
+    if is_riff_wave(data):
+        try:
+            return await asyncio.to_thread(decode_wav, data, max_seconds=max_seconds, rate_out=SAMPLE_RATE)
+        except NotWav as exc:
+            why = f"this file is {exc}"
+    raise UnsupportedMediaType(f"ffmpeg is not installed on the server, so it decodes only WAV uploads (PCM or float) "
+                               f"and {why}. Send WAV, or install ffmpeg on the server (Debian/Ubuntu: apt-get install "
+                               "ffmpeg) to decode mp3, m4a, ogg, flac, webm and the rest.", param="file")
 
 
 def _ffmpeg_argv(ffmpeg: str, source: str) -> list[str]:
