@@ -3,8 +3,14 @@
 One row per response: its id, creation time, model, the response object as served, the conversation it ends (the
 chat messages of its input, its instructions excluded as OpenAI does, followed by its output), which a later request
 with ``previous_response_id`` continues, and its size. SQLite with write-ahead logging and synchronous commits: a
-crash at any point leaves either the whole row or nothing. Every call runs on the store's own thread (one
-connection), so the event loop never waits for the disk: ``await store.get(id)``.
+crash at any point leaves either the whole row or nothing. Every call runs on the store's own thread, so the event
+loop never waits for the disk: ``await store.get(id)``.
+
+- **No shared memory**: every connection sets ``locking_mode=EXCLUSIVE`` before it touches the file, so SQLite keeps
+  the WAL index in the process's own memory and never maps a ``-shm`` file (a truncated or immutable ``-shm`` left
+  by an older octo cannot bring the process down with SIGBUS; one found at start is removed, with a log line). A
+  connection lives for one operation: another octo sharing ``OCTO_HOME`` waits for it (``BUSY_S``) instead of
+  finding the store locked for as long as a server runs; closing it checkpoints and removes the ``-wal``.
 
 - **Checked at start** (:meth:`open`): ``PRAGMA quick_check``, then a write. A file that is not a database, or a
   damaged one (pages of garbage, truncated), is moved to ``quarantine/`` beside it (with its ``-wal`` and ``-shm``
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +37,7 @@ from typing import Any
 
 from octo import quarantine
 from octo.errors import OctoError
+from octo.logsafe import quoted
 from octo.paths import octo_home
 
 log = logging.getLogger("octo.serving.response_store")
@@ -37,6 +45,7 @@ log = logging.getLogger("octo.serving.response_store")
 DEFAULT_TTL_S = 30 * 86400
 DEFAULT_MAX_BYTES = 1 << 30
 RETRY_S = 5.0  # an unavailable store is tried again at most this often
+BUSY_S = 5.0  # another process's operation on the store is waited for this long
 PRUNE_S = 60.0  # expired rows are deleted at most this often (reads ignore them at once)
 
 SCHEMA = """
@@ -149,29 +158,44 @@ class ResponseStore:
             except Damaged as exc:
                 self._set_aside(str(exc))
                 self._db = self._connect()
+            self._prune(force=True)
         except (Damaged, sqlite3.Error, OSError) as exc:
+            self._close()
             self.status, self.reason = "unavailable", f"{type(exc).__name__}: {exc}"
             log.warning("responses store %s is unavailable (%s); store: true requests get 503 store_unavailable",
-                        self.path, self.reason)
+                        quoted(self.path), self.reason)
             return
         self.status, self.reason = "ok", None
-        self._prune(force=True)
+        self._close()  # (each operation opens its own: :meth:`_session`)
+
+    def _session(self) -> sqlite3.Connection:
+        """A connection for one operation, holding the file exclusively until it closes: no ``-shm`` is ever mapped."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_S)
+        try:
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")  # before the first access of the file
+            db.execute("PRAGMA synchronous=FULL")
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     def _connect(self) -> sqlite3.Connection:
         """A checked, writable connection; :class:`Damaged` when the file is not a sound database."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db = None
         try:
-            try:
-                row = db.execute("PRAGMA quick_check").fetchone()
-            except sqlite3.DatabaseError as exc:
-                if is_damage(exc):
-                    raise Damaged(f"not a sound SQLite database ({exc})") from None
-                raise
+            db = self._session()
+            row = db.execute("PRAGMA quick_check").fetchone()
+        except sqlite3.DatabaseError as exc:
+            if db is not None:
+                db.close()
+            if is_damage(exc):
+                raise Damaged(f"not a sound SQLite database ({exc})") from None
+            raise
+        try:
             if row is None or row[0] != "ok":
                 raise Damaged(f"PRAGMA quick_check found damage ({row[0] if row else 'no answer'})")
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
             db.execute(SCHEMA)
             if "size" not in {r[1] for r in db.execute("PRAGMA table_info(responses)")}:  # a store of an earlier octo
                 db.execute("ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
@@ -183,7 +207,20 @@ class ResponseStore:
         except BaseException:
             db.close()
             raise
+        self._drop_shm()
         return db
+
+    def _drop_shm(self) -> None:
+        """A ``-shm`` beside the store is an older octo's (this one holds the file exclusively and maps none): removed,
+        or named in the log when it cannot be (an immutable file); it is never read either way."""
+        shm = self.path.with_name(self.path.name + "-shm")
+        if not os.path.lexists(shm):
+            return
+        try:
+            shm.unlink()
+            log.info("responses store: removed %s, left by an octo that kept shared memory", quoted(shm))
+        except OSError as exc:
+            log.warning("responses store: %s cannot be removed (%s); it is not used", quoted(shm), exc)
 
     def _set_aside(self, why: str) -> None:
         self._close()
@@ -198,7 +235,7 @@ class ResponseStore:
     def _usable(self) -> bool:
         if self.status != "ok" and time.monotonic() - self._tried >= RETRY_S:
             self._open()
-        return self.status == "ok" and self._db is not None
+        return self.status == "ok"
 
     def _op(self, fn: Any, *args: Any) -> Any:
         """``fn(db, *args)``, with the store's failures as :class:`StoreUnavailable` (a damaged file set aside and
@@ -206,6 +243,7 @@ class ResponseStore:
         if not self._usable():
             raise self.unavailable()
         try:
+            self._db = self._session()
             return fn(self._db, *args)
         except sqlite3.Error as exc:
             if is_damage(exc):
@@ -217,8 +255,10 @@ class ResponseStore:
             self.status, self.reason = "unavailable", f"{type(exc).__name__}: {exc}"
             self._tried = time.monotonic()  # (a disk that is full: not tried again by the very next request)
             self._close()
-            log.warning("responses store %s: %s", self.path, self.reason)
+            log.warning("responses store %s: %s", quoted(self.path), self.reason)
             raise self.unavailable() from None
+        finally:
+            self._close()
 
     # -- on the store thread: rows --------------------------------------------------------------------------------
     def _put(self, db: sqlite3.Connection, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
