@@ -103,6 +103,48 @@ def test_options_are_honoured_or_ignored_with_one_warning(client, echo_server):
     assert status == 400 and msg == 'option "temperature" must be of type float32'  # Ollama's words
 
 
+def _echo_prompt_tokens(server, messages: list[dict]) -> int:
+    """The tokens of ``messages`` as the echo engine's chat template renders them (counted by the model's tokenizer)."""
+    text = "\n".join(f"<|{m['role']}|> {m['content']} <|end|>" for m in messages) + "\n<|assistant|>"
+    status, body = server.post_json("/tokenize", {"model": MODEL, "content": text})
+    assert status == 200
+    return body["count"]
+
+
+def long_conversation(turns: int, words: int) -> list[dict]:
+    convo = [{"role": "system", "content": "you are terse"}]
+    for i in range(turns):
+        convo += [{"role": "user", "content": f"question {i} " + "filler " * words},
+                  {"role": "assistant", "content": f"answer {i} " + "more " * words}]
+    return [*convo, {"role": "user", "content": "the latest question"}]
+
+
+def test_a_conversation_longer_than_the_context_is_truncated_as_ollama_does(client, echo_server):
+    convo = long_conversation(12, 20)
+    assert _echo_prompt_tokens(echo_server, convo) > 200
+    r = client.chat(model=MODEL, messages=convo, options={"num_ctx": 200})
+    assert r.message.content == "the latest question" and r.done_reason == "stop"
+    # the system message and the latest turns that fit (Ollama's chatPrompt): one start after another
+    kept = next(k for k in range(1, len(convo))
+                if _echo_prompt_tokens(echo_server, [convo[0], *convo[k:]]) <= 200)
+    assert r.prompt_eval_count == _echo_prompt_tokens(echo_server, [convo[0], *convo[kept:]])
+    g = client.generate(model=MODEL, prompt="tail words " * 300, options={"num_ctx": 100, "num_keep": 3})
+    assert g.prompt_eval_count <= 100 and g.done  # one message longer than the context: cut as Ollama's runner
+    # (the Python client has no truncate or shift argument: the API's own JSON)
+    status, body = echo_server.post_json("/api/chat", {"model": MODEL, "messages": convo, "stream": False,
+                                                       "options": {"num_ctx": 200}, "truncate": False})
+    assert status == 400 and "exceeds the context length" in body["error"]
+    status, body = echo_server.post_json("/api/generate", {"model": MODEL, "prompt": "x " * 300, "stream": False,
+                                                           "options": {"num_ctx": 100}, "shift": False})
+    assert status == 400 and "longer than the context length" in body["error"]
+    # past the loaded context (echo: 8192 tokens): /api/chat truncates, the OpenAI route keeps OpenAI's 400
+    huge = long_conversation(30, 150)
+    assert client.chat(model=MODEL, messages=huge).message.content == "the latest question"
+    with pytest.raises(Exception) as e:
+        echo_server.openai().chat.completions.create(model=MODEL, messages=huge)
+    assert e.value.status_code == 400 and e.value.body["code"] == "context_length_exceeded"
+
+
 def test_errors_in_ollamas_shape(client, echo_server):
     status, msg = error_of(client.chat, model="no-such-model-here", messages=user("x"))
     assert status == 404 and "no-such-model-here" in msg
@@ -380,14 +422,20 @@ const parts = [];
 for await (const part of await client.chat({{ model: "{MODEL}", stream: true,
     messages: [{{ role: "user", content: "hello from node" }}] }})) parts.push(part);
 const tags = await client.list();
+// options saved on a model in Open WebUI, and a conversation longer than num_ctx: served, truncated
+const saved = await client.chat({{ model: "{MODEL}", messages: {json.dumps(long_conversation(12, 20))},
+    options: {{ num_thread: 4, num_batch: 256, use_mmap: true, num_keep: 5, repeat_last_n: 32, mirostat: 2,
+                num_ctx: 200 }} }});
 console.log(JSON.stringify({{ text: parts.map(p => p.message.content).join(""), last: parts[parts.length - 1],
-                              names: tags.models.map(m => m.name) }}));
+                              names: tags.models.map(m => m.name), saved: saved.message.content,
+                              savedCount: saved.prompt_eval_count }}));
 """)
     out = subprocess.run([node, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["text"] == "hello from node" and got["last"]["done"] is True and got["last"]["eval_count"] == 3
     assert f"{MODEL}:latest" in got["names"]
+    assert got["saved"] == "the latest question" and got["savedCount"] <= 200
 
 
 def test_langchain_ollama(echo_server):
@@ -400,6 +448,12 @@ def test_langchain_ollama(echo_server):
     assert msg.tool_calls[0]["args"] == {"city": "Paris"}
     vectors = lc.OllamaEmbeddings(model=MODEL, base_url=echo_server.base_url).embed_documents(["a", "b"])
     assert len(vectors) == 2 and len(vectors[0]) == 64
+    # the options a user sets on ChatOllama (what Open WebUI saves on a model): served, the long history truncated
+    tuned = lc.ChatOllama(model=MODEL, base_url=echo_server.base_url, num_thread=4, num_gpu=1, mirostat=2,
+                          mirostat_tau=5.0, repeat_last_n=32, repeat_penalty=1.1, tfs_z=0.9, num_ctx=200)
+    said = tuned.invoke([(m["role"].replace("user", "human").replace("assistant", "ai"), m["content"])
+                         for m in long_conversation(12, 20)])
+    assert said.content == "the latest question" and said.usage_metadata["input_tokens"] <= 200
 
 
 def test_logprobs(client):
