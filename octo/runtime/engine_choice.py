@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from octo.atomic import write_json
 from octo.paths import bench_dir
+from octo.quarantine import move_aside, read_json
 
+log = logging.getLogger("octo.runtime.engine_choice")
 MARGIN = 1.10
 
 
@@ -25,11 +28,12 @@ def winner_file(keys: dict[str, dict[str, Any]]) -> Path:
 
 def incumbent(keys: dict[str, dict[str, Any]]) -> str | None:
     """The engine an earlier start chose for these candidates on an undisturbed measurement (None: none yet)."""
-    try:
-        name = json.loads(winner_file(keys).read_text()).get("engine")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return name if name in keys else None
+    path = winner_file(keys)
+    data = read_json(path, log, max_bytes=64 << 10, what="engine choice cache")
+    name = data.get("engine") if isinstance(data, dict) else None
+    if data is not None and not isinstance(name, str):
+        move_aside(path, "not an engine choice of this octo's shape", log, what="engine choice cache")
+    return name if isinstance(name, str) and name in keys else None
 
 
 def measured_quietly(res: dict[str, Any]) -> bool:

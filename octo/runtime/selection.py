@@ -39,6 +39,7 @@ from typing import Any
 from octo.atomic import sweep, write_json
 from octo.engine import Engine
 from octo.paths import bench_dir
+from octo.quarantine import move_aside, read_json
 from octo.runtime import engine_choice as choice
 from octo.runtime.benchmark import BATCH
 
@@ -110,11 +111,29 @@ def _cache_file(key: dict[str, Any]) -> Path:
 
 
 def cached_result(key: dict[str, Any]) -> dict[str, Any] | None:
-    try:
-        data = json.loads(_cache_file(key).read_text())
-    except (OSError, ValueError):
+    """The cached result for ``key``; None when there is none, or (the file set aside with a log line) when it is not
+    a regular file of JSON holding a result of the shape this octo writes: a damaged cache is measured again."""
+    path = _cache_file(key)
+    data = read_json(path, log, what="benchmark cache")
+    if data is None:
         return None
-    return data.get("result") if isinstance(data, dict) and data.get("key") == key else None
+    if not isinstance(data, dict) or data.get("key") != key or not sound_result(data.get("result")):
+        move_aside(path, "not a benchmark result of this octo's shape", log, what="benchmark cache")
+        return None
+    return data["result"]
+
+
+def sound_result(result: Any) -> bool:
+    """Whether ``result`` has the shape :func:`store_result` writes (numbers where numbers are read)."""
+    def number(v: Any, none: bool = True) -> bool:
+        return (v is None and none) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    if not isinstance(result, dict) or not number(result.get("score"), none=False):
+        return False
+    cond = result.get("conditions", {})
+    return all(number(result.get(k)) for k in ("prefill_tok_s", "decode_tok_s", "batch_decode_tok_s", "seconds")) \
+        and isinstance(result.get("error") or "", str) and isinstance(cond, dict) \
+        and number(cond.get("budget_s")) and (result.get("threads") is None or number(result.get("threads")))
 
 
 def distrust(result: dict[str, Any], seconds: float) -> str | None:
