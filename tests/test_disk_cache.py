@@ -123,6 +123,30 @@ def test_hostile_files_are_each_set_aside_with_a_line_naming_them(tmp_path, capl
     assert (tmp_path / "outside-secret.kv").exists()  # the link was moved, not what it points to
 
 
+def test_a_payload_over_the_budget_is_never_allocated(tmp_path, caplog):
+    """A header may claim any payload size, and a sparse file may even have it: over the cache's budget the file is
+    set aside at the scan, before a byte of its payload is read (a read of it would allocate that much)."""
+    d = make(tmp_path, budget=1 << 20)
+    d.save(tuple(range(60)), b"p" * (2 << 20))  # an entry over the budget is not even written
+    d.flush()
+    d.close()
+    raw = struct.pack("<40i", *range(40))
+    for name, claimed in (("sparse.kv", 1 << 40), ("over.kv", 2 << 20)):
+        header = json.dumps({"key": KEY, "n_tokens": 40, "payload_bytes": claimed, "tokens_crc": zlib.crc32(raw),
+                             "payload_check": "crc32:00000000"}).encode()
+        head = MAGIC + struct.pack("<I", len(header)) + header + raw
+        with open(d.dir / name, "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + claimed)  # the size the header says: sparse, no disk used
+    with caplog.at_level(logging.WARNING, logger="octo.scheduler.disk_cache"):
+        d = make(tmp_path, budget=1 << 20)
+    assert d.stats()["entries"] == 0 and d.stats()["ignored"] == 2
+    for name, claimed in (("sparse.kv", 1 << 40), ("over.kv", 2 << 20)):
+        line = [x for x in caplog.text.splitlines() if f"/{name}:" in x]
+        assert len(line) == 1 and f"{claimed} payload bytes" in line[0] and "quarantine" in line[0], line
+    assert d.lookup(list(range(60)), 60) == (None, 0)
+
+
 def test_a_payload_that_does_not_match_its_checksum_is_a_miss(tmp_path, caplog):
     d = make(tmp_path)
     tokens = tuple(range(100, 160))

@@ -53,6 +53,7 @@ OLD_MAGICS = (b"OCTOKV01",)  # earlier formats: a clean miss (the file is remove
 SUFFIX = ".kv"
 MAX_HEADER = 4096  # bytes of header JSON: a flat object of five short fields
 MAX_TOKENS = 1 << 24  # a prefix longer than any context
+MAX_PAYLOAD = 1 << 36  # bytes of KV in one entry, whatever the budget (and never more than the cache's budget)
 HEADER_FIELDS = {"key": str, "n_tokens": int, "payload_bytes": int, "tokens_crc": int, "payload_check": str}
 QUARANTINE_KEEP = 8
 
@@ -108,9 +109,9 @@ def open_regular(path: Path) -> Iterator[IO[bytes]]:
         yield f
 
 
-def parse_header(raw: bytes, key: str) -> dict[str, Any]:
+def parse_header(raw: bytes, key: str, max_payload: int = MAX_PAYLOAD) -> dict[str, Any]:
     """The header of an entry, checked: a flat JSON object (no nesting: bounded depth) of the known fields, with
-    this cache's key and sizes in range."""
+    this cache's key and sizes in range (a payload of at most ``max_payload`` bytes: the cache's budget)."""
     if raw.count(b"{") != 1 or b"[" in raw:
         raise BadFile("its header is not a flat JSON object")
     header = json.loads(raw)
@@ -121,14 +122,16 @@ def parse_header(raw: bytes, key: str) -> dict[str, Any]:
             raise BadFile(f"its header's {name} is not a{'n int' if kind is int else ' string'}")
     if header["key"] != key:
         raise BadFile("written for another model, engine or configuration")
-    if not 0 < header["n_tokens"] <= MAX_TOKENS or header["payload_bytes"] < 0:
+    if not 0 < header["n_tokens"] <= MAX_TOKENS or not 0 <= header["payload_bytes"] <= min(max_payload, MAX_PAYLOAD):
         raise BadFile(f"its header claims {header['n_tokens']} tokens and {header['payload_bytes']} payload bytes")
     return header
 
 
-def read_entry(f: IO[bytes], path: Path, key: str, payload: bool) -> tuple[Entry, bytes | None]:
-    """Read and check an entry from ``f``: sizes against the file's (before anything is allocated), the token list's
-    CRC, and with ``payload`` the payload's checksum. Raises :class:`BadFile` (or :class:`OldFormat`)."""
+def read_entry(f: IO[bytes], path: Path, key: str, payload: bool,
+               max_payload: int = MAX_PAYLOAD) -> tuple[Entry, bytes | None]:
+    """Read and check an entry from ``f``: sizes against the file's and ``max_payload`` (before anything is
+    allocated), the token list's CRC, and with ``payload`` the payload's checksum. Raises :class:`BadFile` (or
+    :class:`OldFormat`)."""
     import numpy as np
     size = os.fstat(f.fileno()).st_size
     head = f.read(len(MAGIC) + 4)
@@ -139,7 +142,7 @@ def read_entry(f: IO[bytes], path: Path, key: str, payload: bool) -> tuple[Entry
     (n,) = struct.unpack("<I", head[len(MAGIC):])
     if n > MAX_HEADER or len(MAGIC) + 4 + n > size:
         raise BadFile(f"bad header length ({n} bytes)")
-    header = parse_header(f.read(n), key)
+    header = parse_header(f.read(n), key, max_payload)
     n_tokens, n_payload = header["n_tokens"], header["payload_bytes"]
     offset = len(MAGIC) + 4 + n + 4 * n_tokens
     if size != offset + n_payload:
@@ -210,7 +213,7 @@ class DiskPrefixCache:
         """The entry of one file, or None (the file set aside with a log line): any failure concerns this file only."""
         try:
             with open_regular(path) as f:
-                entry, _ = read_entry(f, path, self.key, payload=False)
+                entry, _ = read_entry(f, path, self.key, payload=False, max_payload=self.budget)
             return entry
         except OldFormat as exc:
             self.ignored += 1
@@ -248,7 +251,7 @@ class DiskPrefixCache:
         import numpy as np
         try:
             with open_regular(entry.path) as f:
-                again, data = read_entry(f, entry.path, self.key, payload=True)
+                again, data = read_entry(f, entry.path, self.key, payload=True, max_payload=self.budget)
             if again.payload_offset != entry.payload_offset or not np.array_equal(again.tokens, entry.tokens):
                 raise BadFile("changed since it was indexed")
             os.utime(entry.path, follow_symlinks=False)
@@ -284,8 +287,10 @@ class DiskPrefixCache:
         return covered < n_prompt - self.min_gain
 
     def save(self, tokens: tuple[int, ...], payload: bytes) -> None:
-        """Write an entry in the background."""
+        """Write an entry in the background (not one over the whole budget: it could never be read back)."""
         import numpy as np
+        if len(payload) > self.budget:
+            return
         self._writer.submit(self._write, np.asarray(tokens, dtype=np.int32), payload)
 
     def _write(self, tokens: np.ndarray, payload: bytes) -> None:
