@@ -157,7 +157,13 @@ def test_a_pull_takes_catalog_names_and_nothing_else_by_default(hub, env, plugin
 
 def test_hugging_face_ids_are_the_operators_opt_in_within_a_size_cap(hub, env, plugins, tmp_path):
     opt_in = {**env, "OCTO_ALLOW_PULL_HF": "1", "OCTO_MAX_PULL_GB": "0.001"}  # 1 MB, through the variables
-    with run_octo("--plugins-dir", plugins, env=opt_in) as s:
+    work = tmp_path / "work"
+    (work / "org").mkdir(parents=True)
+    (work / "org" / "local.gguf").write_bytes(SMALL)  # shaped like a Hugging Face id: a repository, never this file
+    with run_octo("--plugins-dir", plugins, env=opt_in, cwd=work) as s:
+        status, body = pull(s, "org/local.gguf")
+        assert status == 404 and "not found" in body["error"], body
+        assert [r for r in hub.requests if "local.gguf" in r[1]]  # asked of the hub (opted in), not the folder
         status, body = pull(s, "org/Small-GGUF")
         assert status == 200, body
         assert cached(tmp_path / "hf", "org/Small-GGUF") and "org/Small-GGUF" in record(tmp_path / "octo")

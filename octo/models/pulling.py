@@ -103,7 +103,8 @@ def plan(name: str, engines: dict[str, Any], allow_hf: bool, unknown: Callable[[
         raise PullRefused(f"This server pulls catalog models only (`octo models`); pulling the Hugging Face id "
                           f"'{name}' needs the operator's --allow-pull-hf.", param="model")
     formats = {n: c.formats for n, c in engines.items()}
-    resolved = load_catalog().resolve(name, formats, bare_paths=False)
+    spec = f"hf://{name}" if hub_id and not name.startswith("hf://") else name  # (org/x.gguf: a repository, no file)
+    resolved = load_catalog().resolve(spec, formats, bare_paths=False)
     usable = [e for e in resolved.artifacts if e in engines and engines[e].detect().available]
     if not usable:
         raise ModelNotFound(f"no engine usable here has an artifact for '{resolved.name}'", param="model")
