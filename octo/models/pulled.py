@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from octo import atomic, quarantine
+from octo.logsafe import quoted
 from octo.paths import octo_home
 
 log = logging.getLogger("octo.models.pulled")
@@ -128,7 +129,7 @@ def delete_files(pull: Pull) -> list[str]:
     for name in pull.files:
         path = Path(name)
         if not inside(path, roots):
-            log.warning("record of pulls: not deleting %r: outside the folders octo downloads into", name)
+            log.warning("record of pulls: not deleting %s: outside the folders octo downloads into", quoted(name))
             continue
         try:
             blob = _blob_of(path, roots[0])
@@ -138,7 +139,7 @@ def delete_files(pull: Pull) -> list[str]:
                 if not _linked(blob, blob.parent.parent / "snapshots"):
                     blob.unlink(missing_ok=True)
         except OSError as exc:
-            log.warning("deleting %r failed: %s", name, exc)
+            log.warning("deleting %s failed: %s", quoted(name), exc)
             failed.append(name)
             continue
         _prune_empty(path.parent, roots)
