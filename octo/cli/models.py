@@ -177,4 +177,9 @@ def pull(model: str, engines: tuple[str, ...], refresh: bool, quiet: bool) -> No
                 note = " (same artifact)"
             click.echo(f"{resolved.name} [{engine}] {artifact.uri} -> {done[key]}{note}")
     except OctoError as exc:
+        if getattr(exc, "cannot_download", None):  # offline, or the hub is unreachable: not "run octo pull" (this)
+            raise click.ClickException(
+                f"cannot download {exc.artifact.uri} (engine {exc.artifact.engine}): {exc.cannot_download}. "
+                + ("Unset HF_HUB_OFFLINE to allow downloads." if "HF_HUB_OFFLINE" in exc.cannot_download
+                   else "Check the network connection (or HF_ENDPOINT, a proxy) and try again.")) from None
         raise click.ClickException(exc.message) from None

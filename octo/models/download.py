@@ -83,11 +83,13 @@ def pull_command(artifact: Artifact) -> str:
 
 
 def _not_here(artifact: Artifact, why: str) -> ArtifactNotDownloaded:
-    return ArtifactNotDownloaded(
+    exc = ArtifactNotDownloaded(
         f"{artifact.uri} (engine {artifact.engine}) is not downloaded and {why}. "
         f"Download it first, with network access: {pull_command(artifact)}",
         param="model",
     )
+    exc.cannot_download, exc.artifact = why, artifact  # for callers that say it their own way (octo pull, a start)
+    return exc
 
 
 # -- public API ------------------------------------------------------------------------------------

@@ -211,7 +211,7 @@ def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engin
     if not local and need_local:
         first = next(iter(candidates.values()))
         raise ArtifactNotDownloaded(f"Model '{resolved.name}' is not downloaded here, and requests never start "
-                                    f"a download. Download it first: {pull_command(first)}", param="model")
+                                    f"a download. Download it first: {pull_command(first)}.", param="model")
     sizes = [model_bytes(path) for path in map(local_path, local.values()) if path is not None]
     return resolved.name, tuple(resolved.aliases), resolved.task, max(sizes, default=0)
 
@@ -268,7 +268,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         await cand.open(None)
         handle = cand.handle((), selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
-    from octo.models.download import fetch
+    from octo.models.download import ArtifactNotDownloaded, fetch
     from octo.models.resolve import resolve
 
     formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
@@ -283,8 +283,12 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         handle = cand.handle(tuple(resolved.aliases),
                              selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
-    paths, failed = await _fetch_all(resolved.name, candidates, offline, say)
+    paths, failed, whys = await _fetch_all(resolved.name, candidates, offline, say)
     if not paths:
+        if len(set(whys.values())) == 1 and None not in whys.values():  # not here, for one reason (offline...)
+            raise ArtifactNotDownloaded(f"'{resolved.name}' is not downloaded here and {next(iter(whys.values()))}. "
+                                        f"Download it first, with network access: octo pull {resolved.name}",
+                                        param="model")
         raise ConfigError(f"No engine could get an artifact for '{resolved.name}': "
                           + "; ".join(f"{n}: {e}" for n, e in failed.items()))
     configs = options_per_engine({n: registry[n] for n in paths}, config, resolved.name, say)
@@ -367,19 +371,24 @@ def options_per_engine(classes: dict[str, type[Engine]], config: ServerConfig, m
 
 
 async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,
-                     say: Callable[[str], None]) -> tuple[dict[str, str], dict[str, str]]:
-    """Each candidate engine's artifact, here (downloaded unless ``offline``): the paths, and why the others failed."""
+                     say: Callable[[str], None]) -> tuple[dict[str, str], dict[str, str], dict[str, str | None]]:
+    """Each candidate engine's artifact, here (downloaded unless ``offline``): the paths, why the others failed, and
+    for those not downloaded the reason a download cannot happen now (offline...; None for other failures). The
+    failures are said only when another engine has its artifact: when none has, the caller says it once."""
     from octo.models.download import fetch
 
-    paths, failed = {}, {}
+    paths, failed, whys = {}, {}, {}
     for engine, artifact in candidates.items():
         say(f"octo: {quoted(name, bare=True)}: {engine} artifact {quoted(artifact.uri, bare=True)}")
         try:
             paths[engine] = str(await asyncio.to_thread(fetch, artifact, offline=offline))
         except Exception as exc:  # noqa: BLE001 - one unavailable artifact must not stop the others
             failed[engine] = f"artifact unavailable: {getattr(exc, 'message', None) or exc}"
-            say(f"octo: {engine}: {failed[engine]}")
-    return paths, failed
+            whys[engine] = getattr(exc, "cannot_download", None)
+    if paths:
+        for engine, why in failed.items():
+            say(f"octo: {engine}: {why}")
+    return paths, failed, whys
 
 
 def _rows(lazy: bool, *args: Any, **kw: Any) -> Any:

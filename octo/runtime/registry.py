@@ -127,17 +127,37 @@ class Registry(RoomMixin):
         self.loads = 0
         self.unloads = 0
         self.cluster: Any = None  # octo.cluster.deploy.Cluster with --cluster: models load as Ray Serve deployments
+        self.starting = False  # start() runs: it reports the failed loads itself
 
     # -- start-up and shutdown -----------------------------------------------------------------------------
     async def start(self, specs: list[ModelSpec]) -> None:
-        """Load the models named at start-up, in order (a failure stops the start with its reason). The keep-alive
-        sweeper starts with the app (``activate_all``)."""
-        for spec in specs:
-            slot = await self._slot_for(spec.model, spec)
-            try:
-                await self._load(slot)
-            except ModelFailed as exc:  # the start stops here: nothing is tried again later
-                raise ModelFailed(getattr(exc, "why", exc.message), param="model") from None
+        """Load the models named at start-up, in order. One that cannot load (not downloaded, offline, no engine...)
+        is reported once with its own reason and the others serve, as Ollama serves what it has; when none loads, the
+        start stops with every model's reason. The keep-alive sweeper starts with the app (``activate_all``)."""
+        problems: list[tuple[str, str, str]] = []  # (model, the whole reason, its cause)
+        self.starting = True
+        try:
+            for spec in specs:
+                slot = None
+                try:
+                    slot = await self._slot_for(spec.model, spec)
+                    await self._load(slot)
+                except OctoError as exc:
+                    if slot is not None:  # not served: a request for it is answered as for any model not named
+                        self._drop(slot)
+                    problems.append((spec.model, getattr(exc, "why", exc.message), getattr(exc, "cause", exc.message)))
+        finally:
+            self.starting = False
+        if problems and len(problems) == len(specs):  # nothing to serve: the start stops, every reason said once
+            raise ModelFailed(problems[0][1] if len(problems) == 1 else "no model named could be served:\n"
+                              + "\n".join(f"  - '{model}': {cause}" for model, _, cause in problems), param="model")
+        for model, _, cause in problems:
+            self.say(f"octo: not serving '{quoted(model, bare=True)}': {cause}")
+
+    def _drop(self, slot: Slot) -> None:
+        """Forget a model that failed to load at start-up (it has no handle)."""
+        self.slots.remove(slot)
+        self._by_name = {n: s for n, s in self._by_name.items() if s is not slot}
 
     def adopt(self, handle: Any, rows: list[dict[str, Any]] | None = None, spec: ModelSpec | None = None) -> Slot:
         """Add a model that is already loaded (its handle not yet activated: ``activate_all`` does that)."""
@@ -295,6 +315,8 @@ class Registry(RoomMixin):
             name, aliases, task, nbytes = await asyncio.to_thread(resolve_local, model, spec.engine, self.engines,
                                                                   not spec.declared, self.config.isolation)
         except ModelNotFound as exc:
+            if spec.declared:  # named at start: no server answers yet, so no "servable here" list
+                raise
             servable = ", ".join(s.name for s in self.slots) or "none loaded"
             raise ModelNotFound(f"{exc.message} Servable here: {servable}.", param="model",
                                 code=exc.code) from None
@@ -452,7 +474,9 @@ class Registry(RoomMixin):
                 slot.error = ModelFailed(f"{why} It is tried again in {delay:g} s, or now with POST "
                                          f"/v1/models/{slot.name}/load.", param="model", headers=retry_after(delay))
                 slot.error.why = why
-            log.error("loading '%s' failed: %s", quoted(slot.name, bare=True), quoted(cause.message))
+            slot.error.cause = cause.message
+            if not self.starting:  # (at start-up, start() says it once, with the other models' problems)
+                log.error("loading '%s' failed: %s", quoted(slot.name, bare=True), quoted(cause.message))
             raise slot.error from None
         finally:
             slot.loading = None
