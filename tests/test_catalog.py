@@ -61,7 +61,7 @@ def test_packaged_catalog_has_the_required_models(catalog):
                 assert kind in ("hf", "url", "synth"), (entry.id, engine, art.uri)
                 if kind == "hf":
                     parse_hf(art.uri)  # well formed
-                if engine == "whisper":  # OpenAI's checkpoints carry their SHA-256 in the URL
+                if engine == "whisper" and kind != "synth":  # OpenAI's checkpoints carry their SHA-256 in the URL
                     assert art.uri.startswith("https://openaipublic.azureedge.net/main/whisper/models/")
 
 
@@ -113,9 +113,12 @@ def test_unknown_variant_lists_the_known_ones_and_never_falls_back(catalog):
     with pytest.raises(ModelNotFound) as err:
         catalog.resolve("qwen-2.5-0.5b:3bit", F)
     assert err.value.status == 404
-    assert "3bit" in err.value.message and "4bit, 8bit, fp16" in err.value.message
+    assert "3bit" in err.value.message and "known variants: 4bit (the default), 8bit, fp16." in err.value.message
     with pytest.raises(ModelNotFound, match="known variants: fp16"):
         catalog.resolve("whisper-tiny:4bit", F)
+    with pytest.raises(ModelNotFound) as err:  # no "(default: default)"
+        catalog.resolve("demo:8bit", F)
+    assert err.value.message == "Model 'demo' has no variant '8bit'; known variants: default."
 
 
 def test_unknown_model_suggests_the_closest_names(catalog):
@@ -179,8 +182,9 @@ def test_unsupported_or_missing_paths_say_what_was_expected(catalog, tmp_path):
         catalog.resolve(str(text), F)
     assert err.value.status == 404
     fake = tmp_path / "fake.gguf"
-    fake.write_bytes(b"not a gguf")
-    with pytest.raises(ModelNotFound, match="expected a .gguf file"):
+    fake.write_bytes(b"not a gguf")  # named .gguf: what is wrong is the file, not its kind
+    with pytest.raises(ModelNotFound, match=r"fake.gguf' is named .gguf but is not a GGUF file \(it does not start "
+                                            r"with GGUF's magic bytes\): a damaged or partial download"):
         catalog.resolve(str(fake), F)
     with pytest.raises(ModelNotFound, match="not a supported model folder"):
         catalog.resolve(str(tmp_path), F)
@@ -358,9 +362,15 @@ def test_octo_models_lists_catalog_and_engines(monkeypatch, tmp_path):
             "echo": EngineState(frozenset({"any"}), True, ""),
         },
     )
+    monkeypatch.setenv("COLUMNS", "200")
     out = CliRunner().invoke(models, []).output
-    assert "gemma-4b" in out and "4bit*" in out and "google/gemma-3-4b-it" in out
-    assert "mlx        not usable: mlx is not installed" in out
+    gemma = next(line for line in out.splitlines() if line.startswith("gemma-4b "))
+    assert "4bit*" in gemma and "llamacpp, (mlx)" in gemma  # (brackets): not usable here
+    assert gemma.rstrip().endswith("gemma-3-4b (+3)"), gemma  # the first alias, and how many more
+    assert "mlx            not usable: mlx is not installed" in out
+    monkeypatch.setenv("COLUMNS", "80")  # the terminal's width: no line longer
+    narrow = CliRunner().invoke(models, []).output.splitlines()
+    assert max(map(len, narrow)) <= 80 and any(line.endswith("…") for line in narrow)
     data = json.loads(CliRunner().invoke(models, ["--json"]).output)
     gemma = next(m for m in data["models"] if m["id"] == "gemma-4b")
     arts = gemma["variants"]["4bit"]

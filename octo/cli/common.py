@@ -16,12 +16,27 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def print_table(rows: list[dict], columns: list[str]) -> None:
+def terminal_width() -> int:
+    """The terminal's width in characters (``COLUMNS``, else the terminal's, else 120 when not a terminal)."""
+    import shutil
+
+    return max(40, shutil.get_terminal_size((120, 24)).columns)
+
+
+def fit(line: str, width: int | None) -> str:
+    """``line`` cut to ``width`` characters, its end marked with "…" (None: as it is)."""
+    return line if width is None or len(line) <= width else line[:width - 1] + "…"
+
+
+def print_table(rows: list[dict], columns: list[str], width: int | None = None) -> None:
+    """``rows`` as a table, None as "-"; with ``width``, every line cut to it (the last column is the one to
+    lose: put the long free text there)."""
     widths = {c: max(len(c), *(len(str(r.get(c, "") if r.get(c) is not None else "-")) for r in rows))
               for c in columns}
-    click.echo("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    click.echo(fit("  ".join(c.upper().ljust(widths[c]) for c in columns).rstrip(), width))
     for r in rows:
-        click.echo("  ".join(str(r.get(c) if r.get(c) is not None else "-").ljust(widths[c]) for c in columns))
+        cells = (str(r.get(c) if r.get(c) is not None else "-").ljust(widths[c]) for c in columns)
+        click.echo(fit("  ".join(cells).rstrip(), width))
 
 
 def take_port(host: str, port: int) -> list:

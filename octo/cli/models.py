@@ -79,10 +79,13 @@ def _catalog_rows(states: dict[str, EngineState]) -> list[dict]:
     return rows
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
+def _table(rows: list[list[str]], header: list[str], width: int) -> str:
+    """The table cut to ``width`` characters a line (the last column, the aliases, is the one cut, with "…")."""
+    from octo.cli.common import fit
+
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(fmt.format(*r).rstrip() for r in [header, *rows])
+    return "\n".join(fit(fmt.format(*r).rstrip(), width) for r in [header, *rows])
 
 
 @click.command("models")
@@ -108,23 +111,32 @@ def models(as_json: bool) -> None:
                     variant + mark,
                     row["task"] if i == 0 else "",
                     str(row["context_length"] or "-") if i == 0 else "",
-                    ", ".join(arts) or "-",
-                    ", ".join(e for e, a in arts.items() if a["usable"]) or "-",
+                    ", ".join(e if a["usable"] else f"({e})" for e, a in arts.items()) or "-",
                     ", ".join(e for e, a in arts.items() if a["downloaded"] and a["format"] != "synth")
                     or ("built locally" if any(a["format"] == "synth" for a in arts.values()) else "-"),
                 ]
             )
             if i == 0 and row["aliases"]:
-                lines[-1].append(", ".join(row["aliases"]))
+                more = len(row["aliases"]) - 1
+                lines[-1].append(row["aliases"][0] + (f" (+{more})" if more else ""))
             else:
                 lines[-1].append("")
-    header = ["MODEL", "VARIANT", "TASK", "CONTEXT", "ENGINES", "USABLE HERE", "DOWNLOADED", "ALIASES"]
-    click.echo(_table(lines, header))
-    click.echo("\n* default variant. Serve or pull with MODEL[:VARIANT], e.g. `octo pull qwen-2.5-0.5b:8bit`.")
+    header = ["MODEL", "VARIANT", "TASK", "CONTEXT", "ENGINES", "DOWNLOADED", "ALIASES"]
+    import textwrap
+
+    from octo.cli.common import terminal_width
+
+    width = terminal_width()
+    click.echo(_table(lines, header, width))
+    note = ("* default variant. ENGINES: those with an artifact, in (brackets) those not usable here. ALIASES: the "
+            "first (and how many more: `octo models --json` lists them). Serve or pull with MODEL[:VARIANT], e.g. "
+            "`octo pull qwen-2.5-0.5b:8bit`.")
+    click.echo("\n" + textwrap.fill(note, width))
     click.echo("Engines here:")
     for name, s in sorted(states.items()):
         status = "usable" if s.usable else "not usable"
-        click.echo(f"  {name:<10} {status}{': ' + s.reason if s.reason else ''}")
+        click.echo(textwrap.fill(f"{name:<14} {status}{': ' + s.reason if s.reason else ''}", width,
+                                 initial_indent="  ", subsequent_indent=" " * 17))
 
 
 @click.command("pull")

@@ -299,7 +299,9 @@ class Catalog:
             if variant.lower() not in folded:
                 raise ModelNotFound(
                     f"Model '{entry.id}' has no variant '{variant}'; known variants: "
-                    f"{', '.join(entry.variants)} (default: {entry.default_variant}).",
+                    + ", ".join(f"{v} (the default)" if v == entry.default_variant != "default" else v
+                                for v in entry.variants)
+                    + ".",
                     param="model",
                 )
             variant = folded[variant.lower()]

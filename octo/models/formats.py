@@ -85,6 +85,12 @@ def inspect_path(path: Path) -> tuple[str, str, int | None]:
             return "whisper", "transcription", None
         if head == GGML_MAGIC:
             return "ggml", "transcription", None
+        named = {".gguf": "GGUF file (it does not start with GGUF's magic bytes)",
+                 ".pt": "whisper .pt checkpoint (not a PyTorch file)",
+                 ".bin": "whisper.cpp ggml file (it does not start with ggml's magic bytes)"}.get(path.suffix.lower())
+        if named:
+            raise ModelNotFound(f"'{path}' is named {path.suffix} but is not a {named}: a damaged or partial "
+                                "download, or another kind of file.", param="model")
         raise ModelNotFound(f"'{path}' is not a supported model file: {EXPECTED}.", param="model")
     if (path / "genai_config.json").is_file():
         cfg = _read_json(path / "genai_config.json")

@@ -268,7 +268,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         await cand.open(None)
         handle = cand.handle((), selection={"reason": f"--engine {engine_name}", "candidates": [engine_name]})
         return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
-    from octo.models.download import ArtifactNotDownloaded, fetch
+    from octo.models.download import fetch
     from octo.models.resolve import resolve
 
     formats = {c.name: c.formats for c in registry.values()}  # canonical names only, never aliases
@@ -285,12 +285,7 @@ async def open_model(config: ServerConfig, registry: dict[str, type[Engine]] | N
         return handle, _rows(lazy_rows, registry, engine_name, engine=_engine_view(handle))
     paths, failed, whys = await _fetch_all(resolved.name, candidates, offline, say)
     if not paths:
-        if len(set(whys.values())) == 1 and None not in whys.values():  # not here, for one reason (offline...)
-            raise ArtifactNotDownloaded(f"'{resolved.name}' is not downloaded here and {next(iter(whys.values()))}. "
-                                        f"Download it first, with network access: octo pull {resolved.name}",
-                                        param="model")
-        raise ConfigError(f"No engine could get an artifact for '{resolved.name}': "
-                          + "; ".join(f"{n}: {e}" for n, e in failed.items()))
+        raise _no_artifact(resolved.name, failed, whys)
     configs = options_per_engine({n: registry[n] for n in paths}, config, resolved.name, say)
     cands = {n: candidate(registry[n], paths[n], resolved.name, configs[n], say) for n in paths}
     if len(cands) == 1:
@@ -368,6 +363,18 @@ def options_per_engine(classes: dict[str, type[Engine]], config: ServerConfig, m
     return {n: config if all(n in takers[k] for k in config.options) else
             dataclasses.replace(config, options={k: v for k, v in config.options.items() if n in takers[k]})
             for n in classes}
+
+
+def _no_artifact(name: str, failed: dict[str, str], whys: dict[str, str | None]) -> OctoError:
+    """Why no candidate engine has an artifact: one sentence when none is downloaded for one reason (offline, the hub
+    unreachable), else each engine's failure."""
+    from octo.models.download import ArtifactNotDownloaded
+
+    if len(set(whys.values())) == 1 and None not in whys.values():
+        return ArtifactNotDownloaded(f"'{name}' is not downloaded here and {next(iter(whys.values()))}. Download it "
+                                     f"first, with network access: octo pull {name}", param="model")
+    return ConfigError(f"No engine could get an artifact for '{name}': "
+                       + "; ".join(f"{n}: {e}" for n, e in failed.items()))
 
 
 async def _fetch_all(name: str, candidates: dict[str, Any], offline: bool | None,
