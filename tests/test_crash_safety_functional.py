@@ -23,6 +23,7 @@ from serverproc import REPO, run_octo
 from serverproc import children as _children
 
 from octo.atomic import is_locked, is_temp
+from octo.synth.spec import get_spec
 
 PLUGINS = str(REPO / "tests" / "plugins")
 PARTIAL = (".incomplete", ".part", ".tmp")
@@ -91,13 +92,14 @@ def test_killed_synthetic_builds_leave_nothing_half_written(tmp_path):
     kill_when(spawn(BUILD, env), lambda: any(is_locked(p) for p in (home / "locks").glob("tokenizer.json-*")))
     assert not (synth / "tokenizer-v1" / "tokenizer.json").exists()
     # then once in each of the two stages that write into a temporary: the HF folder and the GGUF file
-    for folder, name in [("demo-s0-float32", "hf"), ("demo-s0-float32/gguf-v1", "demo-f16.gguf")]:
+    home_of_demo = f"{get_spec('demo').cache_name}-s0-float32"  # (its builds' folder: octo.synth.hf.default_dir)
+    for folder, name in [(home_of_demo, "hf"), (f"{home_of_demo}/gguf-v1", "demo-f16.gguf")]:
         kill_when(spawn(BUILD, env), temp_in(Path(folder), name))
         assert [p for p in leftovers(synth) if p.name.startswith(f".{name}")], f"killed outside {name}'s build"
         assert not (synth / folder / name).exists()  # never a half-written result under the real name
     built = Path(finish(BUILD, env))
     assert leftovers(home) == [] and held_locks(home) == []
-    assert (synth / "demo-s0-float32" / "hf" / ".complete").is_file()
+    assert (synth / home_of_demo / "hf" / ".complete").is_file()
     # the same bytes as an uninterrupted build (the build is deterministic: fixed seed)
     clean = Path(finish(BUILD, {"OCTO_HOME": str(tmp_path / "clean")}))
     assert built != clean and sha256(built) == sha256(clean)

@@ -102,10 +102,6 @@ class OnnxEngine(Engine):
         if folder.is_file():
             folder = folder.parent
         spec, _ = read_config(folder)
-        n_ctx = self.opts.get("n_ctx", min(spec.context_length, DEFAULT_N_CTX))
-        if n_ctx > spec.context_length:
-            raise ConfigError(f"n_ctx {n_ctx} exceeds the model's context length {spec.context_length}.",
-                              param="n_ctx")
         threads = self.opts.get("threads", int(spec.session_options.get("intra_op_num_threads") or 0))
         penalty_last_n = self.opts.get("penalty_last_n", 64)
         choice = self.opts.get("backend", "auto")
@@ -116,6 +112,13 @@ class OnnxEngine(Engine):
                 choice = "engine"
             else:
                 choice = "session" if spec.share_buffer else "generator"
+        # the session backend's KV buffers are mapped lazily (memory grows with the positions written), so it takes
+        # the model's whole context, as llama.cpp and MLX do; onnxruntime-genai's own backends allocate theirs
+        n_ctx = self.opts.get("n_ctx", spec.context_length if choice == "session" else
+                              min(spec.context_length, DEFAULT_N_CTX))
+        if n_ctx > spec.context_length:
+            raise ConfigError(f"n_ctx {n_ctx} exceeds the model's context length {spec.context_length}.",
+                              param="n_ctx")
         self.codec = TextCodec(folder, spec.vocab_size)
         kv = self._open_backend(choice, folder, spec, n_ctx, threads, penalty_last_n)
         self.batching = self.backend.batching

@@ -14,7 +14,8 @@ OPTIONS = {
                           "(continuous batching with paged-attention builds, CUDA/WebGPU); auto (default): engine "
                           "for paged-attention folders, else session when the folder allows"),
     "threads": (non_negative_int, "onnxruntime intra-op threads (default 0: onnxruntime's choice, physical cores)"),
-    "n_ctx": (positive_int, "context length per sequence (default: min(the model's, 4096))"),
+    "n_ctx": (positive_int, "context length per sequence (default: the model's with the session backend, else "
+                            "min(the model's, 4096))"),
     "prefill_chunk": (positive_int, "prompt tokens fed per step while other sequences decode (default 256)"),
     "penalty_last_n": (int, "tokens the repetition/presence/frequency penalties look back on; -1: the whole "
                             "sequence (default 64)"),

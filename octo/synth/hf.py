@@ -27,7 +27,7 @@ LOGIT_STD = 4.0
 
 
 def default_dir(spec: ModelSpec | str, seed: int = 0, dtype: str = "float32") -> Path:
-    return synth_dir() / f"{get_spec(spec).name}-s{seed}-{dtype}" / "hf"
+    return synth_dir() / f"{get_spec(spec).cache_name}-s{seed}-{dtype}" / "hf"
 
 
 def tensor_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -161,7 +161,7 @@ def hf_config(spec: ModelSpec, dtype: str, ids: dict[str, int]) -> dict:
 def build_hf(spec: ModelSpec | str, seed: int = 0, out: Path | None = None, dtype: str = "float32") -> Path:
     """Build (or reuse) the synthetic HF folder for ``spec``; returns its path.
 
-    Default folder: ``octo.paths.synth_dir() / f"{spec.name}-s{seed}-{dtype}" / "hf"``. A finished build
+    Default folder: ``octo.paths.synth_dir() / f"{spec.cache_name}-s{seed}-{dtype}" / "hf"``. A finished build
     holds a ``.complete`` marker; builds go to a temporary sibling folder that is renamed into place when
     done.
     """

@@ -27,6 +27,9 @@ class ModelSpec:
     # the whole model (speculative decoding's constructed best case); None: every layer as usual
     quiet_from: int | None = None
     quiet_scale: float = 0.02
+    # a shape changed since its builds were first cached gets a new revision: its builds go to a folder of their own
+    # (``cache_name``), so an older build of the same name is never served for it
+    revision: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ("qwen2", "llama"):
@@ -35,6 +38,11 @@ class ModelSpec:
             raise ValueError(f"{self.name}: heads do not divide hidden_size / KV heads")
         if self.vocab_size < TOKENIZER_VOCAB:
             raise ValueError(f"{self.name}: vocab_size {self.vocab_size} < tokenizer size {TOKENIZER_VOCAB}")
+
+    @property
+    def cache_name(self) -> str:
+        """The name its builds are cached under (octo.synth.hf.default_dir)."""
+        return f"{self.name}-r{self.revision}" if self.revision else self.name
 
     @property
     def head_dim(self) -> int:
@@ -57,7 +65,9 @@ SHAPES: dict[str, ModelSpec] = {
     s.name: s
     for s in (
         ModelSpec("tiny", "qwen2", 64, 128, 2, 4, 2, TOKENIZER_VOCAB, 2048, 1e6, 1e-6, True),
-        ModelSpec("demo", "qwen2", 256, 704, 4, 4, 2, TOKENIZER_VOCAB, 4096, 1e6, 1e-6, True),
+        # a context real models have (32768 positions, Qwen2.5's), so that long conversations (a chat client's tool
+        # definitions alone can take 18k of its tokens) fit; revision 1: the earlier demo had 4096
+        ModelSpec("demo", "qwen2", 256, 704, 4, 4, 2, TOKENIZER_VOCAB, 32768, 1e6, 1e-6, True, revision=1),
         ModelSpec("qwen2.5-0.5b", "qwen2", 896, 4864, 24, 14, 2, 151936, 32768, 1e6, 1e-6, True),
         # Llama 3.2 uses "llama3" RoPE scaling; the synthetic one uses plain RoPE so every engine agrees.
         ModelSpec("llama-3.2-1b", "llama", 2048, 8192, 16, 32, 8, 128256, 131072, 500000.0, 1e-5, True),
