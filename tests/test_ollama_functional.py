@@ -357,7 +357,8 @@ def test_format_schema_and_json_on_llamacpp(tmp_path):
         assert c.chat(model="tagged:latest", messages=user("hi"), options={"num_predict": 2}).eval_count == 2
         assert [m.model for m in c.ps().models if m.model.startswith("tagged")] == ["tagged:q8"]
         status, msg = error_of(c.chat, model="tagged:nope", messages=user("hi"))
-        assert status == 404 and "known variants: q8, other" in msg
+        assert status == 404 and "known variants: q8 (the default), other" in msg
+        assert gguf not in msg and "tiny-q8_0" in msg  # what is servable, by name: no path on the server
         shown = c.show(name)  # read from the GGUF file (the model runs in a worker process)
         assert "<|im_start|>" in shown.template and shown.details.format == "gguf"
         assert shown.modelfile.endswith("FROM tiny-q8_0:latest\n") and gguf not in json.dumps(

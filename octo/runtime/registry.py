@@ -26,6 +26,7 @@ from octo.config import ServerConfig
 from octo.engine import Engine
 from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, Overloaded, QueueTimeout
 from octo.logsafe import quoted
+from octo.runtime.names import public_name
 from octo.runtime.room import RoomMixin
 from octo.runtime.specs import ModelSpec, parse_keep_alive
 
@@ -317,7 +318,7 @@ class Registry(RoomMixin):
         except ModelNotFound as exc:
             if spec.declared:  # named at start: no server answers yet, so no "servable here" list
                 raise
-            servable = ", ".join(s.name for s in self.slots) or "none loaded"
+            servable = ", ".join(public_name(s, self) for s in self.slots) or "none loaded"  # never a server path
             raise ModelNotFound(f"{exc.message} Servable here: {servable}.", param="model",
                                 code=exc.code) from None
         slot = self._by_name.get(name)

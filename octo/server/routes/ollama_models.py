@@ -6,7 +6,7 @@ downloaded artifacts, from the hub cache), and clear refusals for what octo does
 
 Names are Ollama's ``name:tag``: a model whose octo name has no tag is listed as ``name:latest`` (and
 ``name:latest`` resolves to the name on every route: octo.runtime.registry); a model named by its path is listed by a
-name (:func:`public_name`), never by a path on the server. ``digest`` is the SHA-256 of the artifact's
+name (octo.runtime.names), never by a path on the server. ``digest`` is the SHA-256 of the artifact's
 identity
 (its URI, size and modification time), stable while the file is: octo does not hash multi-gigabyte files to list
 them."""
@@ -26,6 +26,7 @@ from aiohttp import web
 from octo.errors import InvalidRequest, NotFound, OctoError
 from octo.models.resolve import uri_kind
 from octo.protocol.ollama import ModelRequest, parse
+from octo.runtime.names import public_name
 from octo.server.bodies import read_json_body
 from octo.server.routes.openai import dumps, json_response
 from octo.server.stamp import start_stream
@@ -42,21 +43,6 @@ def tagged(name: str) -> str:
     if name.startswith(("/", ".", "~")) or ":" in name.rpartition("/")[2]:
         return name
     return f"{name}:latest"
-
-
-def public_name(slot: Any, registry: Any) -> str:
-    """The name clients see for ``slot``, never a path on the server: its name; for a model named by its path, the
-    file's stem (among its aliases) when that names this model alone, else the stem and a digest of the path (made an
-    alias of the model). Either routes back to the model, with or without ``:latest``."""
-    name = slot.name
-    if not name.startswith(("/", ".", "~")):
-        return name
-    for alias in sorted(slot.aliases):
-        if alias and not alias.startswith(("/", ".", "~")) and "/" not in alias and registry.find(alias) is slot:
-            return alias
-    alias = f"{Path(name).stem}-{_digest(name)[:8]}"
-    slot.aliases.add(alias)
-    return alias
 
 
 def _digest(*parts: Any) -> str:
