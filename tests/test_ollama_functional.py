@@ -226,8 +226,9 @@ def test_ollamas_local_origins_on_ollamas_routes_only(echo_server):
         assert "POST" in h["Access-Control-Allow-Methods"] and "content-type" in h["Access-Control-Allow-Headers"]
     status, h = _cors(echo_server, "POST", "/api/chat", "http://localhost:3000", chat)
     assert status == 200 and h["Access-Control-Allow-Origin"] == "http://localhost:3000"
-    status, h = _cors(echo_server, "GET", "/api/tags", "http://localhost:3000")
-    assert status == 200 and h["Access-Control-Allow-Origin"] == "http://localhost:3000"
+    for path in ("/api/tags", "/api/version", "/"):  # Ollama's root too ("Ollama is running")
+        status, h = _cors(echo_server, "GET", path, "http://localhost:3000")
+        assert status == 200 and h["Access-Control-Allow-Origin"] == "http://localhost:3000", path
     # not the OpenAI routes (only --cors-origins opens those), and no origin wider than Ollama's list
     status, h = _cors(echo_server, "OPTIONS", "/v1/chat/completions", "http://localhost:3000")
     assert status == 204 and "Access-Control-Allow-Origin" not in h
