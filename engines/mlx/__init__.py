@@ -25,6 +25,8 @@ Options (``-o KEY=VALUE``): ``blas`` (``auto``, ``bundled`` or a library path; s
 ``dtype`` (``auto``: float parameters, quantization scales included, upcast to float32 on CPU; ``keep``; or
 ``float32``/``float16``/``bfloat16``),
 ``n_ctx`` (default: the model's ``max_position_embeddings``), ``penalty_last_n`` (default 64),
+``vision`` (``auto``: a vision-language folder's images through mlx-vlm, see :mod:`.vision`; ``off``: its text model
+alone),
 ``prefill_chunk`` (default 512), ``kv_cells`` (default: no bound, each sequence's KV grows in memory as it needs;
 N: the sequences' KV together holds at most N tokens, and the scheduler preempts and resumes under that bound,
 as with llama.cpp's shared pool).
@@ -39,18 +41,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from octo.engine import Detection, Engine, Feed, KVHandle, ModelInfo, Sequence, Task
-from octo.errors import ConfigError, EngineError
+from octo.engine import Detection, Engine, Feed, KVHandle, MediaChunk, MediaInput, ModelInfo, Sequence, Task
+from octo.errors import ConfigError, EngineError, InvalidRequest
 from octo.hookspecs import hookimpl
 from octo.options import parse_engine_options, positive_int
 
-from . import lora, runtime
-from .batch import DecodeBatch, cache_nbytes, copy_prompt_cache, prefix_view
+from . import lora, runtime, vision
+from .batch import DecodeBatch, cache_nbytes, cuttable, prefix_view, snapshot_cache
 from .sampling import SAMPLING_PARAMS, RowSampler, prompt_entries, sample_rows, set_logprobs
 
 log = logging.getLogger("octo.engines.mlx")
 _OPTIONS = {"blas": str, "dtype": str, "n_ctx": positive_int, "penalty_last_n": positive_int,
-            "prefill_chunk": positive_int, "kv_cells": positive_int, "cache_type": str, "lora": str}
+            "prefill_chunk": positive_int, "kv_cells": positive_int, "cache_type": str, "lora": str, "vision": str}
 _CACHE_TYPES = ("f16", "q8_0", "q4_0")
 _DTYPES = ("auto", "keep", "float32", "float16", "bfloat16")
 
@@ -78,6 +80,7 @@ class MLXEngine(Engine):
     supports_logprobs = True
     supports_prompt_logprobs = True
     prefill_chunk = 512
+    media_kinds = frozenset({"image"})  # a vision-language folder's, through mlx-vlm (.vision)
 
     def __init__(self, config=None) -> None:
         super().__init__(config)
@@ -102,6 +105,10 @@ class MLXEngine(Engine):
         self.penalty_last_n = opts.get("penalty_last_n", 64)
         self.prefill_chunk = opts.get("prefill_chunk", type(self).prefill_chunk)
         self.kv_cells = opts.get("kv_cells", 0)
+        self.vision_option = opts.get("vision", "auto").lower()
+        if self.vision_option not in ("auto", "off"):
+            raise ConfigError(f"Option 'vision' must be auto or off, got '{self.vision_option}'.", param="vision")
+        self.vision: vision.Vision | None = None
         self.lora_paths = lora.parse(opts["lora"]) if "lora" in opts else {}
         self.adapters: dict[str, dict] = {}  # LoRA adapters by name (.lora), loaded with the model
         self.router: lora.Router | None = None
@@ -186,13 +193,18 @@ class MLXEngine(Engine):
             self.router, self.adapters = lora.load_adapters(model, self.lora_paths, compute)
         text_cfg = config.get("text_config") or {}
         n_vocab = int(config.get("vocab_size") or text_cfg.get("vocab_size") or 0)
-        n_ctx_model = int(config.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or 4096)
         self.model = model
         self.codec = TextCodec(tokenizer, n_vocab)
         self.batch = DecodeBatch(model)
-        quant = config.get("quantization")
+        self.vision = vision.load(path, config, model, self.codec, compute, self.vision_option)
         dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
-        self.info = ModelInfo(
+        self.info = self._model_info(name, config, tokenizer, n_vocab, dtypes, mx.__version__)
+        return self.info
+
+    def _model_info(self, name: str, config: dict, tokenizer: Any, n_vocab: int, dtypes: list, mlx_version: str):
+        text_cfg = config.get("text_config") or {}
+        n_ctx_model = int(config.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or 4096)
+        info = ModelInfo(
             name=name,
             n_ctx=min(self.n_ctx_option or n_ctx_model, n_ctx_model, self.kv_cells or n_ctx_model),
             eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
@@ -200,11 +212,11 @@ class MLXEngine(Engine):
             extra={
                 "device": runtime.device_description(),
                 "blas": runtime.blas_in_use(),
-                "mlx": mx.__version__,
+                "mlx": mlx_version,
                 "mlx_lm": _pkg_version("mlx-lm"),
                 "model_type": config.get("model_type"),
                 "dtypes": dtypes,
-                "quantization": quant,
+                "quantization": config.get("quantization"),
                 "batching": "mlx-lm BatchKVCache continuous batch, one batched forward per step",
                 "prefix_cache": "mlx-lm prompt caches (KVCache), trimmed on restore",
                 "prefill_chunk": self.prefill_chunk,
@@ -212,7 +224,10 @@ class MLXEngine(Engine):
                 "lora": self.adapters or None,
             },
         )
-        return self.info
+        if self.vision is not None:
+            info.media = frozenset({"image"})
+            info.extra.update(self.vision.describe())
+        return info
 
     def _compute_dtype(self, mx):
         """``dtype=auto``: float32 on CPU, where MLX's bfloat16/float16 matmuls (and 4-bit matmuls with
@@ -235,7 +250,7 @@ class MLXEngine(Engine):
     def unload(self) -> None:
         if self.batch is not None:
             self.batch.clear()
-        self.model = self.codec = self.batch = None
+        self.model = self.codec = self.batch = self.vision = None
         self.info = None
         try:
             import mlx.core as mx
@@ -264,6 +279,15 @@ class MLXEngine(Engine):
 
     def special_tokens(self) -> dict[str, int]:
         return self.codec.special_tokens() if self.codec is not None else {}
+
+    # -- media (.vision) ----------------------------------------------------------------------------------------------
+    def tokenize_media(self, parts: list[str | MediaInput]) -> tuple[list[int], list[MediaChunk]]:
+        if self.vision is None:
+            raise InvalidRequest(f"Model '{self.info.name}' takes no images.", param="messages")
+        return self.vision.tokenize(parts)
+
+    def encode_media(self, chunk: MediaChunk) -> Any:
+        return self.vision.encode(chunk)
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -300,7 +324,8 @@ class MLXEngine(Engine):
         for f in feeds:
             if f.seq.slot is None or f.seq.slot.broken:
                 raise EngineError(f"Sequence {f.seq.id} has no usable KV state (a previous step failed).")
-        decoding = {f.seq.id: i for i, f in enumerate(feeds) if f.sample and len(f.tokens) == 1 and f.seq in batch}
+        decoding = {f.seq.id: i for i, f in enumerate(feeds)
+                    if f.sample and len(f.tokens) == 1 and f.media is None and f.seq in batch}
         # A batch row without a one-token feed this step leaves the batch, keeping its KV.
         for seq in [s for s in batch.rows if s.id not in decoding]:
             seq.slot.cache = batch.leave(seq, keep=True)
@@ -357,7 +382,9 @@ class MLXEngine(Engine):
             if slot.cache is None:
                 slot.cache = make_prompt_cache(model)
             toks = f.tokens
-            if f.prompt_logprobs >= 0:  # the output layer runs for every position of the chunk
+            if f.media is not None:  # an image's rows of embeddings (.vision)
+                logits = self.vision.feed(model, f, slot.cache)
+            elif f.prompt_logprobs >= 0:  # the output layer runs for every position of the chunk
                 first = f.seq.n_cached - len(toks)
                 every = model(mx.array(toks, dtype=mx.uint32)[None], cache=slot.cache)
                 prompts.append((f, first, every[0, : max(0, min(len(toks), len(f.seq.tokens) - 1 - first))]))
@@ -379,18 +406,18 @@ class MLXEngine(Engine):
     # -- prefix cache ----------------------------------------------------------------------------
     def kv_save(self, seq: Sequence) -> KVHandle | None:
         import mlx.core as mx
-        from mlx_lm.models.cache import BatchKVCache, KVCache
 
         slot = seq.slot
         if slot is None or slot.broken or seq.n_cached <= 0:
             return None
         in_batch = seq in self.batch
         source = self.batch.cache if in_batch else slot.cache
-        # only plain KV caches can be cut to a shorter prefix (not sliding-window or recurrent state)
-        if not source or not all(type(c) in (KVCache, BatchKVCache) for c in source):
+        # only caches that keep every position can be cut to a shorter prefix (no recurrent state; a sliding window's
+        # only while nothing has left the window: .batch.whole)
+        if not source or not cuttable(source):
             return None
-        cache = self.batch.snapshot(seq) if in_batch else copy_prompt_cache(source)
-        if cache[0].offset != seq.n_cached:
+        cache = self.batch.snapshot(seq) if in_batch else snapshot_cache(source)
+        if cache is None or cache[0].offset != seq.n_cached:
             return None
         mx.eval([(c.keys, c.values) for c in cache])
         return KVHandle(tuple(seq.tokens[: seq.n_cached]), cache_nbytes(cache), cache)

@@ -15,34 +15,54 @@ from typing import Any
 from octo.engine import Sequence
 
 
-def copy_prompt_cache(cache: list[Any], n: int | None = None) -> list[Any]:
-    """Fresh ``KVCache`` objects holding (a copy of) the first ``n`` tokens of a single-sequence cache."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
+def cuttable(cache: list[Any]) -> bool:
+    """Whether a prefix of this prompt cache (a sequence's own, or the batch's) can be kept by itself: every layer's
+    is plain KV, or a sliding window (``RotatingKVCache``: Gemma 2 and 3) that :func:`whole` then checks."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-    out = []
+    kinds = (KVCache, BatchKVCache, RotatingKVCache, BatchRotatingKVCache)
+    return all(type(c) in kinds for c in cache)
+
+
+def whole(cache: list[Any]) -> bool:
+    """Whether a single-sequence cache holds every one of its positions, in order: a sliding window only while no
+    position has left it yet (the window is longer than the sequence)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
     for c in cache:
-        m = c.offset if n is None else min(n, c.offset)
-        k = KVCache()
-        if c.keys is not None and m > 0:
-            k.keys = mx.contiguous(c.keys[..., :m, :])
-            k.values = mx.contiguous(c.values[..., :m, :])
-            k.offset = m
-        out.append(k)
-    return out
+        if type(c) is RotatingKVCache:
+            if c.keys is not None and not (c.offset <= c.max_size and c._idx == c.offset):
+                return False
+        elif type(c) is not KVCache:
+            return False
+    return True
+
+
+def _cut(c: Any, n: int, copy: bool) -> Any:
+    """A new single-sequence cache of ``c``'s kind over its first ``n`` positions (``copy``: contiguous copies; else
+    slices, which the next append copies)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    k = RotatingKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache else KVCache()
+    m = min(n, c.offset)
+    if c.keys is not None and m > 0:
+        keys, values = c.keys[..., :m, :], c.values[..., :m, :]
+        k.keys, k.values = (mx.contiguous(keys), mx.contiguous(values)) if copy else (keys, values)
+        k.offset = m
+        if type(k) is RotatingKVCache:
+            k._idx = m
+    return k
+
+
+def snapshot_cache(cache: list[Any]) -> list[Any] | None:
+    """A copy of a single-sequence cache (None: one that is not :func:`whole`)."""
+    return [_cut(c, c.offset, True) for c in cache] if whole(cache) else None
 
 
 def prefix_view(cache: list[Any], n: int) -> list[Any]:
-    """New ``KVCache`` objects over the first ``n`` tokens of ``cache`` (slices: the next append copies)."""
-    from mlx_lm.models.cache import KVCache
-
-    out = []
-    for c in cache:
-        k = KVCache()
-        if c.keys is not None and n > 0:
-            k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-        out.append(k)
-    return out
+    """New caches over the first ``n`` positions of a saved (:func:`whole`) ``cache``."""
+    return [_cut(c, n, False) for c in cache]
 
 
 def cache_nbytes(cache: list[Any]) -> int:
@@ -98,12 +118,13 @@ class DecodeBatch:
                 c.filter(keep_rows)
         return out
 
-    def snapshot(self, seq: Sequence) -> list[Any]:
-        """A copy of ``seq``'s KV as a single-sequence prompt cache; the row stays."""
+    def snapshot(self, seq: Sequence) -> list[Any] | None:
+        """A copy of ``seq``'s KV as a single-sequence prompt cache (None: not :func:`whole`); the row stays."""
         i = self._index(seq)
         if not self.batched:
-            return copy_prompt_cache(self.cache)
-        return [c.extract(i) for c in self.cache]
+            return snapshot_cache(self.cache)
+        cache = [c.extract(i) for c in self.cache]
+        return cache if whole(cache) else None
 
     def forward(self, tokens: list[int]):
         """Logits (B, vocab) after appending one token per row (in row order)."""

@@ -77,7 +77,10 @@ class RowSampler:
         import mlx.core as mx
 
         if self.processors and n > 0:
-            context = mx.array(tokens[max(0, n - self.context) : n])
+            window = tokens[max(0, n - self.context) : n]
+            if min(window) < 0:  # an image's positions (placeholder ids, octo.engine.media_token_ids) take no penalty
+                window = [t for t in window if t >= 0]
+            context = mx.array(window, dtype=mx.int32)
             for proc in self.processors:
                 logits = proc(context, logits)
         return logits

@@ -21,10 +21,14 @@ def build_for(name: str, engine: str, quant: str | None = "default", seed: int =
         return builder[engine](shape, seed, steady=steady)
     from octo.synth.vision import SHAPES as VISION_SHAPES
 
-    if name in VISION_SHAPES:  # a vision-language model: the GGUF and its projector, by llama.cpp's converter
+    if name in VISION_SHAPES:  # a vision-language model, by each ecosystem's own converter
+        if engine == "mlx":  # mlx-vlm's convert
+            from octo.synth.vision_mlx import build_vision_mlx
+
+            return build_vision_mlx(name, seed)
         if engine != "llamacpp":
-            raise ValueError(f"no synthetic builder for '{name}' on engine '{engine}' (known: llamacpp)")
-        from octo.synth.vision import build_vision_gguf
+            raise ValueError(f"no synthetic builder for '{name}' on engine '{engine}' (known: llamacpp, mlx)")
+        from octo.synth.vision import build_vision_gguf  # the GGUF and its projector, by llama.cpp's converter
 
         return build_vision_gguf(name, seed)
     spec = get_spec(name)

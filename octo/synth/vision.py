@@ -29,7 +29,7 @@ import numpy as np
 from octo.paths import synth_dir
 from octo.synth.folder import COMPLETE, build_folder
 
-VERSION = 1
+VERSION = 2  # 2: the vocabulary size at the top of config.json and the image tokens in text_config (mlx-lm, mlx-vlm)
 SPECIALS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
 VOCAB = 4096
 EMBED_STD = 0.02  # x sqrt(hidden_size) (Gemma scales token embeddings): 0.32
@@ -165,6 +165,9 @@ def hf_config(spec: VisionSpec) -> dict:
         "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
         "image_token_index": ids["<image_soft_token>"], "mm_tokens_per_image": spec.mm_tokens_per_image,
         "eos_token_id": [1, ids["<end_of_turn>"]], "initializer_range": 0.02, "tie_word_embeddings": True,
+        # mlx-lm and mlx-vlm read these two where they default to Gemma 3's own values (262208 tokens, 256 per image);
+        # transformers and llama.cpp read text_config's vocabulary and the top level's image tokens
+        "vocab_size": VOCAB,
         "text_config": {
             "model_type": "gemma3_text", "vocab_size": VOCAB, "hidden_size": spec.hidden_size,
             "intermediate_size": spec.intermediate_size, "num_hidden_layers": n,
@@ -172,6 +175,7 @@ def hf_config(spec: VisionSpec) -> dict:
             "head_dim": spec.head_dim, "query_pre_attn_scalar": spec.head_dim, "sliding_window": spec.sliding_window,
             "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
             "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": 1e-6,
+            "mm_tokens_per_image": spec.mm_tokens_per_image,
             "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
