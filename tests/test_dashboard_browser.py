@@ -269,6 +269,11 @@ def test_upload_a_wav_and_see_its_transcription(page, server, wav, whisper_ckpt)
     page.get_by_role("tab", name="Playground").click()
     model = server.get_json(f"/v1/models/{whisper_ckpt}")["id"]
     page.wait_for_selector(f'#stt-model option[value="{model}"]', state="attached")
+    # each picker offers the models of its task only: no chat model to transcribe, no speech model to embed
+    stt = page.eval_on_selector_all("#stt-model option", "os => os.map(o => o.value)")
+    emb = page.eval_on_selector_all("#emb-model option", "os => os.map(o => o.value)")
+    assert model in stt and not {"test-model", "demo"} & set(stt), stt
+    assert "test-model" in emb and model not in emb, emb  # the echo chat model embeds too (its tasks say so)
     page.select_option("#stt-model", model)
     page.set_input_files("#stt-file", str(wav))
     page.get_by_role("button", name="Transcribe file").click()

@@ -9,7 +9,7 @@ import sys
 import click
 
 from octo import __version__
-from octo.cli.common import envvar, print_table, url_host
+from octo.cli.common import envvar, print_table, terminal_width, url_host
 from octo.cli.serve import serve
 from octo.config import ServerConfig
 from octo.errors import OctoError
@@ -158,18 +158,21 @@ def engines(model, engine, bench_seconds, rebench, isolation, as_json):
 
 
 @cli.command()
+@click.option("--plugins-dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Also load the plugin modules (*.py) of this folder, as `octo serve --plugins-dir` does.",
+              **envvar("PLUGINS_DIR"))
 @click.option("--json", "as_json", is_flag=True)
-def plugins(as_json):
-    """List loaded plugins and the hooks each implements."""
-    from octo.plugins import plugin_table
+def plugins(plugins_dir, as_json):
+    """List loaded plugins and the hooks each implements (built-in, installed, and those of --plugins-dir)."""
+    from octo.plugins import load_plugins, plugin_table
 
-    rows = plugin_table()
+    rows = plugin_table(load_plugins(plugins_dir) if plugins_dir else None)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
         r["hooks"] = ",".join(r["hooks"]) or None
-    print_table(rows, ["name", "hooks", "error"])
+    print_table(rows, ["name", "hooks", "error"], width=terminal_width())
 
 
 def _add_optional_commands() -> None:

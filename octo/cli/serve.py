@@ -170,8 +170,9 @@ def _keep_alive(ctx, param, value):
 @click.option("--max-image-pixels", default=32 * 2**20, show_default=True, type=click.IntRange(1),
               help="Pixels of one image, read from its header before it is decoded (a decompression bomb is a 400).",
               **envvar("MAX_IMAGE_PIXELS"))
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.",
-              **envvar("API_KEY"))
+@click.option("--api-key", default=None,
+              help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route of every API (OpenAI, "
+                   "Anthropic, Ollama, octo's own) but /health and the dashboard's page.", **envvar("API_KEY"))
 @click.option("--insecure-no-auth", is_flag=True,
               help="Allow binding a non-loopback address without --api-key.", **envvar("INSECURE_NO_AUTH"))
 @click.option("--allowed-hosts", default="", metavar="NAMES",
@@ -258,7 +259,11 @@ def _keep_alive(ctx, param, value):
 @click.option("--replica-memory", default=0.0, show_default=True, type=click.FloatRange(0),
               help="With --cluster: memory (GB) Ray reserves for each replica (0: none).", **envvar("REPLICA_MEMORY"))
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]), **envvar("LOG_LEVEL"))
+              type=click.Choice(["debug", "info", "warning", "error"]),
+              help="What the server and its engine workers log to stderr: info says what loads and why and each "
+                   "refused request; debug adds details (timings, the engines' own messages); warning and error keep "
+                   "only problems.",
+              **envvar("LOG_LEVEL"))
 def serve(model, models_file, models_dirs, allow_any_path, allow_pull_hf, max_pull_gb, evict_startup_models, max_loaded,
           memory_budget, keep_alive, max_keep_alive, engine, host, port, options, lora, draft, stream_keepalive,
           max_queue, queue_timeout, max_batch, cache_size, no_cache, max_body_mb, max_audio_mb, max_audio_seconds,

@@ -26,9 +26,23 @@ def unknown_model(model: str, dirs: tuple[str, ...]) -> ModelNotFound:
     """The 404 of a name this server cannot serve, the same whether or not a file of that name exists."""
     shown = model if len(model) <= 200 else model[:200] + "..."
     where = " or a model under the server's --models-dir folders" if dirs else ""
-    return ModelNotFound(f"Model '{shown}' not found. Run `octo models` for the catalog; a request may name a "
-                         f"downloaded catalog model, a downloaded Hugging Face id (octo pull){where}.",
-                         param="model")
+    return ModelNotFound(f"Model '{shown}' not found.{closest_names(model)} Run `octo models` for the catalog; a "
+                         f"request may name a downloaded catalog model, a downloaded Hugging Face id (octo pull)"
+                         f"{where}.", param="model")
+
+
+def closest_names(model: str) -> str:
+    """" Closest names: ..." of the catalog's names (ids and aliases) close to a name with a typo, as the CLI
+    suggests them; nothing for a path (the answer never depends on the server's files)."""
+    if looks_like_path(model) or len(model) > 200:
+        return ""
+    import difflib
+
+    from octo.models.catalog import load_catalog
+
+    lowered = {n.lower(): n for n in load_catalog().all_names()}
+    close = difflib.get_close_matches(model.lower(), list(lowered), n=3, cutoff=0.6)
+    return f" Closest names: {', '.join(lowered[c] for c in close)}." if close else ""
 
 
 def looks_like_path(model: str) -> bool:

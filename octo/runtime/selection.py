@@ -307,8 +307,10 @@ def figures(res: dict[str, Any]) -> str:
     """A result's figures as its progress line says them: a speech engine's speed as a multiple of real time."""
     if res.get("speech_x_realtime") is not None:
         return f"{res['speech_x_realtime']:g}x real time"
-    return (f"prefill {res['prefill_tok_s']} tok/s, decode {res['decode_tok_s']} tok/s, batch x{BATCH} "
-            f"{res['batch_decode_tok_s']} tok/s")
+    def rate(v: Any) -> str:  # a phase not measured (stopped early, too slow to reach it) says "-", never None
+        return "-" if v is None else f"{v:g}"
+    return (f"prefill {rate(res['prefill_tok_s'])} tok/s, decode {rate(res['decode_tok_s'])} tok/s, batch x{BATCH} "
+            f"{rate(res['batch_decode_tok_s'])} tok/s")
 
 
 def failed_result(exc: BaseException, seconds: float, took: float | None) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def _model_entry(state: AppState, slot: Any) -> dict[str, Any]:
                         "measured_bytes": _rss(h) if h is not None else None}}
     if h is not None:
         entry.update(engine=h.engine_name, context_length=h.info.n_ctx, isolation=h.isolation,
-                     load_seconds=slot.load_seconds)
+                     load_seconds=slot.load_seconds, tasks=sorted(t.value for t in h.tasks))
         worker = getattr(h, "worker_info", None)
         if worker is not None:
             entry["worker"] = worker()

@@ -1,5 +1,5 @@
 // octo dashboard, Playground: chat (streaming, with TTFT, tok/s and prefix-cache hits), transcription (a file or the
-// microphone) and embeddings (first values and norm), with any model the server has.
+// microphone) and embeddings (first values and norm), each with the models of its task the server has.
 "use strict";
 octo.playground = (() => {
   const { el, json, num, showError } = octo;
@@ -7,16 +7,21 @@ octo.playground = (() => {
   const conversation = [];  // {role, content}
   let controller = null;
 
-  // -- model pickers: every model, those whose task fits first --
+  // -- model pickers: the models that serve the picker's task (loaded or servable on demand: a loaded model's tasks,
+  // else its main task); a LoRA adapter (parent) only for chat --
+  const NONE = { chat: "no chat model: serve one, e.g. demo", transcription: "no speech model: serve one, e.g. " +
+    "demo-whisper", embeddings: "no embedding model: serve one, e.g. nomic-embed-text-v1.5" };
   octo.onModels((list) => {
     for (const sel of document.querySelectorAll(".model-select")) {
       const task = sel.dataset.task, prev = sel.value;
-      const fits = (m) => m.task === task || (task === "chat" && m.task === "completion");
-      const usable = list.filter((m) => !m.parent || task === "chat");
-      const sorted = [...usable.filter(fits), ...usable.filter((m) => !fits(m))];
-      sel.replaceChildren(...sorted.map((m) => el("option", { value: m.id, text: `${m.id} (${m.task}${m.state === "ready"
-        ? "" : ", " + m.state})` })));
-      if (prev && sorted.some((m) => m.id === prev)) sel.value = prev;
+      const fits = (m) => (m.task === task || (m.tasks || []).includes(task)
+        || (task === "chat" && m.task === "completion")) && (!m.parent || task === "chat") && m.state !== "failed";
+      const models = list.filter(fits);
+      sel.replaceChildren(...(models.length ? models.map((m) => el("option", { value: m.id,
+        text: m.state === "ready" ? m.id : `${m.id} (${m.state})` }))
+        : [el("option", { value: "", text: NONE[task] || "no model of this task" })]));
+      sel.disabled = !models.length;
+      if (prev && models.some((m) => m.id === prev)) sel.value = prev;
     }
   });
 
