@@ -137,9 +137,13 @@ class MLXEngine(Engine):
         from importlib.metadata import version as pkg_version
 
         try:
-            return f"{pkg_version('mlx')}+mlx-lm.{pkg_version('mlx-lm')}"
+            base = f"{pkg_version('mlx')}+mlx-lm.{pkg_version('mlx-lm')}"
         except PackageNotFoundError:
             return "0"
+        try:  # images go through mlx-vlm (.vision): cached measurements and KV are of both
+            return f"{base}+mlx-vlm.{pkg_version('mlx-vlm')}"
+        except PackageNotFoundError:
+            return base
 
     @classmethod
     def prepare(cls) -> None:
