@@ -17,9 +17,13 @@ processors (a masked or logprobs row never takes the batch's shared argmax); ``l
 (bias and penalties, before the mask and temperature); a chunk that asks for ``prompt_logprobs`` runs the output
 layer for every position and reports the raw logits' log-softmax.
 
-Prefix cache: ``kv_save`` snapshots a sequence's KV as an mlx-lm prompt cache (a list of ``KVCache``, sized
-in bytes for the shared index); ``kv_restore`` gives a new sequence the first ``n`` tokens of one (the
-``trim_prompt_cache`` operation, done by slicing so the saved entry stays intact).
+Prefix cache: ``kv_save`` snapshots a sequence's KV as an mlx-lm prompt cache (a list of ``KVCache``, and of
+``RotatingKVCache`` for sliding-window layers while no position has left the window; sized in bytes for the shared
+index); ``kv_restore`` gives a new sequence the first ``n`` tokens of one (the ``trim_prompt_cache`` operation, done
+by slicing so the saved entry stays intact).
+
+Images (:mod:`.vision`): a vision-language folder's vision tower and projector through mlx-vlm; an image's feed
+appends its embeddings to the sequence's own prompt cache, as a prompt chunk does.
 
 Options (``-o KEY=VALUE``): ``blas`` (``auto``, ``bundled`` or a library path; see :mod:`.runtime`),
 ``dtype`` (``auto``: float parameters, quantization scales included, upcast to float32 on CPU; ``keep``; or
