@@ -560,3 +560,22 @@ def check_octo_syntax(argv: list[str]) -> str | None:
             if name not in options:
                 return f"`octo {argv[0]}` has no option {name}"
     return None
+
+
+def cli_options() -> set[str]:
+    """Every option of the octo command and its subcommands."""
+    import click
+
+    from octo.cli.main import cli
+
+    ctx = click.Context(cli)
+    params = list(cli.params)
+    for name in cli.list_commands(ctx):
+        params += cli.get_command(ctx, name).params
+    return {o for p in params for o in [*getattr(p, "opts", []), *getattr(p, "secondary_opts", [])]}
+
+
+def script_options(path: Path) -> set[str]:
+    """The ``--options`` a script declares (the string constants of its source that are ``--name``)."""
+    return {n.value.split("=")[0] for n in ast.walk(module_tree(path))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"--[\w-]+(=.*)?", n.value)}

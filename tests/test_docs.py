@@ -54,6 +54,7 @@ PLACEHOLDER_PATHS = {"tests/test_x.py": "docs/testing.md: run one test file whil
 # scripts) or the user's, not this repository's.
 FOREIGN_FILES = {"tokenizer.json", "adapters.safetensors", "model.bin", "convert_hf_to_gguf.py", "builder.py",
                  "extra-openai-models.yaml", "pulled.json"}
+CHECKED_NAME = re.compile(r"\w[\w.-]*\.(py|yaml|png)|(?=\w+[-_\d])\w[\w.-]*\.json")
 FOREIGN_FILE_PATTERNS = re.compile(r".*config\.json|modeling_\w+\.py")
 
 
@@ -97,12 +98,30 @@ def test_repository_paths_named_in_the_docs_exist():
 
 def test_file_names_named_in_the_docs_exist():
     """A file named without its folder (`kvcache.py`, a result's `speech_engines.json`) is somewhere in the
-    repository."""
+    repository. (A plain name such as `result.json` or `tokenizer.json` is usually a file a program writes or a
+    model folder holds: only names with `-`, `_` or a digit are checked among the JSON ones.)"""
     names = {p.name for root in ("octo", "engines", "plugins", "tests", "bench", "scripts", "docs")
              for p in (REPO / root).rglob("*")} | {p.name for p in REPO.iterdir()}
     bad = [f"{s.where}: `{s.text}` is no file of the repository" for page in pages() for s in page.spans
-           if re.fullmatch(r"\w[\w.-]*\.(py|json|yaml|png)", s.text) and s.text not in names
-           and s.text not in FOREIGN_FILES and not FOREIGN_FILE_PATTERNS.fullmatch(s.text)]
+           if CHECKED_NAME.fullmatch(s.text) and s.text not in names and s.text not in FOREIGN_FILES
+           and not FOREIGN_FILE_PATTERNS.fullmatch(s.text)]
+    assert not bad, "\n".join(bad)
+
+
+# Options the docs name that are another program's (llama-server's, docker's).
+FOREIGN_OPTIONS = {"--draft-p-min": "llama-server's, docs/engines.md", "--network": "docker's, docs/ollama.md"}
+
+
+def test_options_named_in_the_docs_exist():
+    """A `--option` in the docs is octo's (a command's), a script's under bench/ or scripts/, or in FOREIGN_OPTIONS."""
+    from doccheck import cli_options, script_options
+
+    known = cli_options() | {o for folder in ("bench", "scripts") for f in (REPO / folder).glob("*.py")
+                             for o in script_options(f)}
+    bad = [f"{s.where}: `{s.text}`: no octo command, bench/ or scripts/ script has the option {m.group(1)}"
+           for page in pages() for s in page.spans
+           if (m := re.match(r"(--[a-z][\w-]*)", s.text)) and m.group(1) not in known
+           and m.group(1) not in FOREIGN_OPTIONS]
     assert not bad, "\n".join(bad)
 
 
