@@ -1,31 +1,31 @@
 # Two entry points on a fresh machine:
-#   make serve   create .venv, install octo with its engines, serve the synthetic demo model (offline)
+#   make serve   create .venv, install octo with its engines (speech too), serve the synthetic demo model (offline)
 #   make test    create .venv, install everything (system packages too), run the whole test suite
+# scripts/install.py checks the prerequisites first (Python 3.11+ with venv; a C/C++ compiler: pip compiles llama.cpp,
+# 10-15 minutes on 2 cores) and shows each step. `make serve LLAMACPP=no` leaves llama.cpp out (nothing to compile).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --disable-pip-version-check -c constraints.txt
 PORT ?= 8080
+LLAMACPP ?= yes
+INSTALL := $(PYTHON) scripts/install.py --venv $(VENV) $(if $(filter no,$(LLAMACPP)),--no-llamacpp)
 
 .PHONY: serve test install install-dev lint bench clean
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-
-$(VENV)/.octo-installed: $(PY) pyproject.toml constraints.txt
-	$(PIP) -e ".[llamacpp,onnx,mlx,synth]"
+$(VENV)/.octo-installed: pyproject.toml constraints.txt
+	$(INSTALL) --extras llamacpp,onnx,mlx,synth,whisper,speech,tour
 	touch $@
 
-$(VENV)/.octo-dev-installed: $(PY) pyproject.toml constraints.txt
+$(VENV)/.octo-dev-installed: pyproject.toml constraints.txt
 	./scripts/system-deps.sh
-	$(PIP) -e ".[all,synth,dev,bench,ray]"
+	$(INSTALL) --extras all,synth,dev,bench,ray
 	touch $@
 
 install: $(VENV)/.octo-installed
 install-dev: $(VENV)/.octo-dev-installed
 
 serve: install
+	@echo "octo: serving the synthetic demo model with $(VENV)/bin/octo ('source $(VENV)/bin/activate' puts octo on PATH)"
 	$(VENV)/bin/octo serve demo --port $(PORT)
 
 test: install-dev
