@@ -277,12 +277,12 @@ def serve(model, models_file, models_dirs, allow_any_path, allow_pull_hf, max_pu
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
     demand. With no model the server starts empty. --engine and -o apply to the models named here."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    socks = take_port(host, port)  # first the port (in use: an error now), then an engine worker, whose start and
-    _prespawn(cluster, isolation, engine, worker_timeout, log_level, plugins_dir)  # imports overlap the gateway's
-    loop_factory = _loop_factory(loop_name)
     if not _is_loopback(host) and not api_key and not insecure_no_auth:
         raise click.UsageError(f"refusing to serve on {host} without --api-key (anyone on the network could use "
                                "it); pass --api-key KEY, or --insecure-no-auth to accept that")
+    socks = take_port(host, port)  # first the port (in use: an error now), then an engine worker, whose start and
+    _prespawn(cluster, isolation, engine, worker_timeout, log_level, plugins_dir)  # imports overlap the gateway's
+    loop_factory = _loop_factory(loop_name)
     if isinstance(model, str):  # OCTO_MODEL may hold several, separated by spaces
         model = tuple(model.split())
     config = ServerConfig(model=model[0] if model else "", engine=engine, host=host, port=port,
