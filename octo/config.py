@@ -24,6 +24,9 @@ class ServerConfig:
     max_image_mb: float = 20.0  # --max-image-mb: the largest image a request may send (octo.serving.media)
     max_images: int = 16  # --max-images: images in one request
     max_image_pixels: int = 32 * 2**20  # --max-image-pixels: pixels of one image (a decompression bomb: refused)
+    allow_image_urls: tuple[str, ...] = ()  # --allow-image-urls: hosts remote image URLs are fetched from (octo.server.
+    #                                         imagefetch); (): none, a remote URL is a 400 naming the flag
+    image_url_timeout: float = 10.0  # --image-url-timeout: seconds one request's image fetch may take
     bench_seconds: float = 3.0
     rebench: bool = False
     bench_when_idle: bool = False  # serve at once; measure candidate engines without a cached result while idle

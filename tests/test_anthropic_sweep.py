@@ -6,7 +6,9 @@ message roles, each content block type, what a tool result holds, each tool type
 :data:`DECISIONS` says what octo does with each, as docs/api.md does: ``honoured``; ``ignored`` (accepted, with no
 effect: the reason is in docs/api.md); ``refused`` (a 400 naming it: ignoring it would silently change the answer);
 ``header`` (the SDK sends it as an HTTP header); ``engine`` (honoured where the engine constrains its output; the
-echo engine cannot, so a 400 naming that). A type octo refuses whole is one key (``block.image``).
+echo engine cannot, so a 400 naming that); ``vision`` (honoured on a model that takes images; the echo engine takes
+none, so a 400 naming the model: tests/test_vision_apis_functional.py sends them to demo-vision). A type octo
+refuses whole is one key (``block.document``).
 
 A field a newer SDK adds fails :func:`test_every_sdk_field_has_a_decision` until it is decided here and in the docs;
 each decision is then checked against a real `octo serve` (the echo engine with ``think=1``, so that thinking can be
@@ -28,15 +30,15 @@ from anthropic.types import message_create_params as create_params  # noqa: E402
 from anthropic.types.beta import message_create_params as beta_create_params  # noqa: E402
 
 MODEL = "test-model"
-H, IGN, R, X, E = "honoured", "ignored", "refused", "header", "engine"
+H, IGN, R, X, E, V = "honoured", "ignored", "refused", "header", "engine", "vision"
 
 # whole types octo refuses: content it cannot show the model, tools it cannot run, edits it does not make
 REFUSED_TYPES = {
     "block": ("advisor_tool_result", "bash_code_execution_tool_result", "code_execution_tool_result", "compaction",
-              "container_upload", "document", "image", "mcp_tool_listing", "mcp_tool_result", "mcp_tool_use",
+              "container_upload", "document", "mcp_tool_listing", "mcp_tool_result", "mcp_tool_use",
               "search_result", "text_editor_code_execution_tool_result", "web_fetch_tool_result",
               "web_search_tool_result"),
-    "result_part": ("browser_state", "document", "image", "search_result"),
+    "result_part": ("browser_state", "document", "search_result"),
     "tool": ("advisor_20260301", "bash_20241022", "bash_20250124", "browser_toolset_20260801",
              "code_execution_20250522", "code_execution_20250825", "code_execution_20260120",
              "code_execution_20260521", "computer_20241022", "computer_20250124", "computer_20251124",
@@ -77,6 +79,8 @@ DECISIONS: dict[str, str] = {
     "block.tool_addition.type": H, "block.tool_addition.tool": H, "block.tool_addition.cache_control": IGN,
     "block.tool_removal.type": H, "block.tool_removal.tool": H, "block.tool_removal.cache_control": IGN,
     "block.fallback.type": IGN, "block.fallback.from": IGN, "block.fallback.to": IGN, "block.fallback.trigger": IGN,
+    **{f"{surface}.image.{f}": V for surface in ("block", "result_part")
+       for f in ("type", "source", "cache_control", "transformations")},
     # what a tool result holds
     "result_part.text.type": H, "result_part.text.text": H, "result_part.text.cache_control": IGN,
     "result_part.text.citations": IGN,
@@ -353,6 +357,9 @@ def test_decision(server, key):
     message = answer["error"]["message"]
     if decision == E:  # the echo engine cannot constrain its output: said so, not silently unconstrained
         assert "constrain" in message, (key, message)
+    elif decision == V:  # the echo engine takes no images: the model is named, and the block
+        where = "messages.0.content.0" if key.startswith("block") else "messages.2.content.0.content.0"
+        assert message.startswith(f"{where}: Model '{MODEL}' does not take images"), (key, message)
     else:
         named = field or key.split(".")[1]
         assert named in message, (key, named, message)

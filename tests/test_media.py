@@ -81,10 +81,10 @@ def test_a_model_without_images_and_too_many_images_are_refused():
 
 
 def test_parts_join_as_llama_server_joins_them():
-    m = media.MARKER
+    m = media.marker
     assert media.join_parts(["a", "b"]) == "a\nb"
-    assert media.join_parts(["a", None, "b"]) == f"a{m}b"
-    assert media.join_parts([None, "a", "b", None, None]) == f"{m}a\nb{m}{m}"
+    assert media.join_parts(["a", 0, "b"]) == f"a{m(0)}b"
+    assert media.join_parts([3, "a", "b", 4, 5]) == f"{m(3)}a\nb{m(4)}{m(5)}"
 
 
 def test_the_prompt_is_cut_at_its_images_and_a_lost_image_is_an_error():
@@ -96,8 +96,15 @@ def test_the_prompt_is_cut_at_its_images_and_a_lost_image_is_an_error():
             return [1, 2, 3], []
 
     a, b = (media.decode_image(encoded(Image.new("RGB", (2, 2), c)), "p", LIMITS) for c in ((1, 1, 1), (2, 2, 2)))
-    m = media.MARKER
-    media.tokenize(Engine(), f"x{m}y{m}", [a, b])
+    m = media.marker
+    media.tokenize(Engine(), f"x{m(0)}y{m(1)}", [a, b])
     assert seen[-1] == ["x", a, "y", b]
-    with pytest.raises(InvalidRequest, match="placed 1 of the request's 2 images"):
-        media.tokenize(Engine(), f"x{m}y", [a, b])
+    media.tokenize(Engine(), f"{m(1)}y{m(0)}", [a, b])  # each image where its marker is, in any order
+    assert seen[-1] == [b, "y", a]
+    for prompt in (f"x{m(0)}y", f"x{m(0)}y{m(0)}", f"x{m(0)}y{m(2)}"):  # one lost, one twice, one not sent
+        with pytest.raises(InvalidRequest, match="of the request's 2 images"):
+            media.tokenize(Engine(), prompt, [a, b])
+    media.tokenize(Engine(), f"x{m(1)}", [a, b], dropped_ok=True)  # (Ollama's truncation cut the first)
+    assert seen[-1] == ["x", b]
+    media.tokenize(Engine(), "x<__octo_media_0__>", [])  # a client's text cannot place an image: the token is secret
+    assert seen[-1] == ["x<__octo_media_0__>"]

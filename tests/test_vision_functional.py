@@ -105,7 +105,7 @@ def _bomb(side: int) -> bytes:
     (data_url(png(fmt="TIFF"), "image/tiff"), "unsupported_image_format", "Unsupported image format TIFF"),
     (data_url(_bomb(8000)), "image_too_large", "8000x8000 = 64,000,000 pixels; at most 33,554,432"),
     (data_url(_bomb(20000)), "image_too_large", "--max-image-pixels"),  # (past Pillow's own bound too)
-    ("http://example.com/cat.png", "remote_image_url", "not fetched"),
+    ("http://example.com/cat.png", "remote_image_url", "--allow-image-urls"),
     ("data:image/png;base64,@@@not base64@@@", "invalid_image_url", "base64"),
     ("data:image/png,rawbytes", "invalid_image_url", "base64"),
     ("data:text/plain;base64,aGVsbG8=", "invalid_image", "text/plain"),
@@ -128,7 +128,8 @@ def test_malformed_image_parts_are_400s_naming_the_field(client):
         client.chat.completions.create(model=MODEL, messages=[
             {"role": "system", "content": [{"type": "image_url", "image_url": {"url": data_url(png())}}]},
             {"role": "user", "content": "hi"}])
-    assert err.value.body["param"] == "messages[0].content[0]" and "user messages only" in err.value.body["message"]
+    body = err.value.body
+    assert body["param"] == "messages[0].content[0]" and "user and tool messages only" in body["message"]
 
 
 def test_the_image_limits_are_the_flags():

@@ -51,7 +51,7 @@ from .native import version as lib_version
 from .sampling import SamplerChain
 from .speculate import Speculation
 from .template import ChatTemplate
-from .vision import Vision
+from .vision import Vision, position
 
 if TYPE_CHECKING:
     from octo.engine import MediaChunk, MediaInput
@@ -475,7 +475,8 @@ class LlamaCppEngine(Engine):
             if n + k + len(d) > b.capacity:
                 raise EngineError(f"step of more than n_batch={b.capacity} tokens")
             b.token[n : n + k] = f.tokens
-            b.pos[n : n + k + len(d)] = range(f.seq.n_cached, f.seq.n_cached + k + len(d))
+            p = f.seq.n_cached if not f.seq.media else position(f.seq, f.seq.n_cached)  # (M-RoPE images: .vision)
+            b.pos[n : n + k + len(d)] = range(p, p + k + len(d))
             b.seq[n : n + k + len(d)] = f.seq.slot.seq_id
             b.logits[n : n + k] = f.prompt_logprobs >= 0  # prompt logprobs: logits of every position
             if f.sample and k:

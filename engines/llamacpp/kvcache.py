@@ -18,6 +18,7 @@ from octo.errors import EngineError, KVCacheFull
 
 from .cells import CellBook
 from .native import LogTap
+from .vision import floor, position
 
 log = logging.getLogger("octo.engines.llamacpp")
 STATE_MAGIC = (0xAF143CD8).to_bytes(4, "little")  # llama.cpp's sequence-state io_magic (llama-context.cpp)
@@ -85,10 +86,16 @@ class KVCells:
             held = [*(s.tokens[:s.n_cached] for s in active.values()), *(h.tokens for h in self.entries.values())]
         return max((common_prefix(list(h), tokens) for h in held), default=0)
 
+    def at(self, seq_id: int, n: int) -> int:
+        """The KV position of token ``n`` of the running sequence ``seq_id`` (``n`` itself but after an M-RoPE image:
+        :func:`.vision.position`)."""
+        seq = self.host.active.get(seq_id) if n > 0 else None
+        return position(seq, n) if seq is not None and seq.media else n
+
     def seq_rm(self, seq_id: int, keep: int) -> bool:
-        """Drop ``seq_id``'s positions from ``keep`` on (0: all), in llama.cpp and in the cell book."""
+        """Drop ``seq_id``'s tokens from ``keep`` on (0: all), in llama.cpp and in the cell book."""
         L, mem = self.host.lib, self.host.mem
-        ok = L.llama_memory_seq_rm(mem, seq_id, keep, -1)
+        ok = L.llama_memory_seq_rm(mem, seq_id, self.at(seq_id, keep), -1)
         if not ok:  # a partial removal the memory cannot do: drop it all
             L.llama_memory_seq_rm(mem, seq_id, -1, -1)
         self.book.truncate(seq_id, keep if ok else 0)
@@ -106,8 +113,10 @@ class KVCells:
         raise EngineError(f"llama_decode failed with code {rc}: {LogTap.tail()}")
 
     def seq_cp(self, src: int, dst: int, n: int) -> None:
-        """``dst`` (empty) joins the cells of ``src``'s first ``n`` positions: no data is copied."""
-        self.host.lib.llama_memory_seq_cp(self.host.mem, src, dst, 0, n)
+        """``dst`` (empty) joins the cells of ``src``'s first ``n`` tokens: no data is copied. (One of the two is a
+        running sequence, whose images place the tokens.)"""
+        p = self.at(dst if dst in self.host.active else src, n)
+        self.host.lib.llama_memory_seq_cp(self.host.mem, src, dst, 0, p)
         self.book.copy(src, dst, n)
 
     # -- KV pressure -------------------------------------------------------------------------------------------
@@ -116,7 +125,9 @@ class KVCells:
         seq.n_cached = 0
 
     def share(self, src: Sequence, dst: Sequence, n: int) -> None:
-        """``dst`` joins the cells of ``src``'s first ``n`` positions (the unified pool)."""
+        """``dst`` joins the cells of ``src``'s first ``n`` positions (the unified pool; fewer when ``n`` falls inside
+        an M-RoPE image)."""
+        n = floor(dst, n)
         self.seq_cp(src.slot.seq_id, dst.slot.seq_id, n)
         dst.n_cached = n
 
@@ -261,7 +272,7 @@ class KVCells:
         """Give ``seq`` the first ``n_tokens`` of ``handle`` (at least one prompt token is always left to feed, so the
         next step has logits to sample from). Returns the tokens it got (0: a miss, ``n_cached`` stays 0)."""
         slot: Slot = seq.slot
-        n_tokens = min(n_tokens, len(handle.tokens), len(seq.tokens) - 1)
+        n_tokens = floor(seq, min(n_tokens, len(handle.tokens), len(seq.tokens) - 1))  # (an M-RoPE image: whole)
         if n_tokens <= 0:
             return 0
         if isinstance(handle.data, int):  # cells of a cache sequence: join them

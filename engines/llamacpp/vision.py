@@ -4,8 +4,17 @@ vision-language GGUF, the prompt's tokens cut at its images, their encodes, and 
 The projector is the ``mmproj`` option (what ``--mmproj`` passes) or, by default, the one ``mmproj*.gguf`` file beside
 the model's GGUF (the layout of llama.cpp's ``-hf`` downloads, LM Studio's folders and octo's catalog); ``mmproj=none``
 serves the model as text only. A projector that does not load fails the model's load, saying so (libmtmd's own
-warm-up encode runs at load). A model whose projector positions images with M-RoPE (the Qwen2-VL family) is not served
-with it yet: its image positions are not the token positions the scheduler counts.
+warm-up encode runs at load).
+
+Positions: the scheduler counts a sequence's tokens (``n_cached``), and llama.cpp's KV holds a position per cell. They
+are the same number except after an image of a model with M-RoPE (the Qwen2-VL family: Qwen2-VL, Qwen2.5-VL): its
+nx x ny tokens take the 2D positions of their grid (each section of llama.cpp's four: temporal, row, column), all at
+one temporal position, and advance the sequence's position by ``mtmd_input_chunk_get_n_pos`` (max(nx, ny)), not by
+their count, as llama-server's ``server_tokens::pos_next`` counts. :func:`position` maps a token count to the KV
+position every llama.cpp call takes (a text batch's ``pos``, ``llama_memory_seq_rm``, ``llama_memory_seq_cp``), and
+:func:`floor` brings a cut that would fall inside such an image (a restored or shared prefix) back to the image's
+start: its cells share one position, so llama.cpp can keep all of them or none (llama-server's ``keep_first`` refuses
+the same cut).
 
 ``tokenize`` runs ``mtmd_tokenize_from_parts`` on the rendered prompt's text parts and images (RGB pixels from the
 serving layer, each with its SHA-256 as libmtmd's bitmap id): text chunks give their tokens, an image chunk its
@@ -24,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from octo.engine import Feed, MediaChunk, MediaInput, media_token_ids
+from octo.engine import Feed, MediaChunk, MediaInput, Sequence, media_token_ids
 from octo.errors import ConfigError, ContextLengthExceeded, EngineError, InvalidRequest, KVCacheFull
 
 from . import logits as lg
@@ -60,13 +69,36 @@ def load(engine: Any) -> Vision | None:
     return Vision(engine, path)
 
 
+def position(seq: Sequence, n: int) -> int:
+    """The KV position of ``seq``'s token ``n`` (a text token's, or an image's first): ``n``, less what the M-RoPE
+    images before it save; inside such an image, the temporal position all its cells share."""
+    shift = 0
+    for c in seq.media:
+        if c.end <= n:
+            shift += getattr(c.data, "n_pos", c.n_tokens) - c.n_tokens
+        elif c.pos < n and getattr(c.data, "grid", False):
+            return c.pos + shift
+        else:
+            break
+    return n + shift
+
+
+def floor(seq: Sequence, n: int) -> int:
+    """``n``, or the start of the M-RoPE image it falls inside (whose cells llama.cpp keeps or drops together)."""
+    for c in seq.media:
+        if c.pos < n < c.end and getattr(c.data, "grid", False):
+            return c.pos
+    return n
+
+
 class _Chunk:
-    """An owned copy of a libmtmd input chunk (freed with this object)."""
+    """An owned copy of a libmtmd input chunk (freed with this object): ``n_pos`` positions it advances the sequence
+    by; ``grid``: its tokens take 2D (M-RoPE) positions."""
 
-    __slots__ = ("ptr", "_free")
+    __slots__ = ("ptr", "_free", "n_pos", "grid")
 
-    def __init__(self, ptr: Any, free: Any) -> None:
-        self.ptr, self._free = ptr, free
+    def __init__(self, ptr: Any, free: Any, n_pos: int, grid: bool) -> None:
+        self.ptr, self._free, self.n_pos, self.grid = ptr, free, n_pos, grid
 
     def __del__(self) -> None:
         if self.ptr:
@@ -93,12 +125,11 @@ class Vision:
         if not self.ctx:
             raise ConfigError(f"llama.cpp could not load the projector {path} for {engine.artifact_path} (not an "
                               f"mmproj GGUF of this model?): {LogTap.tail() or 'no details'}", param="mmproj")
-        vision, mrope = M.mtmd_support_vision(self.ctx), M.mtmd_decode_use_mrope(self.ctx)
-        if mrope or not vision:
+        if not M.mtmd_support_vision(self.ctx):
             self.close()
-            what = "positions images with M-RoPE (the Qwen2-VL family)" if vision else "takes no images"
-            raise ConfigError(f"the projector {path.name} {what}, which octo's llama.cpp engine does not serve yet; "
-                              "-o mmproj=none serves the model as text only", param="mmproj")
+            raise ConfigError(f"the projector {path.name} takes no images, which octo's llama.cpp engine does not "
+                              "serve yet; -o mmproj=none serves the model as text only", param="mmproj")
+        self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # 4 positions per image row (.position)
         self.non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, None))
         self.n_embd = L.llama_model_n_embd_inp(engine.model)
         self.n_ubatch = L.llama_n_ubatch(engine.ctx)
@@ -106,7 +137,8 @@ class Vision:
 
     def describe(self) -> dict[str, Any]:
         return {"mmproj": str(self.path), "mmproj_bytes": self.path.stat().st_size, "media": ["image"],
-                "image_attention": "non-causal" if self.non_causal else "causal"}
+                "image_attention": "non-causal" if self.non_causal else "causal",
+                "image_positions": "M-RoPE (2D)" if self.mrope else "sequential"}
 
     def close(self) -> None:
         if self.ctx:
@@ -171,7 +203,8 @@ class Vision:
                 raise InvalidRequest(f"An image takes {n} tokens, more than the {self.n_ubatch} of one micro-batch "
                                      "this model reads an image in (-o n_ubatch).", param="messages")
             digest = (M.mtmd_input_chunk_get_id(chunk) or b"").decode()
-            owned = _Chunk(M.mtmd_input_chunk_copy(chunk), M.mtmd_input_chunk_free)
+            owned = _Chunk(M.mtmd_input_chunk_copy(chunk), M.mtmd_input_chunk_free, M.mtmd_input_chunk_get_n_pos(chunk),
+                           self.mrope)
             media.append(MediaChunk("image", digest, len(tokens), n, data=owned))
             tokens += media_token_ids(digest, n)
         if eng.add_bos and len(tokens) > 1 and tokens[0] == tokens[1] == eng.bos:  # the template wrote BOS too
@@ -226,35 +259,28 @@ class Vision:
         if start + k > eng.n_ctx_seq:
             raise ContextLengthExceeded(f"This model's maximum context length is {eng.n_ctx_seq} tokens; sequence "
                                         f"{seq.id} would reach {start + k}.", param="messages")
-        rows = np.ascontiguousarray(m.embedding[start - m.pos:start - m.pos + k], dtype=np.float32)
+        off = start - m.pos
+        rows = np.ascontiguousarray(m.embedding[off:off + k], dtype=np.float32)
+        p0 = position(seq, start)
+        pos = self._positions(m, p0 - off if not self.mrope else p0)[:, off:off + k]
         sid = seq.slot.seq_id
-        pos = np.arange(start, start + k, dtype=np.int32)
-        n_seq = np.ones(k, dtype=np.int32)
-        sids = np.full(k, sid, dtype=np.int32)
-        logits = np.zeros(k, dtype=np.int8)
-        logits[-1] = f.sample
-        i32 = ctypes.POINTER(ctypes.c_int32)
-        seq_ptrs = (i32 * k)(*[ctypes.cast(sids.ctypes.data + 4 * j, i32) for j in range(k)])
-        b = L.llama_batch()
-        b.n_tokens = k
-        b.token = ctypes.POINTER(L.llama_token)()
-        b.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        b.pos, b.n_seq_id = pos.ctypes.data_as(i32), n_seq.ctypes.data_as(i32)
-        b.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(i32))
-        b.logits = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         if eng.adapters is not None:
             eng.adapters.apply(ctx, seq.sampling.adapter)
         if self.non_causal:
             L.llama_set_causal_attn(ctx, False)
-        try:
-            rc = L.llama_decode(ctx, b)
+        try:  # a causal image larger than a batch goes in batches (a non-causal one fits a micro-batch: .tokenize)
+            for i in range(0, k, eng.n_batch):
+                rc = L.llama_decode(ctx, _EmbdBatch(L, rows[i:i + eng.n_batch], pos[:, i:i + eng.n_batch], sid,
+                                                    f.sample and i + eng.n_batch >= k).struct)
+                if rc != 0:
+                    break
         finally:
             if self.non_causal:
                 L.llama_set_causal_attn(ctx, True)
-        if rc == 1:
-            raise KVCacheFull(f"llama.cpp's KV cache is full ({eng.kv_cells} cells; an image of {k} positions)")
         if rc != 0:
-            eng.cells.seq_rm(sid, start)
+            eng.cells.seq_rm(sid, start)  # (the batches before it)
+            if rc == 1:
+                raise KVCacheFull(f"llama.cpp's KV cache is full ({eng.kv_cells} cells; an image of {k} positions)")
             raise EngineError(f"llama_decode of an image failed with code {rc}: {LogTap.tail()}")
         seq.n_cached += k
         eng.cells.book.append(sid, k)
@@ -262,6 +288,42 @@ class Vision:
             eng.cells.count_runs([f])
         if not f.sample:
             return None
+        last = (k - 1) % eng.n_batch  # the logits row of the last batch
         if f.mask is None and f.logprobs < 0:
-            return seq.slot.chain.sample(ctx, k - 1)
-        return lg.sample(L, ctx, eng.n_vocab, f, k - 1, eng.penalty_last_n)
+            return seq.slot.chain.sample(ctx, last)
+        return lg.sample(L, ctx, eng.n_vocab, f, last, eng.penalty_last_n)
+
+    def _positions(self, m: MediaChunk, p0: int) -> Any:
+        """The positions of all of ``m``'s rows from ``p0`` (its first): one row (sequential), or the four sections of
+        M-RoPE (temporal, row, column, unused), as libmtmd's ``mtmd_helper_image_get_decoder_pos`` places them."""
+        np, M = self.np, self.M
+        if not self.mrope:
+            return np.arange(p0, p0 + m.n_tokens, dtype=np.int32)[None, :]
+        out = np.zeros((m.n_tokens, 4), dtype=np.uint32)  # mtmd_decoder_pos {t, x, y, z} per row
+        image = M.mtmd_input_chunk_get_tokens_image(m.data.ptr)
+        M.mtmd_helper_image_get_decoder_pos(image, p0, out.ctypes.data_as(ctypes.POINTER(M.mtmd_decoder_pos)))
+        return np.ascontiguousarray(out[:, [0, 2, 1, 3]].T, dtype=np.int32)  # llama_batch: t, y, x, z sections
+
+
+class _EmbdBatch:
+    """A ``llama_batch`` of embedding rows of one sequence, ``pos`` a section per row of positions (1, or 4 for
+    M-RoPE: llama.cpp reads them section-major), logits for the last row when ``sample``. Holds its arrays."""
+
+    def __init__(self, L: Any, rows: Any, pos: Any, seq_id: int, sample: bool) -> None:
+        import numpy as np
+
+        k = len(rows)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self.rows, self.pos = rows, np.ascontiguousarray(pos.reshape(-1))
+        self.n_seq = np.ones(k, dtype=np.int32)
+        self.sids = np.full(k, seq_id, dtype=np.int32)
+        self.logits = np.zeros(k, dtype=np.int8)
+        self.logits[-1] = sample
+        self.seq_ptrs = (i32 * k)(*[ctypes.cast(self.sids.ctypes.data + 4 * j, i32) for j in range(k)])
+        b = self.struct = L.llama_batch()
+        b.n_tokens = k
+        b.token = ctypes.POINTER(L.llama_token)()
+        b.embd = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        b.pos, b.n_seq_id = self.pos.ctypes.data_as(i32), self.n_seq.ctypes.data_as(i32)
+        b.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(i32))
+        b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))

@@ -1,7 +1,7 @@
 """Request models of the Anthropic Messages API (``POST /v1/messages`` and ``/v1/messages/count_tokens``), strict
 like every octo request model (``octo.protocol.openai``): a wrong JSON type or an unknown key at any depth is a 400
-naming it. Content blocks and tools of a type octo does not serve (images, documents, server tools such as
-``web_search_*``) are kept whole and refused by the serving layer (``octo.serving.anthropic``) with a 400 naming them.
+naming it. Content blocks and tools of a type octo does not serve (documents, server tools such as ``web_search_*``)
+are kept whole and refused by the serving layer (``octo.serving.anthropic``) with a 400 naming them.
 ``cache_control`` is accepted wherever Anthropic's API takes it: octo's prefix cache is automatic. What octo does with
 each field of the official SDK's ``MessageCreateParams`` (honoured, accepted and ignored, or refused) is in
 docs/api.md; tests/test_anthropic_sweep.py holds the SDK's types to that list."""
@@ -19,7 +19,8 @@ from octo.protocol.openai import INT32, MAX_TOKENS_LIMIT, Model, Other, check_st
 protocol.UNION_TAGS.update({"text-block", "other-block", "tool-use-block", "tool-result-block", "thinking-block",
                              "redacted-thinking-block", "custom-tool", "server-tool", "tool-search-tool",
                              "tool-reference-block", "server-tool-use-block", "tool-search-result-block",
-                             "search-hits", "search-error", "tool-change-block"})
+                             "search-hits", "search-error", "tool-change-block", "image-block", "base64-source",
+                             "url-source", "file-source"})
 
 
 class CacheControl(Model):
@@ -48,6 +49,43 @@ TextOrOther = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[Othe
                         Discriminator(_text_kind)]
 
 
+class Base64Source(Model):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(Model):
+    type: Literal["url"]
+    url: str
+
+
+class FileSource(Model):
+    type: Literal["file"]
+    file_id: str
+
+
+def _source_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"url": "url-source", "file": "file-source"}.get(kind, "base64-source") if isinstance(kind, str) \
+        else "base64-source"
+
+
+class ImageTransformations(Model):
+    oversized_image: Literal["downsize", "error"] | None = None
+
+
+class ImageBlock(Model):
+    """An image: ``source`` base64 (with its media type), a URL (fetched where the server allows its host:
+    ``--allow-image-urls``) or a file of Anthropic's Files API (which octo has not: a 400 naming it)."""
+
+    type: Literal["image"]
+    source: Annotated[Annotated[Base64Source, Tag("base64-source")] | Annotated[UrlSource, Tag("url-source")]
+                      | Annotated[FileSource, Tag("file-source")], Discriminator(_source_kind)]
+    cache_control: CacheControl | None = None  # prompt caching is automatic here (the prefix cache, images too)
+    transformations: ImageTransformations | None = None
+
+
 class ToolReferenceBlock(Model):
     """A deferred tool loaded by a tool search (``defer_loading``): in a ``tool_result`` (a client-side search, as
     Claude Code's ToolSearch) or in a ``tool_search_tool_result`` (octo's server-side search)."""
@@ -59,11 +97,12 @@ class ToolReferenceBlock(Model):
 
 def _result_part_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return {"text": "text-block", "tool_reference": "tool-reference-block"}.get(kind, "other-block")
+    return {"text": "text-block", "tool_reference": "tool-reference-block", "image": "image-block"}.get(
+        kind, "other-block") if isinstance(kind, str) else "other-block"
 
 
-# what a tool result holds: text, tool references (other types: a 400 naming them)
-ResultPart = Annotated[Annotated[TextBlock, Tag("text-block")]
+# what a tool result holds: text, images (Claude Code's screenshots), tool references (other types: a 400 naming them)
+ResultPart = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[ImageBlock, Tag("image-block")]
                        | Annotated[ToolReferenceBlock, Tag("tool-reference-block")]
                        | Annotated[OtherBlock, Tag("other-block")], Discriminator(_result_part_kind)]
 
@@ -151,8 +190,9 @@ class ToolChangeBlock(Model):
     cache_control: CacheControl | None = None
 
 
-_BLOCK_TAGS = {"text": "text-block", "tool_use": "tool-use-block", "tool_result": "tool-result-block",
-               "thinking": "thinking-block", "redacted_thinking": "redacted-thinking-block",
+_BLOCK_TAGS = {"text": "text-block", "image": "image-block", "tool_use": "tool-use-block",
+               "tool_result": "tool-result-block", "thinking": "thinking-block",
+               "redacted_thinking": "redacted-thinking-block",
                "server_tool_use": "server-tool-use-block", "tool_search_tool_result": "tool-search-result-block",
                "tool_addition": "tool-change-block", "tool_removal": "tool-change-block"}
 
@@ -162,7 +202,8 @@ def _block_kind(value: Any) -> str:
     return _BLOCK_TAGS.get(kind, "other-block") if isinstance(kind, str) else "other-block"
 
 
-ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[ToolUseBlock, Tag("tool-use-block")]
+ContentBlock = Annotated[Annotated[TextBlock, Tag("text-block")] | Annotated[ImageBlock, Tag("image-block")]
+                         | Annotated[ToolUseBlock, Tag("tool-use-block")]
                          | Annotated[ToolResultBlock, Tag("tool-result-block")]
                          | Annotated[ThinkingBlock, Tag("thinking-block")]
                          | Annotated[RedactedThinkingBlock, Tag("redacted-thinking-block")]

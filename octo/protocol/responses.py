@@ -9,7 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
+from octo.protocol import openai as protocol
 from octo.protocol.openai import MAX_TOKENS_LIMIT, Model, Other, check_metadata, default_if_null
+
+protocol.UNION_TAGS.add("image-content")  # (a union member's tag is not part of a field's path in a 400)
 
 
 class InputText(Model):
@@ -19,17 +22,28 @@ class InputText(Model):
     logprobs: list[Any] | None = None
 
 
+class InputImage(Model):
+    """An image: ``image_url`` a data URL (or an http(s) URL the server may fetch: ``--allow-image-urls``);
+    ``file_id`` names a file of OpenAI's Files API, which octo has not (a 400 naming it)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["low", "high", "auto", "original"] | None = None  # accepted: the projector decides the resolution
+
+
 class OtherContent(Other):
     pass
 
 
 def _content_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "text-content" if kind in ("input_text", "output_text") else "other-content"
+    return "text-content" if kind in ("input_text", "output_text") else "image-content" if kind == "input_image" \
+        else "other-content"
 
 
-Content = Annotated[Annotated[InputText, Tag("text-content")] | Annotated[OtherContent, Tag("other-content")],
-                    Discriminator(_content_kind)]
+Content = Annotated[Annotated[InputText, Tag("text-content")] | Annotated[InputImage, Tag("image-content")]
+                    | Annotated[OtherContent, Tag("other-content")], Discriminator(_content_kind)]
 
 
 class MessageItem(Model):

@@ -13,7 +13,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from octo.config import ServerConfig
 from octo.errors import InvalidRequest, NotFound
-from octo.server import guard, stamp
+from octo.server import guard, imagefetch, stamp
 from octo.server.guard import HOST_GUARD, V1_OF
 from octo.server.hostcheck import HostGuard
 from octo.server.metrics import CONTENT_TYPE, Metrics
@@ -61,7 +61,8 @@ def _model_entry(state: AppState, slot: Any) -> dict[str, Any]:
                         "measured_bytes": _rss(h) if h is not None else None}}
     if h is not None:
         entry.update(engine=h.engine_name, context_length=h.info.n_ctx, isolation=h.isolation,
-                     load_seconds=slot.load_seconds, tasks=sorted(t.value for t in h.tasks))
+                     load_seconds=slot.load_seconds, tasks=sorted(t.value for t in h.tasks),
+                     capabilities=capabilities(h.task, h.info))
         worker = getattr(h, "worker_info", None)
         if worker is not None:
             entry["worker"] = worker()
@@ -73,6 +74,15 @@ def _model_entry(state: AppState, slot: Any) -> dict[str, Any]:
         entry["reason"] = reason
     entry.update(slot.progress())  # a load in progress (loading_s, waiting) or a failed one's retry_in_s
     return entry
+
+
+def capabilities(task: str, info: Any) -> list[str]:
+    """What a loaded model does, in Ollama's words (``/api/show``): ``completion`` (chat), ``vision`` (it takes
+    images), ``embedding``, ``transcription``."""
+    caps = [{"chat": "completion", "embeddings": "embedding"}.get(task, task)]
+    if getattr(info, "takes_images", False):
+        caps.append("vision")
+    return caps
 
 
 def _rss(handle: Any) -> int | None:
@@ -336,6 +346,7 @@ def create_app(config: ServerConfig, models: Any, engine_rows: list[dict[str, An
     state = AppState(config=config, registry=registry, started=time.time())
     state.metrics = Metrics(state)
     app[STATE] = state
+    imagefetch.setup(app, config)  # --allow-image-urls: the fetcher of remote image URLs
     r = app.router
     _add_routes(app)
     n_routes = len(r.routes())

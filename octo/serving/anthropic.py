@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from octo.errors import InvalidRequest, UnsupportedParameter
 from octo.protocol.anthropic import (
     AnthropicCountTokensRequest,
     AnthropicRequest,
+    Base64Source,
+    FileSource,
+    ImageBlock,
     RedactedThinkingBlock,
     ServerToolUseBlock,
     TextBlock,
@@ -35,10 +39,12 @@ from octo.protocol.anthropic import (
     ToolResultBlock,
     ToolSearchResultBlock,
     ToolUseBlock,
+    UrlSource,
 )
 from octo.scheduler.jobs import GenerationRequest
-from octo.serving import chatprep
+from octo.serving import chatprep, media
 from octo.serving.anthropic_tools import SEARCH_NAMES, ToolSet, result_text
+from octo.serving.media import ImageRef
 from octo.serving.openai import require, unsupported_if
 from octo.text import toolsearch
 from octo.text.reasoning import prompt_opens_thinking, supports_thinking, template_source
@@ -73,6 +79,7 @@ class ChatInput:
     parallel: bool | None
     prompt_tools: list[dict[str, Any]] | None = None  # what the prompt lists (deferred tools are not in it)
     effort: str | None = None  # output_config.effort, the last system turn's own where one sets it
+    images: list[ImageRef] | None = None  # the images of user turns and tool results, in the order sent
 
 
 def _text(content: Any, where: str) -> str:
@@ -108,7 +115,7 @@ def _unanswered(open_calls: dict[str, int]) -> InvalidRequest:
                           "block in the next message.", param=f"messages[{i}]")
 
 
-def _messages(req: AnthropicCountTokensRequest, tools: ToolSet) -> list[dict[str, Any]]:
+def _messages(req: AnthropicCountTokensRequest, tools: ToolSet, images: list[ImageRef]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = _text(req.system, "system")
     if system:
@@ -131,7 +138,7 @@ def _messages(req: AnthropicCountTokensRequest, tools: ToolSet) -> list[dict[str
         if m.role == "assistant":
             _assistant_turn(i, blocks, open_calls, out, tools)
         else:
-            _user_turn(i, blocks, open_calls, out, tools)
+            _user_turn(i, blocks, open_calls, out, tools, images)
     if open_calls:
         raise _unanswered(open_calls)
     if out and out[-1]["role"] == "assistant" and not out[-1]["content"] and not out[-1].get("tool_calls"):
@@ -237,14 +244,17 @@ def _assistant_message(texts: list[str], calls: list[dict[str, Any]]) -> dict[st
 
 
 def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[dict[str, Any]],
-               tools: ToolSet) -> None:
-    """A user turn (``messages[i]``): its text, and its tool results as tool messages in place; each must answer
-    one of the previous turn's calls, and all of them must be answered."""
-    texts, answered = [], 0
+               tools: ToolSet, images: list[ImageRef]) -> None:
+    """A user turn (``messages[i]``): its text and images, and its tool results as tool messages in place; each must
+    answer one of the previous turn's calls, and all of them must be answered."""
+    texts: list[str | int] = []  # an int: an image, its number in the request (octo.serving.media.join_parts)
+    answered = 0
     for j, b in enumerate(blocks):
         where = f"messages[{i}].content[{j}]"
         if isinstance(b, TextBlock):
             texts.append(b.text)
+        elif isinstance(b, ImageBlock):
+            texts.append(_image(b, where, images))
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in open_calls:
                 raise InvalidRequest(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` "
@@ -252,9 +262,9 @@ def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[
                                      "`tool_use` block in the previous message.", param=f"{where}.tool_use_id")
             del open_calls[b.tool_use_id]
             if texts:  # text before the result keeps its place
-                _append(out, {"role": "user", "content": "".join(texts)})
+                _append(out, {"role": "user", "content": _joined(texts)})
                 texts = []
-            result = _result(b.content, f"{where}.content", tools)
+            result = _result(b.content, f"{where}.content", tools, images)
             if b.is_error:
                 result = f"Error: {result}" if result else "Error"
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
@@ -268,23 +278,71 @@ def _user_turn(i: int, blocks: list[Any], open_calls: dict[str, int], out: list[
     if open_calls:
         raise _unanswered(open_calls)
     if texts or not answered:
-        _append(out, {"role": "user", "content": "".join(texts)})
+        _append(out, {"role": "user", "content": _joined(texts)})
 
 
-def _result(content: Any, where: str, tools: ToolSet) -> str:
-    """A tool result's text: its text blocks, and the definitions of the tools its ``tool_reference`` blocks load (a
-    client-side tool search, as Claude Code's ToolSearch), expanded where the references stand."""
-    if not isinstance(content, list) or not any(isinstance(b, ToolReferenceBlock) for b in content):
+def _joined(texts: list[str | int]) -> str:
+    """Text blocks as one text; with images, joined as llama-server joins a message's parts (octo.serving.media)."""
+    return media.join_parts(texts) if any(isinstance(t, int) for t in texts) else "".join(texts)  # type: ignore
+
+
+def _image(b: ImageBlock, where: str, images: list[ImageRef]) -> int:
+    """An image block of the request, as its number in the request's images."""
+    if isinstance(b.source, FileSource):
+        raise UnsupportedParameter(f"{where}.source", "octo has no Files API; send the image base64 encoded "
+                                   "(source.type 'base64')")
+    if b.transformations is not None and b.transformations.oversized_image == "error":
+        raise UnsupportedParameter(f"{where}.transformations.oversized_image", "the model's projector scales every "
+                                   "image to its own size; only 'downsize' is honoured")
+    url = media.base64_url(b.source.data, b.source.media_type) if isinstance(b.source, Base64Source) else b.source.url
+    images.append(ImageRef(where, url))
+    return len(images) - 1
+
+
+def with_path(err: InvalidRequest) -> InvalidRequest:
+    """An image's 400 as Anthropic words its errors: the message starts with the block's path
+    (``messages.0.content.1: ...``), since Anthropic's error shape has no ``param``."""
+    if err.param:
+        path = re.sub(r"\[(\d+)\]", r".\1", err.param)
+        if not err.message.startswith(path):
+            err.message = f"{path}: {err.message}"
+    return err
+
+
+def image_refs(req: AnthropicCountTokensRequest) -> list[ImageRef]:
+    """The request's image blocks (user turns', tool results'), for the gateway to fetch the remote ones: a URL
+    source's ``replace`` sets its URL to the data URL of what was fetched."""
+    refs: list[ImageRef] = []
+    for i, m in enumerate(req.messages):
+        for j, b in enumerate(m.content if isinstance(m.content, list) else ()):
+            inner = b.content if isinstance(b, ToolResultBlock) and isinstance(b.content, list) else ()
+            for where, block in [(f"messages[{i}].content[{j}]", b),
+                                 *((f"messages[{i}].content[{j}].content[{k}]", c) for k, c in enumerate(inner))]:
+                if isinstance(block, ImageBlock):
+                    src = block.source
+                    url = src.url if isinstance(src, UrlSource) else "data:"
+                    refs.append(ImageRef(where, url, lambda u, s=src: setattr(s, "url", u)))
+    return refs
+
+
+def _result(content: Any, where: str, tools: ToolSet, images: list[ImageRef]) -> str:
+    """A tool result's text: its text blocks, its images (a screenshot) where they stand, and the definitions of the
+    tools its ``tool_reference`` blocks load (a client-side tool search, as Claude Code's ToolSearch), expanded where
+    the references stand."""
+    if not isinstance(content, list):
         return _text(content, where)
-    texts, fns = [], []
+    texts: list[str | int] = []
+    fns = []
     for k, b in enumerate(content):
         if isinstance(b, ToolReferenceBlock):
             fns.append(tools.reference(b.tool_name, f"{where}[{k}].tool_name"))
         elif isinstance(b, TextBlock):
             texts.append(b.text)
+        elif isinstance(b, ImageBlock):
+            texts.append(_image(b, f"{where}[{k}]", images))
         else:
             raise UnsupportedParameter(f"{where}[{k}]", f"content blocks of type '{b.type}' are not supported")
-    return "\n".join(t for t in ("".join(texts), toolsearch.expansion(fns)) if t)
+    return "\n".join(t for t in (_joined(texts), toolsearch.expansion(fns) if fns else "") if t)
 
 
 def anthropic_paths(err: InvalidRequest) -> InvalidRequest:
@@ -299,7 +357,8 @@ def anthropic_paths(err: InvalidRequest) -> InvalidRequest:
 
 def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
     toolset = ToolSet.of(req.tools)
-    messages = _messages(req, toolset)  # the tool references in the history load deferred tools
+    images: list[ImageRef] = []
+    messages = _messages(req, toolset, images)  # the tool references in the history load deferred tools
     tools: list[dict[str, Any]] | None = None
     names: list[str] = []
     callable_fns = toolset.callable()
@@ -331,7 +390,7 @@ def chat_input(req: AnthropicCountTokensRequest) -> ChatInput:
     turns = [m.output_config.effort for m in req.messages if m.role == "system" and m.output_config is not None
              and m.output_config.effort is not None]
     effort = turns[-1] if turns else (req.output_config.effort if req.output_config is not None else None)
-    return ChatInput(messages, tools, names, choice, parallel, prompt_tools, effort)
+    return ChatInput(messages, tools, names, choice, parallel, prompt_tools, effort, images)
 
 
 # -- thinking -------------------------------------------------------------------------------------------------------
@@ -377,8 +436,9 @@ def _check_thinking(handle: Any, req: AnthropicCountTokensRequest) -> dict[str, 
 
 
 # -- prompt and generation ------------------------------------------------------------------------------------------
-def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], ChatInput, Any, str]:
-    """The prompt tokens of a request (as a real request renders them), its chat input, tool format and text."""
+def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], tuple, ChatInput, Any, str]:
+    """The prompt tokens of a request (as a real request renders them), its images' media chunks, its chat input,
+    tool format and text."""
     require(handle, Task.CHAT)
     unsupported_if(req, ("mcp_servers", "container"))
     if req.output_config is not None and req.output_config.task_budget is not None:
@@ -386,6 +446,10 @@ def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], C
     _check_context_management(req)
     engine = handle.engine
     inp = chat_input(req)
+    try:
+        images = media.load_images(handle, inp.images) if inp.images else None  # 400s naming the block or the model
+    except InvalidRequest as err:
+        raise with_path(err) from None
     template_kwargs = _check_thinking(handle, req)
     if inp.effort not in (None, "high"):  # "high" is Anthropic's default: the model as it always answers
         if "reasoning_effort" not in template_source(engine):
@@ -394,7 +458,8 @@ def _prompt(handle: Any, req: AnthropicCountTokensRequest) -> tuple[list[int], C
         template_kwargs = {**(template_kwargs or {}), "reasoning_effort": inp.effort}
     fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
     prompt = chatprep.render_continue(engine, inp.messages, inp.prompt_tools, fmt, inp.choice, template_kwargs)
-    return engine.tokenize(prompt, special=True), inp, fmt, prompt
+    tokens, chunks = media.tokenize(engine, prompt, images) if images else (engine.tokenize(prompt, special=True), ())
+    return tokens, chunks, inp, fmt, prompt
 
 
 def _effort_param(req: AnthropicCountTokensRequest) -> str:
@@ -418,13 +483,13 @@ def refuse_threads(req: AnthropicRequest) -> None:
 
 
 def count_tokens(handle: Any, req: AnthropicCountTokensRequest) -> int:
-    return len(_prompt(handle, req)[0])
+    return len(_prompt(handle, req)[0])  # (an image's positions count, as in usage)
 
 
 def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
     if req.service_tier not in (None, "auto", "standard_only"):
         raise UnsupportedParameter("service_tier")
-    tokens, inp, fmt, prompt = _prompt(handle, req)
+    tokens, chunks, inp, fmt, prompt = _prompt(handle, req)
     engine = handle.engine
     sp = SamplingParams()
     if req.temperature is not None:
@@ -454,4 +519,5 @@ def generation(handle: Any, req: AnthropicRequest) -> GenerationRequest:
     reasons = thinking_enabled(req) and supports_thinking(engine)
     return GenerationRequest(tokens, sp, max_tokens, list(req.stop_sequences or []), req.stream,
                              grammar=grammar, tools=chatprep.tool_spec(fmt, inp.names, inp.choice, inp.parallel),
-                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt))
+                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt),
+                             media=chunks)

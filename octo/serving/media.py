@@ -1,17 +1,21 @@
 """Images in requests, for every API: a data URL decoded, checked with Pillow and hashed; the prompt cut at its images.
 
-An API's image (OpenAI's ``image_url`` content part here) becomes an :class:`octo.engine.MediaInput`: the pixels (RGB),
+An API's image (OpenAI's ``image_url`` content part, Responses' ``input_image``, an Anthropic ``image`` block, an
+Ollama ``images`` entry: each API's serving module makes it an :class:`ImageRef`) becomes an
+:class:`octo.engine.MediaInput`: the pixels (RGB),
 their size and the SHA-256 of the bytes the client sent, which keys the image's positions in the prefix cache. A bad
 image is a 400 naming its part (``messages[0].content[1]``): not a data URL, not an image, a truncated file, a format
 outside ``FORMATS``, more pixels than ``--max-image-pixels`` (a decompression bomb: checked from the header, before
 the pixels are decoded), more bytes than ``--max-image-mb``, or more images than ``--max-images``. A model that takes
-no images refuses one with a 400 naming the model. Remote ``http(s)`` URLs are not fetched: a server that fetches
-what a request names is an SSRF surface.
+no images refuses one with a 400 naming the model. Remote ``http(s)`` URLs never reach this module when the server
+fetches them (``--allow-image-urls``: the gateway fetches them and hands a data URL on, octo.server.imagefetch);
+otherwise they are a 400 naming that flag: a server that fetches what a request names is an SSRF surface.
 
 A chat message with images is rendered as llama-server renders it: its text parts joined by newlines, each image a
 marker in the text (no newline next to one), the template applied to that text, and the rendered prompt cut at the
-markers into the parts ``Engine.tokenize_media`` reads. The marker is random per process, so no text a client
-sends can place an image.
+markers into the parts ``Engine.tokenize_media`` reads. A marker holds a token random per process, so no text a
+client sends can place an image, and the image's number in the request, so each lands where its marker is whatever
+order a template renders the messages in.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import hashlib
 import io
 import re
 import secrets
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from octo.engine import MediaChunk, MediaInput
 from octo.errors import InvalidRequest
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-MARKER = f"<__octo_media_{secrets.token_hex(8)}__>"
+_TOKEN = secrets.token_hex(8)
+_MARKER = re.compile(rf"<__octo_media_{_TOKEN}_(\d+)__>")
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?)(?P<b64>;base64)?,", re.I)
 
 
@@ -44,10 +50,27 @@ class MediaLimits:
 
 @dataclass
 class ImageRef:
-    """An image part as a request names it, before it is decoded: where it is (``param``) and its URL."""
+    """An image part as a request names it, before it is decoded: where it is (``param``) and its URL (a data URL or
+    a remote one). ``replace`` (where the gateway finds the images to fetch) sets the request's URL to another: the
+    data URL of what was fetched."""
 
     param: str
     url: str
+    replace: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.url)
+
+
+def is_remote(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
+def base64_url(data: str, media_type: str = "") -> str:
+    """A data URL of base64 ``data`` (an Anthropic base64 source, an Ollama image); one already given as a data URL
+    (some Ollama clients send them) stays as it is."""
+    return data if data[:5].lower() == "data:" else f"data:{media_type};base64,{data}"
 
 
 def limits_of(handle: Any) -> MediaLimits:
@@ -73,10 +96,9 @@ def _no_projector(handle: Any) -> str:
 
 
 def url_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
-    """The bytes of an image URL: a base64 ``data:`` URL (remote URLs are refused)."""
-    if url.startswith(("http://", "https://")):
-        raise InvalidRequest("Remote image URLs are not fetched by this server; send the image inline as a base64 data "
-                             "URL (data:image/png;base64,...).", param=param, code="remote_image_url")
+    """The bytes of an image URL: a base64 ``data:`` URL (remote URLs are refused: the gateway fetched those it may)."""
+    if is_remote(url):
+        raise remote_refused(param)
     m = _DATA_URL.match(url)
     if m is None:
         raise InvalidRequest("Invalid image URL: expected a base64 data URL (data:image/png;base64,...).", param=param,
@@ -99,6 +121,12 @@ def url_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
     if len(raw) > limits.max_bytes:
         raise _too_big(len(raw), param, limits)
     return raw
+
+
+def remote_refused(param: str) -> InvalidRequest:
+    return InvalidRequest("Remote image URLs are off on this server: start it with --allow-image-urls HOST[,HOST...] "
+                          "(OCTO_ALLOW_IMAGE_URLS) to fetch images from those hosts, or send the image inline, base64 "
+                          "encoded (a data URL: data:image/png;base64,...).", param=param, code="remote_image_url")
 
 
 def _too_big(n: int, param: str, limits: MediaLimits) -> InvalidRequest:
@@ -150,14 +178,20 @@ def load_images(handle: Any, refs: list[ImageRef]) -> list[MediaInput]:
     return [decode_image(url_bytes(r.url, r.param, limits), r.param, limits) for r in refs]
 
 
-def join_parts(parts: list[str | None]) -> str:
+def marker(n: int) -> str:
+    """The text that stands for image number ``n`` of a request in its messages and rendered prompt."""
+    return f"<__octo_media_{_TOKEN}_{n}__>"
+
+
+def join_parts(parts: list[str | int]) -> str:
     """A message's content parts as one text, as llama-server joins them when a message holds media: text parts
-    separated by a newline, an image (None) as :data:`MARKER` with no newline before or after it."""
+    separated by a newline, an image (its number in the request, an int) as its :func:`marker` with no newline before
+    or after it."""
     out: list[str] = []
     last_media = False
     for p in parts:
-        if p is None:
-            out.append(MARKER)
+        if isinstance(p, int):
+            out.append(marker(p))
             last_media = True
             continue
         if out and not last_media:
@@ -167,14 +201,19 @@ def join_parts(parts: list[str | None]) -> str:
     return "".join(out)
 
 
-def tokenize(engine: Any, prompt: str, images: list[MediaInput]) -> tuple[list[int], tuple[MediaChunk, ...]]:
-    """The prompt tokens and media chunks of a rendered prompt with ``images`` at its markers."""
-    pieces = prompt.split(MARKER)
-    if len(pieces) != len(images) + 1:
-        raise InvalidRequest(f"The model's chat template placed {len(pieces) - 1} of the request's {len(images)} "
-                             "images; it takes images in user messages only.", param="messages")
+def tokenize(engine: Any, prompt: str, images: list[MediaInput],
+             dropped_ok: bool = False) -> tuple[list[int], tuple[MediaChunk, ...]]:
+    """The prompt tokens and media chunks of a rendered prompt with ``images`` at their markers. Every image must be
+    placed once (``dropped_ok``: an image whose message was cut from the prompt, as Ollama truncates, is left out)."""
+    pieces = _MARKER.split(prompt)
+    placed = [int(n) for n in pieces[1::2]]
+    if len(set(placed)) != len(placed) or any(n >= len(images) for n in placed) or \
+            (not dropped_ok and len(placed) != len(images)):
+        raise InvalidRequest(f"The model's chat template placed {len(placed)} of the request's {len(images)} images "
+                             "(it leaves out the messages that hold the others, or shows one twice).",
+                             param="messages")
     parts: list[str | MediaInput] = [pieces[0]]
-    for img, text in zip(images, pieces[1:], strict=True):
-        parts += [img, text]
+    for n, text in zip(placed, pieces[2::2], strict=True):
+        parts += [images[n], text]
     tokens, chunks = engine.tokenize_media([p for p in parts if not isinstance(p, str) or p])
     return tokens, tuple(chunks)

@@ -28,7 +28,8 @@ from octo.errors import ContextLengthExceeded, InvalidRequest, UnsupportedParame
 from octo.logsafe import quoted
 from octo.protocol.ollama import ChatRequest, GenerateRequest
 from octo.scheduler.jobs import GenerationRequest, Result
-from octo.serving import chatprep
+from octo.serving import chatprep, media, ollama_images
+from octo.serving.media import ImageRef
 from octo.text.reasoning import prompt_opens_thinking, supports_thinking, template_source
 
 # the Ollama release whose API octo implements (its docs/api.md, api/types.go, server/routes.go and prompt.go):
@@ -172,23 +173,15 @@ def model_name(model: str) -> str:
     return model[:-7] if model.endswith(":latest") and len(model) > 7 else model
 
 
-def check_images(req: ChatRequest | GenerateRequest) -> None:
-    """octo serves no vision model: images anywhere are a 400 naming where."""
-    if isinstance(req, GenerateRequest):
-        if req.images:
-            raise UnsupportedParameter("images", "octo serves no vision models")
-        return
-    for i, m in enumerate(req.messages):
-        if m.images:
-            raise UnsupportedParameter(f"messages[{i}].images", "octo serves no vision models")
-
-
-def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """Ollama messages as chat-template messages (OpenAI-style tool calls, with ids)."""
+def chat_messages(req: ChatRequest, images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
+    """Ollama messages as chat-template messages (OpenAI-style tool calls, with ids); a message's ``images`` become
+    markers in its text (octo.serving.ollama_images), collected in ``images``."""
     out: list[dict[str, Any]] = []
     open_calls: dict[str, str] = {}  # function name -> id of the latest unanswered call
     for i, m in enumerate(req.messages):
         msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.images and images is not None:
+            msg["content"] = ollama_images.content(msg["content"], m.images, f"messages[{i}].images", images)
         if m.tool_calls:
             if m.role != "assistant":
                 raise InvalidRequest(f"messages[{i}]: only assistant messages can have tool_calls",
@@ -251,18 +244,22 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
     window = context_window(handle, opts)
     names: list[str] = []
     tools, fmt, reasons, prompt = None, None, False, None
+    refs: list[ImageRef] = []
+    text = ollama_images.content(req.prompt or "", req.images, "images", refs) \
+        if isinstance(req, GenerateRequest) and req.images else getattr(req, "prompt", None) or ""
     if isinstance(req, GenerateRequest) and req.raw:
         if req.think:
             raise InvalidRequest("raw mode does not support think", param="think")
         _require(handle, Task.COMPLETION)
-        tokens = engine.tokenize(req.prompt or "", special=True)
+        images = ollama_images.load(handle, refs) if refs else None
+        tokens, chunks = media.tokenize(engine, text, images) if images else (engine.tokenize(text, special=True), ())
     else:
         _require(handle, Task.CHAT)
         if isinstance(req, GenerateRequest):
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-                [{"role": "user", "content": req.prompt or ""}]
+                [{"role": "user", "content": text}]
         else:
-            messages = chat_messages(req)
+            messages = chat_messages(req, refs)
             if req.tools:
                 for i, t in enumerate(req.tools):
                     if t.type != "function":
@@ -271,9 +268,13 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
                 names = chatprep.check_tools(tools)
         kwargs, reasons = _think(handle, req)
         fmt = chatprep.tool_format(engine, getattr(handle, "tool_format", None))
+        tokenize = ollama_images.Tokenizer(engine, ollama_images.load(handle, refs)) if refs else None
         prompt, tokens = chat_prompt(engine, messages, lambda msgs: chatprep.render_continue(
-            engine, msgs, tools, fmt, None, kwargs), window, req.truncate is not False)
-    tokens = fit_window(tokens, window, opts.num_keep, req.truncate is not False, req.shift is not False)
+            engine, msgs, tools, fmt, None, kwargs), window, req.truncate is not False, tokenize)
+        chunks = tokenize.chunks(prompt) if tokenize is not None else ()
+    fitted = fit_window(tokens, window, opts.num_keep, req.truncate is not False, req.shift is not False)
+    ollama_images.check_fits(tokens, fitted, chunks)
+    tokens = fitted
     rf = None
     if req.format == "json":
         rf = {"type": "json_object"}
@@ -286,7 +287,8 @@ def generation(handle: Any, req: ChatRequest | GenerateRequest) -> GenerationReq
     return GenerationRequest(tokens, opts.sampling, _max_tokens(opts, window, len(tokens)), opts.stop, req.streaming,
                              grammar=grammar, logprobs=logprobs,
                              tools=chatprep.tool_spec(fmt, names, None) if fmt is not None else None,
-                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt or ""))
+                             reasoning=reasons, reasoning_opened=reasons and prompt_opens_thinking(prompt or ""),
+                             media=chunks)
 
 
 def _require(handle: Any, task: Task) -> None:
@@ -304,19 +306,20 @@ def context_window(handle: Any, opts: Options) -> int:
 
 # -- truncation, as Ollama's chatPrompt (server/prompt.go) and its runner do it ------------------------------------
 def chat_prompt(engine: Any, messages: list[dict[str, Any]], render: Any, window: int,
-                truncate: bool) -> tuple[str, list[int]]:
+                truncate: bool, tokenize: Any = None) -> tuple[str, list[int]]:
     """(prompt text, its tokens) of a conversation as Ollama's chatPrompt makes it: when the whole conversation is
     longer than ``window`` tokens (``render``ed by the chat template, then tokenized) and ``truncate``, the oldest
     messages are left out until it fits, keeping every system message and the last message (and never a tool result
     without the assistant turn that called it). Ollama tries the starts one by one; the length only shrinks as the
-    start moves on, so halving the range finds the same start."""
+    start moves on, so halving the range finds the same start. ``tokenize(text)``: a prompt with images (their
+    positions counted, octo.serving.ollama_images)."""
     seen: dict[int, tuple[str, list[int]]] = {}
 
     def prompt_from(start: int) -> tuple[str, list[int]]:
         if start not in seen:
             kept = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
             text = render(kept)
-            seen[start] = (text, engine.tokenize(text, special=True))
+            seen[start] = (text, tokenize(text) if tokenize is not None else engine.tokenize(text, special=True))
         return seen[start]
 
     whole = prompt_from(0)

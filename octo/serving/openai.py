@@ -137,20 +137,33 @@ def chat_messages(req: ChatCompletionRequest, images: list[ImageRef] | None = No
 
 
 def _content_text(parts: list[Any], i: int, role: str, images: list[ImageRef] | None) -> str:
-    texts: list[str | None] = []  # None: an image
+    texts: list[str | int] = []  # an int: an image (its number in the request)
     for j, part in enumerate(parts):
         if isinstance(part, ImageUrlPart) and images is not None:
-            if role != "user":
-                raise InvalidRequest(f"Image parts are allowed in user messages only, not in a {role} message.",
-                                     param=f"messages[{i}].content[{j}]")
+            if role not in ("user", "tool"):  # (a tool's result may be a picture: llama-server and vLLM take it)
+                raise InvalidRequest(f"Image parts are allowed in user and tool messages only, not in a {role} "
+                                     "message.", param=f"messages[{i}].content[{j}]")
             images.append(ImageRef(f"messages[{i}].content[{j}]", part.image_url.url))
-            texts.append(None)
+            texts.append(len(images) - 1)
         elif isinstance(part, TextPart):
             texts.append(part.text)
         else:
             raise UnsupportedParameter(f"messages[{i}].content[{j}]",
                                        f"content parts of type '{part.type}' are not supported")
-    return media.join_parts(texts) if None in texts else "".join(texts)  # (an image: as llama-server joins them)
+    if any(isinstance(t, int) for t in texts):  # (an image: as llama-server joins them)
+        return media.join_parts(texts)
+    return "".join(texts)  # type: ignore[arg-type]
+
+
+def image_refs(req: ChatCompletionRequest) -> list[ImageRef]:
+    """The request's images in order (``replace`` sets a part's URL), for the gateway to fetch the remote ones."""
+    refs = []
+    for i, msg in enumerate(req.messages):
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else ()):
+            if isinstance(part, ImageUrlPart):
+                refs.append(ImageRef(f"messages[{i}].content[{j}]", part.image_url.url,
+                                     lambda url, p=part: setattr(p.image_url, "url", url)))
+    return refs
 
 
 def _check_tool_turns(messages: list[dict[str, Any]]) -> None:

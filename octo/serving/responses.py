@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from octo.errors import InvalidRequest, OctoError, UnsupportedParameter
@@ -22,12 +23,14 @@ from octo.protocol.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
+    InputImage,
     InputText,
     MessageItem,
     NamespaceTool,
     ResponsesRequest,
 )
 from octo.scheduler.jobs import Result
+from octo.serving.media import ImageRef
 
 log = logging.getLogger("octo.serving.responses")
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -39,6 +42,7 @@ INCLUDE_REASONING = "reasoning.encrypted_content"
 # chose not to search. Other built-in tools (file_search, code_interpreter...) stay a 400: they name data to use.
 NOT_OFFERED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11")
 REASONING_SUMMARIES = ("auto", "concise", "detailed", "none")
+_FROM = "_from"  # a chat message's input item while the request is converted: (its path, its content's key)
 
 
 def flat_name(namespace: str, name: str) -> str:
@@ -119,15 +123,32 @@ def check_unsupported(req: ResponsesRequest) -> None:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
 
 
-def _text(content: str | list[Any], where: str) -> str:
+def _content(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A message's (or a function call output's) content for the chat request: its text, or, when it holds images,
+    its parts as chat content parts, one for one (``input[0].content[1]`` is ``messages[k].content[1]``)."""
     if isinstance(content, str):
         return content
-    parts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if not isinstance(part, InputText):
+        if isinstance(part, InputText):
+            parts.append({"type": "text", "text": part.text})
+        elif isinstance(part, InputImage):
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(part, f"{where}[{j}]")}})
+        else:
             raise UnsupportedParameter(f"{where}[{j}]", f"content of type '{part.type}' is not supported")
-        parts.append(part.text)
-    return "".join(parts)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_url(part: InputImage, where: str) -> str:
+    if part.file_id is not None:
+        raise UnsupportedParameter(f"{where}.file_id", "octo has no Files API; send the image as image_url, a base64 "
+                                   "data URL (data:image/png;base64,...)")
+    if part.image_url is None:
+        raise InvalidRequest("Missing required parameter: 'image_url' (or 'file_id') of an input_image.",
+                             param=f"{where}.image_url", code="missing_required_parameter")
+    return part.image_url
 
 
 def chat_name(item: dict[str, Any] | FunctionCallItem) -> str:
@@ -154,14 +175,15 @@ def input_messages(req: ResponsesRequest, names: ToolNames | None = None) -> lis
             out += [_tool_message(outputs[c][1], outputs[c][0]) for c in group if c in outputs]
             group = []
         if isinstance(item, MessageItem):
-            out.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
+            out.append({"role": item.role, "content": _content(item.content, f"input[{i}].content"),
+                        _FROM: (f"input[{i}]", "content")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": chat_name(item), "arguments": item.arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append({"role": "assistant", "content": None, "tool_calls": [call], _FROM: (f"input[{i}]", "")})
             group.append(item.call_id)
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in called:  # answers a call of the previous response
@@ -173,7 +195,8 @@ def input_messages(req: ResponsesRequest, names: ToolNames | None = None) -> lis
 
 
 def _tool_message(item: FunctionCallOutputItem, i: int) -> dict[str, Any]:
-    return {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")}
+    return {"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, f"input[{i}].output"),
+            _FROM: (f"input[{i}]", "output")}
 
 
 def check_calls(req: ResponsesRequest, history: list[dict[str, Any]]) -> None:
@@ -199,14 +222,37 @@ def check_calls(req: ResponsesRequest, history: list[dict[str, Any]]) -> None:
                              param="input")
 
 
-def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the Chat Completions body of ``req`` after ``history``, the conversation to store: history + new input)."""
+@dataclass
+class ChatForm:
+    """A Responses request as a chat request: ``body`` (Chat Completions), ``conversation`` (to store: the history and
+    the new input), ``params`` (where each chat message came from: ``messages[k]`` -> (``input[i]``, its content's
+    key), for :func:`translate_error`) and ``images`` (the new input's images, named ``input[i].content[j]``; their
+    ``replace`` sets the URL in ``body`` and ``conversation``, for the gateway's fetch of remote ones)."""
+
+    body: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    params: dict[str, tuple[str, str]]
+    images: list[ImageRef]
+
+
+def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatForm:
+    """``req`` after ``history`` as a chat request."""
     check_calls(req, history)
     names = ToolNames(req)
     conversation = [*history, *input_messages(req, names)]
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     if not messages:
         raise InvalidRequest("input must not be empty.", param="input")
+    first = len(messages) - len(conversation)
+    params = {f"messages[{first + k}]": ("previous_response_id", "") for k in range(len(history))}
+    images: list[ImageRef] = []
+    for k, m in enumerate(messages):
+        if _FROM in m:
+            params[f"messages[{k}]"] = path, key = m.pop(_FROM)
+            for j, part in enumerate(m["content"] if isinstance(m.get("content"), list) else ()):
+                if part["type"] == "image_url":
+                    images.append(ImageRef(f"{path}.{key}[{j}]", part["image_url"]["url"],
+                                           lambda url, p=part: p["image_url"].__setitem__("url", url)))
     if req.client_metadata:  # the client's own identifiers (Codex: session, thread, turn): for the server's log
         log.debug("client_metadata %s", req.client_metadata)
     body: dict[str, Any] = {"messages": messages, "stream": req.stream}
@@ -242,7 +288,7 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[
         body["top_logprobs"] = req.top_logprobs or 0
     elif req.top_logprobs is not None:
         raise InvalidRequest(f"top_logprobs requires include ['{INCLUDE_LOGPROBS}'].", param="top_logprobs")
-    return body, conversation
+    return ChatForm(body, conversation, params, images)
 
 
 _PARAMS = (("tools[", "tools["), ("reasoning_effort", "reasoning.effort"),
@@ -251,10 +297,19 @@ _PARAMS = (("tools[", "tools["), ("reasoning_effort", "reasoning.effort"),
            ("tool_choice.function.name", "tool_choice.name"), ("messages", "input"))
 
 
-def translate_error(err: OctoError, req: ResponsesRequest) -> OctoError:
-    """An error about the chat request named in the Responses request's terms (``text.format``, ``tools[0].name``)."""
+def translate_error(err: OctoError, req: ResponsesRequest,
+                    params: dict[str, tuple[str, str]] | None = None) -> OctoError:
+    """An error about the chat request named in the Responses request's terms (``text.format``, ``tools[0].name``;
+    with ``params`` from :func:`to_chat`, a message's part: ``input[2].content[1]``)."""
     param = getattr(err, "param", None)
     if not param:
+        return err
+    message, dot, rest = param.partition("]")
+    if params and dot and message + "]" in params:
+        path, key = params[message + "]"]
+        if key and rest.startswith(".content"):
+            rest = f".{key}" + rest[len(".content"):]
+        err.param = path + rest if key or not rest else path
         return err
     new = param
     if param.startswith("tools["):  # the flat list's index: the tool (or namespace member) it came from
@@ -266,7 +321,7 @@ def translate_error(err: OctoError, req: ResponsesRequest) -> OctoError:
         if new.startswith(chat):
             new = ours + new[len(chat):]
             break
-    if new.startswith("input[") and req.instructions:  # messages[0] was the instructions
+    if param.startswith("messages") and new.startswith("input[") and req.instructions:  # messages[0]: instructions
         new = "input"
     err.param = new
     return err
@@ -325,8 +380,10 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
 def usage(result: Result | None) -> dict[str, Any] | None:
     if result is None:
         return None
-    return {"input_tokens": result.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0},
+    details = {"cached_tokens": result.cached_tokens, "cache_write_tokens": 0}
+    if result.image_tokens:  # (a request with images: how many of its input tokens they are, as on chat)
+        details["image_tokens"] = result.image_tokens
+    return {"input_tokens": result.prompt_tokens, "input_tokens_details": details,
             "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.completion_tokens}
 
@@ -472,75 +529,3 @@ class EventStream:
         self.output = [{k: v for k, v in it.items() if not k.startswith("_")} for it in self.output]
         return self._ev("response.failed", response=self._response(
             "failed", error={"code": err.code or "server_error", "message": err.message}))
-
-
-# -- GET /v1/responses/{id}/input_items ---------------------------------------------------------------------------
-INCLUDABLE = frozenset({"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
-                        "message.input_image.image_url", "computer_call_output.output.image_url",
-                        "code_interpreter_call.outputs", INCLUDE_REASONING, INCLUDE_LOGPROBS})
-
-
-def _item_id(rid: str, prefix: str, *where: int) -> str:
-    """A stable id of one input item of response ``rid`` (the same at every listing, so pages can point at it)."""
-    import hashlib
-
-    return f"{prefix}_{hashlib.sha256(':'.join(map(str, (rid, *where))).encode()).hexdigest()[:40]}"
-
-
-def input_items(rid: str, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input items a stored response was generated from, oldest first, in the Responses API's shapes: the stored
-    conversation (earlier turns of a ``previous_response_id`` chain, their answers and this request's input) without
-    the response's own answer; ``instructions`` are not items."""
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(conversation[:-1]):
-        role, content = m["role"], m.get("content")
-        if role == "tool":
-            out.append({"id": _item_id(rid, "fco", i), "type": "function_call_output", "call_id":
-                        m.get("tool_call_id", ""), "output": content or "", "status": "completed"})
-            continue
-        if content or not m.get("tool_calls"):
-            part = {"type": "output_text", "text": content or "", "annotations": []} if role == "assistant" else \
-                {"type": "input_text", "text": content or ""}
-            out.append({"id": _item_id(rid, "msg", i), "type": "message", "role": role, "content": [part],
-                        "status": "completed"})
-        for j, c in enumerate(m.get("tool_calls") or ()):
-            out.append({"id": _item_id(rid, "fc", i, j), "type": "function_call", "call_id": c["id"],
-                        "name": c["function"]["name"], "arguments": c["function"]["arguments"],
-                        "status": "completed"})
-    return out
-
-
-def input_items_page(rid: str, conversation: list[dict[str, Any]], query: Any) -> dict[str, Any]:
-    """OpenAI's list of a response's input items: ``order`` (``desc``, the default, newest first, or ``asc``),
-    ``limit`` (1-100, default 20), ``after`` / ``before`` (an item id: the items after or before it in that order),
-    ``include`` (accepted: these items carry none of the includable parts)."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("Invalid value for 'order': expected 'asc' or 'desc'.", param="order",
-                             code="invalid_value")
-    raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise InvalidRequest("Invalid value for 'limit': an integer from 1 to 100.", param="limit",
-                             code="invalid_value")
-    for value in query.getall("include", []) + query.getall("include[]", []):
-        if value not in INCLUDABLE:
-            raise InvalidRequest(f"Invalid value for 'include': '{value[:100]}' is not an includable field.",
-                                 param="include", code="invalid_value")
-    items = input_items(rid, conversation)
-    if order == "desc":
-        items.reverse()
-    ids = [it["id"] for it in items]
-    start, end = 0, len(items)
-    for name in ("after", "before"):
-        cursor = query.get(name)
-        if cursor is None:
-            continue
-        if cursor not in ids:
-            raise InvalidRequest(f"No input item with id '{cursor[:100]}' in response '{rid}'.", param=name)
-        if name == "after":
-            start = ids.index(cursor) + 1
-        else:
-            end = ids.index(cursor)
-    page = items[start:end][:int(raw)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}

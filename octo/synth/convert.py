@@ -69,11 +69,26 @@ def _extract(ver: str, dest: Path) -> None:
         raise RuntimeError(f"the llama-cpp-python {ver} sdist holds no vendor/llama.cpp/convert_hf_to_gguf.py")
 
 
-def convert(hf: Path, out: Path, outtype: str = "f16", mmproj: bool = False, timeout: float | None = 600) -> None:
+# Runs the converter with its BPE pre-tokenizer label given (``pre``): the converter recognises a pre-tokenizer by a
+# hash of the ids its tokenizer gives a test string, which only published vocabularies match.
+_WITH_PRE = ("import runpy, sys\n"
+             "tree, pre = sys.argv[1], sys.argv[2]\n"
+             "sys.argv = sys.argv[3:]\n"
+             "sys.path[:0] = [tree, tree + '/gguf-py']\n"
+             "import conversion.base\n"
+             "conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def convert(hf: Path, out: Path, outtype: str = "f16", mmproj: bool = False, timeout: float | None = 600,
+            pre: str | None = None) -> None:
     """Run ``convert_hf_to_gguf.py`` on the folder ``hf`` into the file ``out`` (``mmproj``: the projector file of a
-    vision-language model, as ``--mmproj`` writes it)."""
+    vision-language model, as ``--mmproj`` writes it; ``pre``: the BPE pre-tokenizer's name, for a tokenizer trained
+    here, whose vocabulary the converter's fingerprint cannot know)."""
     tree = converter_tree()
     cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(out), "--outtype", outtype]
+    if pre is not None:
+        cmd[1:1] = ["-c", _WITH_PRE, str(tree), pre]
     if mmproj:
         cmd.append("--mmproj")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_LOCAL_GGUF": ""}

@@ -28,6 +28,7 @@ import numpy as np
 
 from octo.paths import synth_dir
 from octo.synth.folder import COMPLETE, build_folder
+from octo.synth.qwen_vl import QwenVLSpec
 
 VERSION = 2  # 2: the vocabulary size at the top of config.json and the image tokens in text_config (mlx-lm, mlx-vlm)
 SPECIALS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
@@ -78,12 +79,14 @@ class VisionSpec:
     mm_tokens_per_image: int  # (image_size / patch_size)**2 patches average-pooled to this many
 
 
-SHAPES = {s.name: s for s in (
+SHAPES: dict[str, VisionSpec | QwenVLSpec] = {s.name: s for s in (
     VisionSpec("demo-vision", 256, 512, 6, 4, 1, 64, 512, 4096, 128, 256, 2, 4, 64, 8, 16),
+    # a Qwen2.5-VL (octo.synth.qwen_vl): M-RoPE positions, a ViT of 14-pixel patches merged 2x2 into image tokens
+    QwenVLSpec("demo-vision-qwen", 256, 512, 4, 4, 2, (8, 12, 12), 4096, 128, 256, 4, 4, (1, 3)),
 )}
 
 
-def get_vision_spec(name: str) -> VisionSpec:
+def get_vision_spec(name: str) -> VisionSpec | QwenVLSpec:
     try:
         return SHAPES[name]
     except KeyError:
@@ -94,7 +97,7 @@ def default_dir(spec: VisionSpec, seed: int = 0) -> Path:
     return synth_dir() / f"{spec.name}-s{seed}" / f"hf-v{VERSION}"
 
 
-def gguf_paths(spec: VisionSpec | str, seed: int = 0, ftype: str = "f16") -> tuple[Path, Path]:
+def gguf_paths(spec: VisionSpec | QwenVLSpec | str, seed: int = 0, ftype: str = "f16") -> tuple[Path, Path]:
     """The model GGUF and its projector (``mmproj-*``), side by side in one folder."""
     spec = get_vision_spec(spec) if isinstance(spec, str) else spec
     folder = synth_dir() / f"{spec.name}-s{seed}" / f"gguf-v{VERSION}-{ftype}"
@@ -114,7 +117,7 @@ def build_vision_gguf(name: str = "demo-vision", seed: int = 0, ftype: str = "f1
     hf = build_vision_hf(name, seed)
 
     def write(tmp: Path) -> dict:
-        convert(hf, tmp / model.name, ftype)
+        convert(hf, tmp / model.name, ftype, pre="qwen2" if isinstance(spec, QwenVLSpec) else None)
         convert(hf, tmp / proj.name, ftype, mmproj=True)
         from octo.synth.convert import llama_cpp_version
 
@@ -128,6 +131,10 @@ def build_vision_gguf(name: str = "demo-vision", seed: int = 0, ftype: str = "f1
 def build_vision_hf(name: str = "demo-vision", seed: int = 0, out: Path | None = None) -> Path:
     """Build (or reuse) the synthetic Hugging Face folder (needs torch, transformers and sentencepiece)."""
     spec = get_vision_spec(name)
+    if isinstance(spec, QwenVLSpec):
+        from octo.synth.qwen_vl import build_qwen_vl_hf
+
+        return build_qwen_vl_hf(spec, seed, out)
     out = Path(out) if out is not None else default_dir(spec, seed)
 
     def write(tmp: Path) -> dict:

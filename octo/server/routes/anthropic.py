@@ -14,10 +14,11 @@ from typing import Any
 
 from aiohttp import web
 
-from octo.errors import OctoError
+from octo.errors import InvalidRequest, OctoError
 from octo.protocol.anthropic import AnthropicCountTokensRequest, AnthropicRequest
 from octo.protocol.openai import parse
 from octo.scheduler.events import Cached, Done, Failed, Reasoning, Text, ToolDelta
+from octo.server import imagefetch
 from octo.server.keepalive import SSE_HEADERS, KeepAlive
 from octo.server.routes.openai import dumps, event_stream, json_body, json_response, model_of
 from octo.serving import anthropic
@@ -37,6 +38,14 @@ def anthropic_error_body(exc: Any) -> dict[str, Any]:
     return {"type": "error", "error": {"type": "api_error", "message": str(exc)}}
 
 
+async def _fetch_images(request: web.Request, handle: Any, req: AnthropicCountTokensRequest) -> None:
+    """The request's image URLs fetched (--allow-image-urls), a 400 naming the block in its message."""
+    try:
+        await imagefetch.fetch_remote(request, handle, anthropic.image_refs(req))
+    except InvalidRequest as err:
+        raise anthropic.with_path(err) from None
+
+
 def _event(name: str, obj: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + dumps(obj) + b"\n\n"
 
@@ -51,6 +60,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await _streamed(request, req, len(body))
     async with model_of(request, req) as handle:
+        await _fetch_images(request, handle, req)
         tickets, _ = await handle.submit("messages", req, len(body))
         try:  # a queue timeout arrives on the result future as well
             return json_response(await _whole(handle, req, tickets))
@@ -82,6 +92,7 @@ async def _streamed(request: web.Request, req: AnthropicRequest, size: int) -> w
     ka = KeepAlive(request, SSE_HEADERS, start.beat)
     try:
         async with model_of(request, req) as handle:
+            await _fetch_images(request, handle, req)
             tickets, events = await handle.submit("messages", req, size)
             try:
                 await handle.wait_admitted(tickets)
@@ -179,5 +190,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await json_body(request)
     req = parse(AnthropicCountTokensRequest, body)
     async with model_of(request, req) as handle:
+        await _fetch_images(request, handle, req)
         n = await handle.count_tokens("messages", req)
     return json_response({"input_tokens": n})

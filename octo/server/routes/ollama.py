@@ -91,7 +91,6 @@ async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     body = await body_of(request)
     req = parse(kind, body, request.path)
     name = ollama.model_name(req.model)
-    ollama.check_images(req)
     ollama.Options.parse(req.options)  # an option of the wrong type: a 400 before a model loads for it
     if isinstance(req, GenerateRequest):
         ollama.check_generate(req)

@@ -177,6 +177,8 @@ def _capabilities(slot: Any, template: str) -> list[str]:
     if task != "chat":
         return []
     caps = ["completion", "tools"]  # octo serves tools on every chat model (in the template or the system prompt)
+    if slot.handle is not None and getattr(slot.handle.info, "takes_images", False):  # (known once loaded)
+        caps.append("vision")
     if "enable_thinking" in template or "<think>" in template:  # as octo.text.reasoning.supports_thinking reads it
         caps.append("thinking")
     return caps

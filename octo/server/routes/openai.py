@@ -28,6 +28,7 @@ from octo.protocol.openai import (
 )
 from octo.scheduler.events import END, Done, Event, Failed, Logprob, Reasoning, Text, ToolDelta
 from octo.scheduler.jobs import Result
+from octo.server import imagefetch
 from octo.server.bodies import read_json_body
 from octo.server.keepalive import SSE_HEADERS, KeepAlive, comment
 from octo.server.state import STATE
@@ -130,6 +131,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await _streamed(request, req, "chat", len(body), _chat_events)
     async with model_of(request, req) as handle:
+        await imagefetch.fetch_remote(request, handle, serving.image_refs(req))
         tickets, _ = await handle.submit("chat", req, len(body))
         try:  # a queue timeout arrives on the result future as well
             results = [await t.result for t in tickets]
@@ -147,6 +149,8 @@ async def _streamed(request: web.Request, req: Any, kind: str, size: int,
     ka = KeepAlive(request, SSE_HEADERS, comment)
     try:
         async with model_of(request, req) as handle:
+            if kind == "chat":
+                await imagefetch.fetch_remote(request, handle, serving.image_refs(req))
             tickets, events = await handle.submit(kind, req, size)
             try:
                 await handle.wait_admitted(tickets)

@@ -17,10 +17,11 @@ from octo.logsafe import quoted
 from octo.protocol.openai import ChatCompletionRequest, parse, validation_error
 from octo.protocol.responses import ResponsesRequest
 from octo.scheduler.events import Done, Failed, Logprob, Text, ToolDelta
+from octo.server import imagefetch
 from octo.server.keepalive import SSE_HEADERS, KeepAlive
 from octo.server.routes.openai import dumps, event_stream, json_body, json_response, model_of
 from octo.server.state import STATE
-from octo.serving import responses
+from octo.serving import response_items, responses
 from octo.serving.response_store import ResponseStore
 
 MAX_TRUNCATIONS = 256
@@ -39,11 +40,11 @@ def new_store(config: Any) -> ResponseStore:
     return ResponseStore(ttl_s=config.responses_ttl, max_bytes=int(config.responses_max_mb * 2**20))
 
 
-def _chat(body: dict[str, Any], req: ResponsesRequest) -> ChatCompletionRequest:
+def _chat(form: responses.ChatForm, req: ResponsesRequest) -> ChatCompletionRequest:
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return ChatCompletionRequest.model_validate(form.body)
     except ValidationError as exc:
-        raise responses.translate_error(validation_error(exc), req) from None
+        raise responses.translate_error(validation_error(exc), req, form.params) from None
 
 
 def _drop_oldest(body: dict[str, Any], has_instructions: bool) -> bool:
@@ -78,22 +79,25 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
                            param="previous_response_id")
         history = prev[1]
-    chat_body, conversation = responses.to_chat(req, history)
-    chat_req = _chat(chat_body, req)
+    form = responses.to_chat(req, history)
+    chat_req = _chat(form, req)
     if req.stream:
-        return await _streamed(request, req, chat_body, chat_req, conversation, len(body))
+        return await _streamed(request, req, form, chat_req, len(body))
     try:
         async with model_of(request, chat_req) as handle:
-            return await _serve(request, handle, req, chat_body, chat_req, conversation, len(body))
+            return await _serve(request, handle, req, form, chat_req, len(body))
     except OctoError as err:
-        raise responses.translate_error(err, req) from None
+        raise responses.translate_error(err, req, form.params) from None
 
 
-async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, chat_body: dict[str, Any],
-                 chat_req: ChatCompletionRequest, conversation: list[dict[str, Any]], size: int,
-                 stream: _Stream | None = None) -> web.StreamResponse:
+async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, form: responses.ChatForm,
+                 chat_req: ChatCompletionRequest, size: int, stream: _Stream | None = None) -> web.StreamResponse:
     """The response (``stream``: streamed), the conversation cut from its oldest turn while it does not fit the
-    context with truncation "auto"."""
+    context with truncation "auto"; remote images fetched first (octo.server.imagefetch)."""
+    chat_body, conversation = form.body, form.conversation
+    if any(ref.remote for ref in form.images):
+        await imagefetch.fetch_remote(request, handle, form.images)  # (the body and the conversation hold them now)
+        chat_req = _chat(form, req)
     for _ in range(MAX_TRUNCATIONS):
         tickets: list = []
         try:
@@ -106,7 +110,7 @@ async def _serve(request: web.Request, handle: Any, req: ResponsesRequest, chat_
         except ContextLengthExceeded:
             if req.truncation != "auto" or not _drop_oldest(chat_body, bool(req.instructions)):
                 raise
-            chat_req = _chat(chat_body, req)
+            chat_req = _chat(form, req)
         finally:
             handle.abandon(tickets)
     else:
@@ -129,18 +133,17 @@ def _warning(req: ResponsesRequest) -> dict[str, str] | None:
     return {WARNING_HEADER: warning}
 
 
-async def _streamed(request: web.Request, req: ResponsesRequest, chat_body: dict[str, Any],
-                    chat_req: ChatCompletionRequest, conversation: list[dict[str, Any]],
-                    size: int) -> web.StreamResponse:
+async def _streamed(request: web.Request, req: ResponsesRequest, form: responses.ChatForm,
+                    chat_req: ChatCompletionRequest, size: int) -> web.StreamResponse:
     """A streamed response; an error after its headers ends it with ``response.failed``."""
     model = req.model or (await request.app[STATE].registry.route(None)).name
     stream = _Stream(responses.EventStream(responses.new_id("resp"), req, model))
     stream.ka = KeepAlive(request, {**SSE_HEADERS, **(_warning(req) or {})}, stream.beat)
     try:
         async with model_of(request, chat_req) as handle:
-            return await _serve(request, handle, req, chat_body, chat_req, conversation, size, stream)
+            return await _serve(request, handle, req, form, chat_req, size, stream)
     except OctoError as err:
-        return await stream.ka.fail(responses.translate_error(err, req), stream.failed)
+        return await stream.ka.fail(responses.translate_error(err, req, form.params), stream.failed)
     finally:
         stream.ka.close()
 
@@ -214,7 +217,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     found = await _store(request).get(rid)
     if found is None:
         raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
-    return json_response(responses.input_items_page(rid, found[1], request.query))
+    return json_response(response_items.input_items_page(rid, found[1], request.query))
 
 
 async def delete_response(request: web.Request) -> web.Response:
