@@ -170,6 +170,12 @@ def _keep_alive(ctx, param, value):
 @click.option("--max-image-pixels", default=32 * 2**20, show_default=True, type=click.IntRange(1),
               help="Pixels of one image, read from its header before it is decoded (a decompression bomb is a 400).",
               **envvar("MAX_IMAGE_PIXELS"))
+@click.option("--allow-image-urls", default="", metavar="HOSTS",
+              help="Fetch requests' remote http(s) image URLs from these hosts: comma-separated, *.example.com for "
+                   "subdomains, * for any; loopback, private, link-local and reserved addresses are never fetched "
+                   "(default: none, a remote image URL is a 400).", **envvar("ALLOW_IMAGE_URLS"))
+@click.option("--image-url-timeout", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds the fetch of a request's image URLs may take.", **envvar("IMAGE_URL_TIMEOUT"))
 @click.option("--api-key", default=None,
               help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route of every API (OpenAI, "
                    "Anthropic, Ollama, octo's own) but /health and the dashboard's page.", **envvar("API_KEY"))
@@ -271,7 +277,7 @@ def serve(model, models_file, models_dirs, allow_any_path, allow_pull_hf, max_pu
           share_cores, isolation, loop_name, preempt, step_stretch, prefix_dedup, tool_format, prefix_cache_dir,
           prefix_cache_disk_mb, reasoning_format, shutdown_timeout, responses_ttl, responses_max_mb, cluster, replicas,
           autoscaling, replica_cpus, replica_gpus, replica_memory, log_level, worker_timeout, load_timeout,
-          max_image_mb, max_images, max_image_pixels, mmproj):
+          max_image_mb, max_images, max_image_pixels, allow_image_urls, image_url_timeout, mmproj):
     """Serve MODEL... (catalog name[:variant], Hugging Face id, or local path) with the OpenAI API.
 
     Every model named here (and in --models-file) loads at start; a request for another servable model loads it on
@@ -306,6 +312,7 @@ def serve(model, models_file, models_dirs, allow_any_path, allow_pull_hf, max_pu
     if cluster or replicas != 1 or autoscaling:
         _cluster_settings(config, cluster, replicas, autoscaling, replica_cpus, replica_gpus, replica_memory)
     config.max_image_mb, config.max_images, config.max_image_pixels = max_image_mb, max_images, max_image_pixels
+    config.allow_image_urls, config.image_url_timeout = _allowed_hosts(allow_image_urls), image_url_timeout
     # The event loop and the engine thread share the GIL. Python's default switch interval (5 ms) is kept: a
     # shorter one (1 ms) measured 5-10% fewer requests/s in bench/overhead.py, and native engines release the GIL.
     specs = _model_specs(config, model, models_file, lora, draft=draft, mmproj=mmproj)
