@@ -52,6 +52,7 @@ RUN = {
     "octo --version": "cli",
     "octo serve --help": "cli",
     "python -m octo.synth.whisper speech.wav": "shell",
+    "python -m octo.synth.build NAME ENGINE": "synthetic build",  # docs/models.md: a template, run for the demo
     # docs/engines.md: the plugin hook and the engine tutorial
     "from octo.engine import Engine # the contract: tokenize, render_chat, step(feeds), kv_save/restore, embed from "
     "octo.hookspecs import hookimpl @hookimpl def register_engines(register): register(MyEngine)": "python fragment",
@@ -335,6 +336,9 @@ def test_doc_command_runs(cmd: Command, request, tmp_path):
         assert argv and argv[0] == "serve", f"{cmd.where}: the block should start with `octo serve`"
         with run_octo(*argv[1:], env={"HF_HUB_OFFLINE": "1"}) as server:
             run_shell(cmd, "\n".join(rest), server.port, tmp_path)
+    elif how == "synthetic build":
+        out = run_shell(cmd, cmd.text.replace("NAME ENGINE", "demo llamacpp"), None, tmp_path)
+        assert Path(json.loads(out.splitlines()[-1])["path"]).is_file(), out
     elif how == "python fragment":
         run_python_fragment(cmd)
     elif how == "models file":
