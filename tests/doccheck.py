@@ -439,7 +439,7 @@ def file_refs(page: Page) -> list[Span]:
         for pattern in (FILE_PATH, TOP_FILES):
             for m in pattern.finditer(text):
                 path = m.group(1)
-                if pattern is FILE_PATH and not re.search(r"\.\w+$|/$|\*", path) and path.count("/") < 2:
+                if re.fullmatch(r"octo/[\w-]+", path):
                     continue  # "octo/bare" in a sentence is a ratio, not a folder
                 out.append(Span(page.path, first + text.count("\n", 0, m.start()), path))
     return out
