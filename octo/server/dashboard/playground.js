@@ -1,10 +1,12 @@
-// octo dashboard, Playground: chat (streaming, with TTFT, tok/s and prefix-cache hits), transcription (a file or the
-// microphone) and embeddings (first values and norm), each with the models of its task the server has.
+// octo dashboard, Playground: chat (streaming, with TTFT, tok/s and prefix-cache hits; images attached or pasted for a
+// model that takes them), transcription (a file or the microphone) and embeddings (first values and norm), each with
+// the models of its task the server has.
 "use strict";
 octo.playground = (() => {
   const { el, json, num, showError } = octo;
   const $ = (id) => document.getElementById(id);
-  const conversation = [];  // {role, content}
+  const conversation = [];  // {role, content}: content a string, or text and image_url parts
+  const images = [];  // data URLs of the images the next message sends
   let controller = null;
 
   // -- model pickers: the models that serve the picker's task (loaded or servable on demand: a loaded model's tasks,
@@ -23,12 +25,46 @@ octo.playground = (() => {
       sel.disabled = !models.length;
       if (prev && models.some((m) => m.id === prev)) sel.value = prev;
     }
+    showAttach();
+  });
+
+  // -- images: a file picker and paste, offered only for a model that takes images (capabilities: vision) --
+  function takesImages() {
+    const m = octo.models().find((x) => x.id === $("chat-model").value);
+    return !!(m && (m.capabilities || []).includes("vision"));
+  }
+  function showAttach() {
+    $("chat-attach").hidden = !takesImages();
+    if ($("chat-attach").hidden) setImages([]);
+  }
+  function setImages(urls) {
+    images.splice(0, images.length, ...urls);
+    $("chat-images").replaceChildren(...images.map((u, i) => el("img", { src: u, alt: `image ${i + 1}` })));
+    $("chat-images-clear").hidden = !images.length;
+  }
+  function addFiles(files) {
+    for (const f of files) {
+      if (!f.type.startsWith("image/")) continue;
+      const reader = new FileReader();
+      reader.onload = () => setImages([...images, reader.result]);
+      reader.readAsDataURL(f);
+    }
+  }
+  $("chat-model").addEventListener("change", showAttach);
+  $("chat-image").addEventListener("change", (e) => { addFiles(e.target.files); e.target.value = ""; });
+  $("chat-images-clear").addEventListener("click", () => setImages([]));
+  $("chat-input").addEventListener("paste", (e) => {
+    const files = [...(e.clipboardData ? e.clipboardData.files : [])].filter((f) => f.type.startsWith("image/"));
+    if (!files.length || !takesImages()) return;
+    e.preventDefault();
+    addFiles(files);
   });
 
   // -- chat --
-  function bubble(role, text) {
+  function bubble(role, text, urls = []) {
     const body = el("span", { class: "text", text });
-    const b = el("div", { class: "msg " + role, "data-role": role }, body);
+    const b = el("div", { class: "msg " + role, "data-role": role },
+      ...urls.map((u, i) => el("img", { src: u, alt: `image ${i + 1}` })), body);
     $("chat-log").append(b);
     $("chat-log").scrollTop = $("chat-log").scrollHeight;
     return { b, body };
@@ -37,11 +73,13 @@ octo.playground = (() => {
   async function sendChat(ev) {
     ev.preventDefault();
     const text = $("chat-input").value.trim();
-    if (!text || controller) return;
+    if ((!text && !images.length) || controller) return;
     showError("chat-error", null);
-    conversation.push({ role: "user", content: text });
-    bubble("user", text);
+    const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+    conversation.push({ role: "user", content: parts.length ? [{ type: "text", text }, ...parts] : text });
+    bubble("user", text, [...images]);
     $("chat-input").value = "";
+    setImages([]);
     const messages = [];
     const system = $("chat-system").value.trim();
     if (system) messages.push({ role: "system", content: system });
@@ -102,6 +140,8 @@ octo.playground = (() => {
       const cached = (usage.prompt_tokens_details || {}).cached_tokens || 0;
       parts.push(cached ? `prefix cache hit: ${cached} of ${usage.prompt_tokens} prompt tokens`
         : `prefix cache: miss (${usage.prompt_tokens} prompt tokens)`);
+      const pictured = (usage.prompt_tokens_details || {}).image_tokens;
+      if (pictured) parts.push(`${pictured} image tokens`);
     }
     if (finish) parts.push(`finish: ${finish}`);
     return el("span", { class: "meta", text: parts.join(" · ") });
@@ -117,7 +157,9 @@ octo.playground = (() => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) { e.preventDefault(); $("chat-form").requestSubmit(); }
   });
   $("chat-stop-button").addEventListener("click", () => controller && controller.abort());
-  $("chat-clear").addEventListener("click", () => { conversation.length = 0; $("chat-log").replaceChildren(); });
+  $("chat-clear").addEventListener("click", () => {
+    conversation.length = 0; $("chat-log").replaceChildren(); setImages([]);
+  });
 
   // -- transcription --
   async function transcribe(blob, filename) {
