@@ -23,6 +23,7 @@ REQUIRED = {
     "llama-3.2-3b",
     "phi-4-mini",
     "gemma-4b",
+    "qwen-2.5-vl-3b",
     "mistral-7b",
     "whisper-tiny",
     "whisper-base",
@@ -92,6 +93,32 @@ def test_alias_and_default_variant(catalog):
     same = catalog.resolve("Google/Gemma-3-4B-IT:8BIT", F)  # aliases and variants are case-insensitive
     assert same.name == "gemma-4b:8bit" and same.artifacts["llamacpp"].uri.endswith("Q8_0.gguf")
     assert "Google/Gemma-3-4B-IT:8BIT" in same.aliases
+
+
+def test_vision_models_bring_their_projector_and_their_vlm_folders(catalog):
+    """gemma-4b and qwen-2.5-vl-3b: each GGUF with its repository's projector (downloaded beside it, where the llama.cpp
+    engine finds it); MLX folders whose downloads include the processor's configs (mlx-vlm reads them)."""
+    from fnmatch import fnmatch
+
+    expect = {
+        "gemma-4b:4bit": "hf://bartowski/google_gemma-3-4b-it-GGUF/mmproj-google_gemma-3-4b-it-f16.gguf",
+        "gemma-4b:8bit": "hf://bartowski/google_gemma-3-4b-it-GGUF/mmproj-google_gemma-3-4b-it-f16.gguf",
+        "qwen-2.5-vl-3b:4bit": "hf://ggml-org/Qwen2.5-VL-3B-Instruct-GGUF/mmproj-Qwen2.5-VL-3B-Instruct-Q8_0.gguf",
+        "qwen-2.5-vl-3b:8bit": "hf://ggml-org/Qwen2.5-VL-3B-Instruct-GGUF/mmproj-Qwen2.5-VL-3B-Instruct-Q8_0.gguf",
+        "qwen-2.5-vl-3b:fp16": "hf://ggml-org/Qwen2.5-VL-3B-Instruct-GGUF/mmproj-Qwen2.5-VL-3B-Instruct-f16.gguf",
+    }
+    for name, mmproj in expect.items():
+        gguf = catalog.resolve(name, F).artifacts["llamacpp"]
+        assert gguf.mmproj == mmproj and gguf.uri.rsplit("/", 1)[0] == mmproj.rsplit("/", 1)[0], name
+    r = catalog.resolve("Qwen/Qwen2.5-VL-3B-Instruct", F)
+    assert r.name == "qwen-2.5-vl-3b:4bit" and r.artifacts["mlx"].uri == "hf://mlx-community/Qwen2.5-VL-3B-Instruct-4bit"
+    for name in ("gemma-4b:4bit", "gemma-4b:8bit", "gemma-4b:fp16", "qwen-2.5-vl-3b:fp16"):
+        mlx = catalog.resolve(name, F).artifacts["mlx"]
+        assert mlx.uri.startswith("hf://mlx-community/") and mlx.mmproj is None
+        for f in ("preprocessor_config.json", "processor_config.json", "chat_template.json", "model.safetensors"):
+            assert any(fnmatch(f, p) for p in mlx.allow_patterns), (name, f)
+    assert all(a.mmproj is None for e in catalog.entries if e.id not in ("gemma-4b", "qwen-2.5-vl-3b")
+               for v in e.variants for a in catalog.artifacts(e, v).values())
 
 
 def test_only_engines_that_load_the_format_get_an_artifact(catalog):
@@ -223,6 +250,7 @@ def test_hf_id_format_detection(catalog, hub):
     r = catalog.resolve("someone/Tiny-GGUF", F)
     assert r.name == "someone/Tiny-GGUF" and set(r.artifacts) == {"llamacpp"}
     assert r.artifacts["llamacpp"].uri == "hf://someone/Tiny-GGUF/Tiny-Q4_K_M.gguf"
+    assert r.artifacts["llamacpp"].mmproj == "hf://someone/Tiny-GGUF/mmproj-Tiny-f16.gguf"  # as llama-server -hf
     assert catalog.resolve("someone/Tiny-GGUF:Q8_0", F).artifacts["llamacpp"].uri.endswith("Tiny-Q8_0.gguf")
     assert catalog.resolve("someone/Tiny-GGUF:fp16", F).artifacts["llamacpp"].uri.endswith("/Tiny-f16.gguf")
     with pytest.raises(ModelNotFound, match="no variant 'Q5_K_M'; known variants: f16, Q4_K_M, Q8_0"):
@@ -305,6 +333,18 @@ def _write(tmp_path: Path, *entries) -> Path:
         ({"id": "bad:name"}, "entry 'bad:name' (models[1]), field 'id'"),
         ({"aliases": ["first"]}, "name 'first' of entry 'm' is already used by entry 'first'"),
         ({"context_length": -1}, "field 'context_length'"),
+        (
+            {"variants": {"4bit": {"llamacpp": {"uri": "hf://o/r/f.gguf", "mmproj": "projector.gguf"}}}},
+            "variants.4bit.llamacpp: mmproj must be the file name of a projector beside the GGUF",
+        ),
+        (
+            {"variants": {"4bit": {"llamacpp": {"uri": "hf://o/r/f.gguf", "mmproj": "sub/mmproj-f16.gguf"}}}},
+            "mmproj must be the file name of a projector beside the GGUF",
+        ),
+        (
+            {"variants": {"4bit": {"mlx": {"uri": "hf://o/r", "mmproj": "mmproj-f16.gguf"}}}},
+            "variants.4bit.mlx: mmproj (a projector beside the GGUF) only applies to a hf:// GGUF file",
+        ),
     ],
 )
 def test_bad_catalog_names_the_entry_and_field(tmp_path, change, expected):
@@ -376,3 +416,18 @@ def test_octo_models_lists_catalog_and_engines(monkeypatch, tmp_path):
     arts = gemma["variants"]["4bit"]
     assert arts["llamacpp"]["usable"] and not arts["mlx"]["usable"] and not arts["llamacpp"]["downloaded"]
     assert data["engines"]["mlx"] == {"formats": ["mlx"], "usable": False, "reason": "mlx is not installed"}
+
+
+@pytest.mark.parametrize(("model", "projector"), [
+    ("V-Q4_K_M.gguf", "mmproj-V-Q8_0.gguf"),  # llama-server -hf: the quantisation closest in bits
+    ("V-Q8_0.gguf", "mmproj-V-Q8_0.gguf"),
+    ("V-f16.gguf", "mmproj-V-f16.gguf"),
+    ("sub/V-Q4_K_M.gguf", "sub/mmproj-V-f16.gguf"),  # only beside the model
+    ("other/V-Q4_K_M.gguf", None),
+])
+def test_a_gguf_repositorys_projector_is_the_one_llama_server_picks(model, projector):
+    from octo.models.formats import best_mmproj
+
+    files = ["V-Q4_K_M.gguf", "V-Q8_0.gguf", "V-f16.gguf", "mmproj-V-Q8_0.gguf", "mmproj-V-f16.gguf",
+             "sub/V-Q4_K_M.gguf", "sub/mmproj-V-f16.gguf", "other/V-Q4_K_M.gguf"]
+    assert best_mmproj(files, model) == projector

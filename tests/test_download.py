@@ -240,6 +240,63 @@ def test_octo_pull(hub, monkeypatch, tmp_path):
     assert result.exit_code == 0 and "M-Q8_0.gguf" in result.output
 
 
+def test_octo_pull_gemma_4b_fetches_the_gguf_and_its_projector_beside_it(hub, monkeypatch):
+    """The packaged catalog's gemma-4b, from a stand-in of bartowski's repository: `octo pull gemma-4b` downloads the
+    Q4_K_M GGUF and the projector the catalog names (none of the other files), into one folder, where the llama.cpp
+    engine finds the projector; a GGUF without its projector is not "downloaded"."""
+    from octo.engines.llamacpp.vision import find_projector
+
+    from octo.cli import models as cli_models
+    from octo.cli.models import EngineState, pull
+    from octo.models.pulling import hub_size
+
+    repo = "bartowski/google_gemma-3-4b-it-GGUF"
+    files = {"google_gemma-3-4b-it-Q4_K_M.gguf": gguf_bytes("gemma3") + os.urandom(300),
+             "google_gemma-3-4b-it-Q8_0.gguf": gguf_bytes("gemma3"),
+             "mmproj-google_gemma-3-4b-it-f16.gguf": gguf_bytes("clip") + os.urandom(200),
+             "mmproj-google_gemma-3-4b-it-f32.gguf": gguf_bytes("clip"), "README.md": b"card"}
+    hub.add_repo(repo, files)
+    monkeypatch.setattr(cli_models, "engine_states", lambda: {
+        "llamacpp": EngineState(frozenset({"gguf"}), True, ""),
+        "mlx": EngineState(frozenset({"mlx"}), False, "not installed")})
+    art = load_catalog().resolve("gemma-4b", DEFAULT_ENGINE_FORMATS).artifacts["llamacpp"]
+    assert hub_size(art) == len(files["google_gemma-3-4b-it-Q4_K_M.gguf"]) + len(
+        files["mmproj-google_gemma-3-4b-it-f16.gguf"])  # what --max-pull-gb checks before a download
+    result = CliRunner().invoke(pull, ["gemma-4b", "-q"])
+    assert result.exit_code == 0, result.output
+    assert "(projector: mmproj-google_gemma-3-4b-it-f16.gguf)" in result.output
+    assert sorted(_gets(hub)) == [f"/{repo}/resolve/main/google_gemma-3-4b-it-Q4_K_M.gguf",
+                                  f"/{repo}/resolve/main/mmproj-google_gemma-3-4b-it-f16.gguf"]
+    path = fetch(art, progress=False)
+    projector = find_projector(str(path), None)
+    assert projector is not None and projector.read_bytes() == files["mmproj-google_gemma-3-4b-it-f16.gguf"]
+    assert projector.parent == path.parent and is_downloaded(art)
+    projector.unlink()  # the GGUF alone: not downloaded; a pull brings the projector back
+    assert not is_downloaded(art)
+    assert fetch(art, progress=False) == path and projector.is_file() and is_downloaded(art)
+
+
+def test_a_missing_projector_is_named(hub):
+    hub.add_repo("org/V-GGUF", {"V-Q4_K_M.gguf": gguf_bytes()})
+    art = Artifact("llamacpp", "hf://org/V-GGUF/V-Q4_K_M.gguf", "gguf", mmproj="hf://org/V-GGUF/mmproj-V-f16.gguf")
+    with pytest.raises(ModelNotFound, match="hf://org/V-GGUF/mmproj-V-f16.gguf: no such file in the repository"):
+        fetch(art, progress=False)
+
+
+def test_a_hugging_face_id_pulls_the_projector_llama_server_would(hub, monkeypatch):
+    from octo.cli import models as cli_models
+    from octo.cli.models import EngineState, pull
+
+    hub.add_repo("org/VL-GGUF", {"VL-Q4_K_M.gguf": gguf_bytes(), "VL-f16.gguf": gguf_bytes(),
+                                  "mmproj-VL-Q8_0.gguf": gguf_bytes("clip"), "mmproj-VL-f16.gguf": gguf_bytes("clip")})
+    monkeypatch.setattr(cli_models, "engine_states",
+                        lambda: {"llamacpp": EngineState(frozenset({"gguf"}), True, "")})
+    result = CliRunner().invoke(pull, ["org/VL-GGUF:Q4_K_M", "-q"])
+    assert result.exit_code == 0 and "(projector: mmproj-VL-Q8_0.gguf)" in result.output, result.output
+    assert sorted(_gets(hub)) == ["/org/VL-GGUF/resolve/main/VL-Q4_K_M.gguf",
+                                  "/org/VL-GGUF/resolve/main/mmproj-VL-Q8_0.gguf"]
+
+
 def _entry_dict(uri: str, engine: str, **spec) -> dict:
     art = {"uri": uri, **spec} if spec else uri
     return {"id": "m", "task": "chat", "default_variant": "4bit", "variants": {"4bit": {engine: art}}}

@@ -179,7 +179,8 @@ def pull(model: str, engines: tuple[str, ...], refresh: bool, quiet: bool) -> No
         done: dict[tuple, str] = {}
         for engine in chosen:
             artifact = resolved.artifacts[engine]
-            key = (artifact.uri, artifact.allow_patterns, artifact.subfolder, artifact.format == "synth" and engine)
+            key = (artifact.uri, artifact.allow_patterns, artifact.subfolder, artifact.mmproj,
+                   artifact.format == "synth" and engine)
             if key not in done:
                 was_there = not refresh and _downloaded(artifact) and artifact.format != "synth"
                 record = (canonical(model) or (resolved.name,))[0]
@@ -187,7 +188,8 @@ def pull(model: str, engines: tuple[str, ...], refresh: bool, quiet: bool) -> No
                 note = " (already downloaded)" if was_there else ""
             else:
                 note = " (same artifact)"
-            click.echo(f"{resolved.name} [{engine}] {artifact.uri} -> {done[key]}{note}")
+            projector = f" (projector: {artifact.mmproj.rsplit('/', 1)[1]})" if artifact.mmproj else ""
+            click.echo(f"{resolved.name} [{engine}] {artifact.uri} -> {done[key]}{projector}{note}")
     except OctoError as exc:
         if getattr(exc, "cannot_download", None):  # offline, or the hub is unreachable: not "run octo pull" (this)
             raise click.ClickException(

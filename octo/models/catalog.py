@@ -71,6 +71,7 @@ class ArtifactSpec(BaseModel):
     format: Literal["gguf", "mlx", "onnx", "whisper", "ct2", "ggml", "synth", "none"] | None = None
     allow_patterns: tuple[str, ...] = ()
     subfolder: str | None = None
+    mmproj: str | None = None  # a GGUF's projector: a file name beside it in its repository (mmproj*.gguf)
 
     @field_validator("uri")
     @classmethod
@@ -159,6 +160,11 @@ def _complete_spec(spec: ArtifactSpec, engine: str, where: str) -> None:
         raise ValueError(f"{where}: allow_patterns/subfolder only apply to a folder artifact")
     if spec.subfolder is not None and (spec.subfolder.startswith("/") or ".." in spec.subfolder.split("/")):
         raise ValueError(f"{where}: subfolder must be a relative path inside the repository")
+    if spec.mmproj is not None and not (fmt == "gguf" and kind == "hf" and is_file):
+        raise ValueError(f"{where}: mmproj (a projector beside the GGUF) only applies to a hf:// GGUF file")
+    if spec.mmproj is not None and not re.fullmatch(r"(?i)mmproj[^/]*\.gguf", spec.mmproj):
+        raise ValueError(f"{where}: mmproj must be the file name of a projector beside the GGUF in its repository "
+                         f"(mmproj*.gguf, as the llama.cpp engine finds it), got '{spec.mmproj}'")
     spec.format = fmt
     if kind == "hf" and not is_file and not spec.allow_patterns:
         prefix = f"{spec.subfolder.strip('/')}/" if spec.subfolder else ""
@@ -250,6 +256,7 @@ class Catalog:
                 tuple(s.allow_patterns),
                 s.subfolder,
                 source or (entry.id if len(entry.variants) == 1 else f"{entry.id}:{variant}"),
+                s.mmproj and f"{s.uri.rsplit('/', 1)[0]}/{s.mmproj}",
             )
             for engine, s in entry.variants[variant].items()
         }

@@ -246,13 +246,19 @@ def _cached_repo_files(repo_id: str) -> list[str]:
     return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
 
 
+def _cached_file(uri: str) -> Path | None:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(*parse_hf(uri), cache_dir=hub_cache_dir())
+    return Path(found) if isinstance(found, str) and os.path.isfile(found) else None
+
+
 def _cached_hf(artifact: Artifact) -> Path | None:
+    """The artifact's path in the hub cache (a GGUF counts only with its projector, ``Artifact.mmproj``, beside it)."""
     repo, filename = parse_hf(artifact.uri)
     if filename is not None:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo, filename, cache_dir=hub_cache_dir())
-        return Path(found) if isinstance(found, str) and os.path.isfile(found) else None
+        path = _cached_file(artifact.uri)
+        return path if path is not None and (not artifact.mmproj or _cached_file(artifact.mmproj)) else None
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -300,9 +306,13 @@ def _fetch_hf(artifact: Artifact, offline: bool, progress: bool, refresh: bool) 
 
     repo, filename = parse_hf(artifact.uri)
     common = {"cache_dir": hub_cache_dir(), "endpoint": hub_endpoint(), "tqdm_class": _tqdm(progress)}
+    what = artifact.uri  # the file being downloaded, for the errors
     try:
         if filename is not None:
             path = Path(hf_hub_download(repo, filename, **common))
+            if artifact.mmproj:  # its projector, into the same snapshot folder: beside it
+                what = artifact.mmproj
+                hf_hub_download(*parse_hf(artifact.mmproj), **common)
         else:
             path = Path(snapshot_download(repo, allow_patterns=list(artifact.allow_patterns) or None, **common))
             path = path / artifact.subfolder if artifact.subfolder else path
@@ -311,7 +321,7 @@ def _fetch_hf(artifact: Artifact, offline: bool, progress: bool, refresh: bool) 
             f"{artifact.uri}: the repository is gated; accept its license on the hub and set HF_TOKEN."
         ) from None
     except RemoteEntryNotFoundError:
-        raise ModelNotFound(f"{artifact.uri}: no such file in the repository.", param="model") from None
+        raise ModelNotFound(f"{what}: no such file in the repository.", param="model") from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
         raise ModelNotFound(
             f"{artifact.uri}: repository not found (a private one needs HF_TOKEN).", param="model"

@@ -256,7 +256,28 @@ def _gguf_repo(repo: str, files: list[str], want: str | None, found: dict[str, d
         )
     if picked:
         found["gguf"] = {"uri": f"hf://{repo}/{picked[0]}"}
+        projector = best_mmproj(files, picked[0])
+        if projector is not None:
+            found["gguf"]["mmproj"] = f"hf://{repo}/{projector}"
     return ggufs
+
+
+def best_mmproj(files: list[str], model: str) -> str | None:
+    """The projector (``mmproj*.gguf``) beside ``model`` in its repository that llama-server's ``-hf`` picks: in the
+    same folder, the quantisation closest in bits to the model's (``Q4_K_M`` takes a ``Q8_0`` projector before an
+    ``f16`` one); None when there is none."""
+    folder = posixpath.dirname(model)
+    found = [f for f in files if f.lower().endswith(".gguf") and "mmproj" in posixpath.basename(f).lower()
+             and posixpath.dirname(f) == folder]
+    bits = _quant_bits(model)
+    return min(found, key=lambda f: abs(_quant_bits(f) - bits), default=None)
+
+
+def _quant_bits(filename: str) -> int:
+    """The bits of a GGUF file name's quantisation (llama.cpp's ``extract_quant_bits``: the first number of its tag,
+    ``Q4_K_M`` 4, ``f16`` 16; 0 without one)."""
+    m = re.search(r"\d+", gguf_tag(filename) or "")
+    return int(m.group()) if m else 0
 
 
 def _onnx_repo(repo: str, files: list[str], want: str | None, found: dict[str, dict], known: list[str]) -> list[str]:

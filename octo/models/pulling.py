@@ -128,8 +128,9 @@ def hub_size(artifact: Artifact) -> int:
     repo, filename = parse_hf(artifact.uri)
     tree = [f for f in HfApi(endpoint=hub_endpoint()).list_repo_tree(repo, recursive=True)
             if isinstance(getattr(f, "size", None), int)]  # (files: folders have no size)
-    if filename is not None:
-        return sum(int(f.size) for f in tree if f.path == filename)
+    if filename is not None:  # (and a GGUF's projector, from the same repository)
+        wanted = {filename, parse_hf(artifact.mmproj)[1] if artifact.mmproj else None}
+        return sum(int(f.size) for f in tree if f.path in wanted)
     if artifact.subfolder:
         tree = [f for f in tree if f.path.startswith(artifact.subfolder.strip("/") + "/")]
     patterns = list(artifact.allow_patterns) or None

@@ -38,6 +38,9 @@ class Artifact:
     allow_patterns: tuple[str, ...] = ()
     subfolder: str | None = None  # e.g. onnxruntime-genai repos keep the model in a subfolder
     source: str | None = field(default=None, compare=False)  # the spec it came from (for `octo pull` hints)
+    # a GGUF's projector (hf://org/repo/.../mmproj-*.gguf, beside the file in its repository): downloaded with it, so
+    # the llama.cpp engine finds it beside the GGUF and the model takes images
+    mmproj: str | None = None
 
 
 @dataclass(frozen=True)
