@@ -81,6 +81,12 @@ COVERED = {
     "octo serve demo-whisper":
         "tests/test_speech_offline_functional.py::test_the_readmes_transcription_example_works_offline_with_demo_whisper",
     "octo serve demo-vision": "tests/test_vision_functional.py::test_an_image_is_answered_and_the_answer_depends_on_it",
+    'import base64 from openai import OpenAI client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none") '
+    'picture = base64.b64encode(open("photo.png", "rb").read()).decode() reply = client.chat.completions.create('
+    'model="demo-vision", max_tokens=16, messages=[{"role": "user", "content": [ {"type": "text", "text": "What is in '
+    'this picture?"}, {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{picture}"}}]}]) '
+    'print(reply.choices[0].message.content, reply.usage.prompt_tokens_details.image_tokens)':
+        "tests/test_vision_apis_functional.py::test_the_readmes_image_example_runs_as_written",
     "octo serve demo-vision --engine mlx":
         "tests/test_mlx_vision_functional.py::test_the_mlx_worker_serves_the_vision_model_without_torch",
     "python scripts/config_docs.py": "tests/test_docs.py::test_configuration_page_matches_serve_flags",

@@ -190,3 +190,21 @@ def test_a_text_only_model_refuses_images_on_every_api(text_only):
 def test_the_capabilities_say_vision(server):
     assert "vision" in ollama.Client(host=server.base_url).show(MODEL).capabilities
     assert server.get_json(f"/v1/models/{MODEL}")["capabilities"] == ["completion", "vision"]
+
+
+def test_the_readmes_image_example_runs_as_written(server, tmp_path):
+    """The README's openai example, as written (the port aside), with a photo.png beside it."""
+    import re
+    import subprocess
+    import sys
+
+    from serverproc import REPO
+
+    block = re.search(r"```python\n(import base64\nfrom openai import OpenAI\n.*?)```",
+                      (REPO / "README.md").read_text(), re.S)
+    assert block and "demo-vision" in block.group(1), "the README's image example changed: update this test"
+    (tmp_path / "photo.png").write_bytes(RED)
+    code = block.group(1).replace("127.0.0.1:8080", f"127.0.0.1:{server.port}")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == str(IMAGE_TOKENS) and len(out.stdout.split()) > 1, out.stdout
