@@ -223,3 +223,29 @@ async def test_a_text_only_model_names_itself_on_every_api(aiohttp_client, tmp_p
         assert where in (text if isinstance(err, str) or "param" not in err else err["param"]), (path, out)
     models = await (await c.get("/v1/models")).json()
     assert models["data"][0]["capabilities"] == ["completion"]
+
+
+async def test_the_limits_name_the_part_on_every_api(aiohttp_client, tmp_path, monkeypatch):
+    c = await aiohttp_client(make_app(tmp_path, monkeypatch, max_images=1, max_image_mb=0.0005))  # 524 bytes
+    buf = io.BytesIO()
+    noise = hashlib.shake_256(b"noise").digest(32 * 32 * 3)  # (fixed bytes that do not compress)
+    Image.frombytes("RGB", (32, 32), noise).save(buf, "PNG")
+    big = buf.getvalue()
+    assert len(big) > 524 >= len(RED)
+    for path, body, where in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url(u)}} for u in (RED, BLUE)]}]}, "messages[0].content[1]"),
+        ("/v1/responses", {"input": [{"role": "user", "content": [image_item(RED), image_item(BLUE)]}]},
+         "input[0].content[1]"),
+        ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [block(RED), block(BLUE)]}]},
+         "messages.0.content.1"),
+        ("/api/chat", {"stream": False, "messages": [{"role": "user", "content": "x", "images": [b64(RED)]},
+                                                     {"role": "user", "content": "y", "images": [b64(BLUE)]}]},
+         "messages[1].images[0]"),
+    ]:
+        out = await post(c, path, body, 400)
+        err = out["error"]
+        text, param = (err, None) if isinstance(err, str) else (err["message"], err.get("param"))
+        assert "--max-images" in text and where in (param or text), (path, out)
+    out = await post(c, "/api/generate", {"stream": False, "prompt": "x", "images": [b64(big)]}, 400)
+    assert out["error"].startswith("images[0]: The image has") and "--max-image-mb" in out["error"], out
