@@ -70,6 +70,8 @@ RUN = {
     "upscale_delay_s: 10, downscale_delay_s: 120}}": "models file",
     '{"version": 1, "models": {"cat-tiny": {"files": ["/home/u/.cache/huggingface/hub/models--org--x/snapshots/C/'
     'x.gguf"], "at": 1767225600.0}}}': "record of pulls",
+    "4bit: llamacpp: uri: hf://bartowski/google_gemma-3-4b-it-GGUF/google_gemma-3-4b-it-Q4_K_M.gguf mmproj: "
+    "mmproj-google_gemma-3-4b-it-f16.gguf": "catalog excerpt",
 }
 
 # Run by another test of the suite ("tests/FILE.py::TEST").
@@ -108,6 +110,7 @@ CANNOT = {
         "exist in the Makefile",
     "make serve": "installs the venv; the target is checked to exist",
     "make serve LLAMACPP=no": "installs the venv without llama.cpp; the target is checked to exist",
+    "PIP_FIND_LINKS=DIR make serve": "installs the venv from a folder of wheels (a template: DIR)",
     "sudo apt-get install python3-venv": "installs a system package (root, network)",
     "sudo apt-get install build-essential cmake": "installs system packages (root, network)",
     "make test": "runs the whole suite; the target is checked to exist",
@@ -115,6 +118,7 @@ CANNOT = {
     "octo serve qwen-2.5-0.5b:4bit": "serves a real model, downloaded first",
     "octo serve qwen-2.5-0.5b whisper-tiny nomic-embed-text-v1.5": "serves real models, downloaded first",
     "octo pull whisper-base": "downloads a real model",
+    "octo pull ggml-org/gemma-3-4b-it-GGUF": "downloads a real model",
     "octo serve whisper-base": "serves a real model, downloaded first",
     "octo serve ./model.gguf": "a GGUF file of the reader's",
     "octo serve --port 11434": "binds Ollama's port, which an Ollama on this host may hold",
@@ -345,6 +349,9 @@ def test_doc_command_runs(cmd: Command, request, tmp_path):
     elif how == "synthetic build":
         out = run_shell(cmd, cmd.text.replace("NAME ENGINE", "demo llamacpp"), None, tmp_path)
         assert Path(json.loads(out.splitlines()[-1])["path"]).is_file(), out
+    elif how == "catalog excerpt":
+        catalog = (REPO / "models.yaml").read_text()
+        assert cmd.text.strip("\n") in catalog, f"{cmd.where}: the excerpt is not in models.yaml as written"
     elif how == "python fragment":
         run_python_fragment(cmd)
     elif how == "models file":
