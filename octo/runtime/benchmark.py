@@ -11,6 +11,13 @@ longer than the budget the progress line says the budget is too small. The score
 
     score = batch_decode_tok_s ** 0.5 * decode_tok_s ** 0.3 * prefill_tok_s ** 0.2
 
+A model that takes images (``ModelInfo.takes_images``: a vision-language model) is measured on an image too, after
+the warm-up (``_image_phase``): one synthetic picture and a short question, from the encode to the first token
+(``image_prefill_s``, with ``image_encode_s`` and ``image_tokens``), and the score gives images per second 0.15 of the
+weight (the text metrics the rest, in the same proportions). An engine that fails the image gets a near-zero image
+factor: it could not serve the model's images. The image phase's time is added to the measurement's limits (a
+picture's encode on a CPU can take longer than the whole text budget).
+
 A measurement during which other processes competed for the cores (``octo.benchload.LoadMonitor``) measures the
 floor only from the moment that shows (after its prefill phase), and is repeated once if they calm down within
 ``QUIET_WAIT_S``; the result says so in ``conditions``. With the leader's score, a
@@ -28,10 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 from octo.benchload import LoadMonitor, loadavg_1min, wait_quiet
-from octo.engine import Engine, Feed, SamplingParams, Sequence, Task
+from octo.engine import Engine, Feed, MediaInput, SamplingParams, Sequence, Task
 
 log = logging.getLogger("octo.runtime.benchmark")
 WEIGHTS = {"batch_decode_tok_s": 0.5, "decode_tok_s": 0.3, "prefill_tok_s": 0.2}
+IMAGE_WEIGHT = 0.15  # a vision model's images per second (1 / image_prefill_s)
+IMAGE_SIZE = (320, 240)  # the synthetic picture: small (dynamic-resolution models give it ~100 tokens)
 BATCH = 4
 PROMPT_TOKENS = 64
 SETTLE = 0.015  # a decode phase ends once its mean step time is known to 1.5% (standard error)
@@ -58,8 +67,12 @@ def score(result: dict[str, Any]) -> float:
     values = dict(result)
     if not values.get("batch_decode_tok_s"):  # too slow to reach the batch phase: no batching gain assumed
         values["batch_decode_tok_s"] = values.get("decode_tok_s")
+    weights = WEIGHTS
+    if "image_prefill_s" in values:  # a vision model: images per second weigh too
+        weights = {**{k: w * (1 - IMAGE_WEIGHT) for k, w in WEIGHTS.items()}, "images_per_s": IMAGE_WEIGHT}
+        values["images_per_s"] = 1 / values["image_prefill_s"] if values["image_prefill_s"] else 0.0
     s = 1.0
-    for name, w in WEIGHTS.items():
+    for name, w in weights.items():
         s *= max(float(values.get(name) or 0.0), 1e-9) ** w
     return round(s, 3)
 
@@ -153,6 +166,65 @@ def _prefill_until(engine: Engine, seq: Sequence, deadline: float) -> int:
     return fed
 
 
+def _feed_prompt(engine: Engine, seq: Sequence) -> None:
+    """Prefill ``seq`` as the scheduler feeds a prompt with media: text in prefill chunks up to an item, the item whole
+    (``Feed.media``, its embedding set), the rest; the last feed samples."""
+    end, chunk = len(seq.tokens), max(1, engine.prefill_chunk)
+    while seq.n_cached < end:
+        at = seq.n_cached
+        item = next((c for c in seq.media if c.pos <= at < c.end), None)
+        n = item.end - at if item is not None else min(chunk, min((c.pos for c in seq.media if c.pos > at),
+                                                                  default=end) - at)
+        out = engine.step([Feed(seq, seq.tokens[at:at + n], at + n >= end, media=item)])
+        if at + n >= end:
+            take(seq, out[0])
+
+
+def bench_image() -> MediaInput:
+    """The synthetic picture of the image phase: a colour gradient with a few shapes (fixed, so its digest is too)."""
+    import hashlib
+    import io
+
+    from PIL import Image, ImageDraw
+
+    w, h = IMAGE_SIZE
+    img = Image.merge("RGB", [Image.linear_gradient("L").resize((w, h)).rotate(a, expand=False) for a in (0, 90, 45)])
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((w // 8, h // 8, w // 2, h // 2), fill=(240, 240, 240))
+    draw.rectangle((w // 2, h // 2, w - w // 8, h - h // 8), fill=(20, 60, 200))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return MediaInput("image", hashlib.sha256(buf.getvalue()).hexdigest(), img.tobytes(), w, h)
+
+
+def _image_phase(engine: Engine, result: dict[str, Any]) -> None:
+    """One image prompt (:func:`bench_image` and a short question, in the model's chat template) from the engine's
+    tokenization to its first token: ``image_prefill_s``, of which ``image_encode_s``, and ``image_tokens``. A
+    failure is recorded (``image_error``), not raised: the text phases still measure."""
+    mark = "<<octo-bench-image>>"
+    seq = None
+    t0 = time.perf_counter()
+    try:
+        before, after = engine.render_chat([{"role": "user", "content": f"{mark}What is in this picture?"}]).split(
+            mark, 1)
+        tokens, chunks = engine.tokenize_media([before, bench_image(), after])
+        seq = Sequence(900_300, tokens, SamplingParams(temperature=0.0), media=tuple(chunks))
+        engine.add_sequence(seq)
+        t_enc = time.perf_counter()
+        for c in chunks:
+            c.embedding = engine.encode_media(c)
+        encode_s = time.perf_counter() - t_enc
+        _feed_prompt(engine, seq)
+        result.update(image_prefill_s=round(time.perf_counter() - t0, 3), image_encode_s=round(encode_s, 3),
+                      image_tokens=sum(c.n_tokens for c in chunks))
+    except Exception as exc:  # noqa: BLE001 - an engine that cannot take the picture: recorded, scored as such
+        log.warning("image benchmark of %s failed: %s", engine.name, exc)
+        result["image_error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if seq is not None:
+            free_sequences(engine, [seq])
+
+
 def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = None,
                     quiet_wait: float = QUIET_WAIT_S) -> dict[str, Any]:
     """Measure a loaded engine within ``seconds``, doing at least the floor of work; never raises.
@@ -198,11 +270,12 @@ def micro_benchmark(engine: Engine, seconds: float = 3.0, beat: float | None = N
 
 def _measure(engine: Engine, seconds: float, beat: float | None, hard: float,
              disturbed: Callable[[], bool] = lambda: False) -> dict[str, Any]:
-    """One measurement. Phases: warm-up (a 16-token prompt in the measured prefill chunks, 2 decode steps), prefill
-    of 64-token prompts (at least one; more while within 20% of the budget), single-stream decode for each thread
-    count (to 55% of the budget; at least MIN_DECODE_STEPS each, after an untimed step), then BATCH sequences
-    decoding together until the budget ends (at least MIN_BATCH_STEPS, after an untimed step). The floor runs
-    whatever the budget, until ``hard``.
+    """One measurement. Phases: warm-up (a 16-token prompt in the measured prefill chunks, 2 decode steps), a vision
+    model's image prompt (outside the budget: the phases after it get the whole budget), prefill of 64-token prompts
+    (at least one; more while within 20% of the budget), single-stream decode for each thread count (to 55% of the
+    budget; at least MIN_DECODE_STEPS each, after an untimed step), then BATCH sequences decoding together until the
+    budget ends (at least MIN_BATCH_STEPS, after an untimed step). The floor runs whatever the budget, until ``hard``
+    (later by the image prompt's time).
 
     With ``beat`` (the leader's score), the engine stops once it cannot reach it: a thread count's decode
     phase ends when its upper bound is below ``beat``, and the batch phase is skipped when the best one is.
@@ -212,23 +285,29 @@ def _measure(engine: Engine, seconds: float, beat: float | None, hard: float,
     the rest of the budget would only delay the start.
     """
     t_start = time.perf_counter()
-    deadline = t_start + seconds
     work = {"prefill_tokens": 0, "decode_tokens": 0, "batch_tokens": 0}
     result: dict[str, Any] = {"prefill_tok_s": None, "decode_tok_s": None, "batch_decode_tok_s": None,
                               "threads": None, "score": 0.0, "cached": False, "seconds": None, "error": None,
                               "stopped": None, "conditions": {"work": work}}
     live: list[Sequence] = []
+    t_text, deadline, image_s = t_start, t_start + seconds, 0.0  # (set again after a vision model's image prompt)
     try:
         warm = Sequence(900_001, bench_prompt(engine, WARM_TOKENS, 1), SamplingParams(temperature=0.0))
         engine.add_sequence(warm)
         live.append(warm)
         _prefill_until(engine, warm, hard)
         decode_steps(engine, [warm], hard, 2)
-        result["prefill_tok_s"] = _prefill_phase(engine, t_start + 0.2 * seconds, hard, work)
+        if engine.info is not None and engine.info.takes_images:  # a vision model: an image, in its own time
+            t_image = time.perf_counter()
+            result["image_prefill_s"] = None
+            _image_phase(engine, result)
+            image_s = time.perf_counter() - t_image
+            hard, t_text, deadline = hard + image_s, t_text + image_s, deadline + image_s
+        result["prefill_tok_s"] = _prefill_phase(engine, t_text + 0.2 * seconds, hard, work)
         if disturbed():
             deadline = time.perf_counter()
             result["conditions"]["cut_short"] = True
-        result["threads"], rate = _decode_phase(engine, warm, result, beat, min(deadline, t_start + 0.55 * seconds),
+        result["threads"], rate = _decode_phase(engine, warm, result, beat, min(deadline, t_text + 0.55 * seconds),
                                                 hard, work)
         result["decode_tok_s"] = round(rate, 2) if rate else None
         free_sequences(engine, live)
@@ -244,7 +323,7 @@ def _measure(engine: Engine, seconds: float, beat: float | None, hard: float,
         free_sequences(engine, live)
     result["score"] = score(result)
     result["seconds"] = round(time.perf_counter() - t_start, 3)
-    result["conditions"]["budget_too_small"] = result["seconds"] > 1.25 * seconds + 0.05
+    result["conditions"]["budget_too_small"] = time.perf_counter() - t_start - image_s > 1.25 * seconds + 0.05
     return result
 
 

@@ -29,10 +29,13 @@ from octo.runtime.supervision import configs_for, describe_exit, remember, remem
 log = logging.getLogger("octo.runtime.remote")
 
 
-def BENCH_GRACE(seconds: float) -> float:  # noqa: N802 - a named bound
+def BENCH_GRACE(seconds: float, loaded: dict | None = None) -> float:  # noqa: N802 - a named bound
     """How long a candidate's start-up benchmark may take before it counts as hung: its budget is a ceiling
-    checked before every step, so this only passes when a single step never returns."""
-    return 3 * seconds + 20
+    checked before every step, so this only passes when a single step never returns. A vision model's benchmark
+    encodes a picture first, which takes about what the load's own warm-up encode took: its load time is added."""
+    info = (loaded or {}).get("info")
+    extra = float(loaded.get("load_seconds") or 0.0) if info is not None and getattr(info, "takes_images", False) else 0
+    return 3 * seconds + 20 + extra
 IDS = itertools.count(1)  # call and request ids over the IPC, one sequence for both (octo.runtime.remote)
 
 
@@ -411,7 +414,7 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
             loaded = await worker.request("load", spec, timeout=config.load_timeout)
             if bench is not None:
                 phase = "measuring"
-                loaded["benchmark"] = await worker.request("bench", *bench, timeout=BENCH_GRACE(bench[0]))
+                loaded["benchmark"] = await worker.request("bench", *bench, timeout=BENCH_GRACE(bench[0], loaded))
             loaded.update(fallback=overlay, fallback_reason=configs[i][1], config_index=i)
             return worker, loaded
         except EngineCrashed:
@@ -438,7 +441,7 @@ async def start_worker(cls: type[Engine], artifact: str, name: str, config: Serv
         except TimeoutError:
             worker.kill()
             bound = f"{config.load_timeout:g} s, --load-timeout" if phase == "loading" else \
-                f"{BENCH_GRACE(bench[0]):g} s"
+                f"{BENCH_GRACE(bench[0], loaded):g} s"
             raise EngineCrashed(f"{cls.name} hung while {phase} '{name}' (no answer in {bound}); the worker was "
                                 "stopped.", code="engine_hung") from None
         except BaseException:

@@ -309,8 +309,14 @@ def figures(res: dict[str, Any]) -> str:
         return f"{res['speech_x_realtime']:g}x real time"
     def rate(v: Any) -> str:  # a phase not measured (stopped early, too slow to reach it) says "-", never None
         return "-" if v is None else f"{v:g}"
-    return (f"prefill {rate(res['prefill_tok_s'])} tok/s, decode {rate(res['decode_tok_s'])} tok/s, batch x{BATCH} "
+    text = (f"prefill {rate(res['prefill_tok_s'])} tok/s, decode {rate(res['decode_tok_s'])} tok/s, batch x{BATCH} "
             f"{rate(res['batch_decode_tok_s'])} tok/s")
+    if "image_prefill_s" not in res:
+        return text
+    if res["image_prefill_s"] is None:  # a vision model whose picture failed
+        return f"{text}, image FAILED ({res.get('image_error') or 'not measured'})"
+    return (f"{text}, image {res['image_prefill_s']:g} s to the first token ({res.get('image_tokens')} image tokens, "
+            f"encode {res.get('image_encode_s')} s)")
 
 
 def failed_result(exc: BaseException, seconds: float, took: float | None) -> dict[str, Any]:
@@ -464,7 +470,9 @@ def _ordered(candidates: dict[str, Candidate]) -> dict[str, Candidate]:
 def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callable[[str], None]) -> None:
     w = max(10, *map(len, ranked))
     speech = any("speech_x_realtime" in r for r in results.values())  # speech engines: x real time, no tokens
+    images = any("image_prefill_s" in r for r in results.values())  # a vision model: its image prompt's seconds
     head = f"{'x realtime':>10s}" if speech else f"{'prefill':>9s} {'decode':>9s} {'batch x4':>9s}"
+    head += f" {'image s':>9s}" if images else ""
     say(f"{'engine':{w}s} {head} {'threads':>7s} {'score':>9s}  note")
     for n in ranked:
         r = results[n]
@@ -479,4 +487,5 @@ def _table(results: dict[str, dict], ranked: list[str], winner: str, say: Callab
             return f"{v:9.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>9s}"
         rates = (f" {f(r.get('speech_x_realtime'), 2)}" if speech else
                  f"{f(r.get('prefill_tok_s'))} {f(r.get('decode_tok_s'))} {f(r.get('batch_decode_tok_s'))}")
+        rates += f" {f(r.get('image_prefill_s'), 2)}" if images else ""
         say(f"{n:{w}s} {rates} {str(r.get('threads') or '-'):>7s} {f(r['score'], 2)}  {note}")
