@@ -10,10 +10,13 @@ command -v chromium >/dev/null 2>&1 || missing+=(chromium)  # the dashboard's br
 ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || [ "$(uname -m)" != x86_64 ] || missing+=(libopenblas0-pthread)
 
 # Codex CLI (OpenAI's coding agent) for tests/test_codex_functional.py, pinned, from npm into the git-ignored
-# .cache/npm (no root needed). Skipped when a codex is already there; without npm, or when npm fails, the test skips.
-CODEX_VERSION=0.169.0
+# .cache/npm (no root needed). Skipped when this version is there (an older copy is replaced) or, without one there, a
+# codex is in PATH; without npm, or when npm fails, the test skips.
+CODEX_VERSION=0.171.0
 codex_prefix="$(cd "$(dirname "$0")/.." && pwd)/.cache/npm"
-if [ -x "$codex_prefix/bin/codex" ] || command -v codex >/dev/null 2>&1; then
+codex_package="$codex_prefix/lib/node_modules/@openai/codex/package.json"
+if { [ -f "$codex_package" ] && grep -q "\"version\": \"$CODEX_VERSION\"" "$codex_package"; } || \
+   { [ ! -f "$codex_package" ] && command -v codex >/dev/null 2>&1; }; then
   :
 elif ! command -v npm >/dev/null 2>&1; then
   echo "system-deps: npm not found, Codex CLI not installed (tests/test_codex_functional.py will skip)" >&2
