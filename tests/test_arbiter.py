@@ -77,3 +77,33 @@ async def test_a_disabled_gate_computes_freely_and_gives_back_what_it_held():
     await asyncio.to_thread(gates[0].enter)  # releases, asks nothing
     await asyncio.sleep(0.05)
     assert arb.holder is None and members[0].turns == 1
+
+
+async def test_a_workers_encode_thread_computes_in_its_turn_beside_its_engine_thread(monkeypatch):
+    """Two threads of one worker (the engine thread's steps, the encode thread's long encode) share its turn: the
+    other model never computes while either of them does, and gets the cores once both are out."""
+    monkeypatch.setattr(arbiter, "QUANTUM", 0.02)
+    arb, gates, members = await _gates(2)
+    spans: dict[str, list[tuple[float, float]]] = {"steps": [], "encode": [], "other": []}
+
+    def compute(gate: ComputeGate, what: str, times: int, seconds: float) -> None:
+        for _ in range(times):
+            gate.enter()
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            spans[what].append((t0, time.monotonic()))
+            gate.exit()
+        gate.idle()
+
+    threads = [threading.Thread(target=compute, args=(gates[0], "steps", 20, 0.01)),
+               threading.Thread(target=compute, args=(gates[0], "encode", 1, 0.3)),
+               threading.Thread(target=compute, args=(gates[1], "other", 20, 0.01))]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        await asyncio.sleep(0.01)
+    ours = spans["steps"] + spans["encode"]
+    assert not [(a, b) for a in ours for b in spans["other"] if a[0] < b[1] and b[0] < a[1]]  # never at once
+    (e0, e1), = spans["encode"]
+    assert any(e0 < s1 and s0 < e1 for s0, s1 in spans["steps"])  # the steps went on beside the encode
+    assert arb.holder is None and not arb.waiting

@@ -12,7 +12,7 @@ after their own steps, so the idle model's threads still take cores during the o
 comes must wake its sleeping threads.
 
 Gateway side: :class:`Arbiter` (one per gateway) and a :class:`Member` protocol per worker. Worker side:
-:class:`ComputeGate`, which the scheduler calls around each ``Engine.step``.
+:class:`ComputeGate`, which the scheduler calls around each ``Engine.step`` and each image encode.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 from collections import deque
 
@@ -92,33 +93,42 @@ ARBITER = Arbiter()
 
 
 class ComputeGate:
-    """The worker's end, used by its engine thread only (``enabled`` is switched by the worker's event loop)."""
+    """The worker's end, used by its engine thread and its encode thread (``octo.scheduler.media``; ``enabled`` is
+    switched by the worker's event loop): the first of them to compute asks for the cores, and they go back once
+    neither computes (after the quantum, or at once when the engine thread has nothing to do)."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(True)
         self._sock = sock
         self.enabled = False
         self._since = 0.0  # when this worker's turn began; 0: not holding the cores
+        self._inside = 0  # threads computing now (between enter and exit)
+        self._lock = threading.Lock()  # (held while waiting for the turn: the other thread waits for it too)
 
     def enter(self) -> None:
-        if not self.enabled:
-            if self._since:
-                self._release()
-            return
-        if not self._since:
-            self._sock.sendall(b"a")
-            if not self._sock.recv(1):  # the gateway is gone
-                os._exit(0)
-            self._since = time.monotonic()
+        with self._lock:
+            self._inside += 1
+            if not self.enabled:  # no turns: nothing to hold
+                if self._since:
+                    self._release()
+                return
+            if not self._since:
+                self._sock.sendall(b"a")
+                if not self._sock.recv(1):  # the gateway is gone
+                    os._exit(0)
+                self._since = time.monotonic()
 
     def exit(self) -> None:
-        if self._since and time.monotonic() - self._since >= QUANTUM:
-            self._release()
+        with self._lock:
+            self._inside = max(0, self._inside - 1)
+            if self._since and not self._inside and time.monotonic() - self._since >= QUANTUM:
+                self._release()
 
     def idle(self) -> None:
-        """Nothing to compute: hand the cores back at once."""
-        if self._since:
-            self._release()
+        """The engine thread has nothing to compute: hand the cores back at once (unless an encode computes)."""
+        with self._lock:
+            if self._since and not self._inside:
+                self._release()
 
     def _release(self) -> None:
         self._since = 0.0

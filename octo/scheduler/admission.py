@@ -258,6 +258,7 @@ class Scheduler(EngineLoop):
         for job in expired:
             fail_job(job, err)
         self.watchdog.check()
+        self.media.check()  # the encode thread: a stuck encode costs its requests (octo.scheduler.media)
         if not self._stopping:
             self._sweeper = self._loop.call_later(self._sweep_every, self._sweep)
 

@@ -106,7 +106,7 @@ class EngineLoop:
         self.disk = DiskTier(disk, engine, cache) if disk is not None else None
         self.reuse = PrefixReuse(engine, cache, self.disk, self._free_kv) if cache is not None else None
         self.isolation = StepIsolation(engine, self._engine_step)
-        self.media = MediaEncoder(engine, functools.partial(self._wake.put, None))
+        self.media = MediaEncoder(engine, functools.partial(self._wake.put, None), lambda: self.gate)
         self.planner = Planner(engine, self._active, self.pacer, self.sharing, self._pending)
         # the per-token path calls the emission part through these (one attribute look-up, as when it was a mixin)
         self._dress, self._accept, self._emit = self.emission.dress, self.emission.accept, self.emission.emit
