@@ -190,8 +190,9 @@ def _candidates(resolved: Any, engine_name: str | None, registry: dict[str, type
     return candidates
 
 
-def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engine]],
-                  need_local: bool = True, isolation: str | None = None) -> tuple[str, tuple[str, ...], str, int]:
+def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engine]], need_local: bool = True,
+                  isolation: str | None = None, options: dict[str, Any] | None = None,
+                  ) -> tuple[str, tuple[str, ...], str, int]:
     """(name, aliases, task, estimated bytes: weights + KV, octo.runtime.memguard) of a model this host can load,
     without
     downloading anything;
@@ -212,7 +213,7 @@ def resolve_local(model: str, engine: str | None, registry: dict[str, type[Engin
         first = next(iter(candidates.values()))
         raise ArtifactNotDownloaded(f"Model '{resolved.name}' is not downloaded here, and requests never start "
                                     f"a download. Download it first: {pull_command(first)}.", param="model")
-    sizes = [model_bytes(path) for path in map(local_path, local.values()) if path is not None]
+    sizes = [model_bytes(path, options) for path in map(local_path, local.values()) if path is not None]
     return resolved.name, tuple(resolved.aliases), resolved.task, max(sizes, default=0)
 
 

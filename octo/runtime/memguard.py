@@ -62,21 +62,32 @@ def gguf_kv_bytes(path: Path, n_ctx: int | None = None) -> int:
     return cells * layers * 2 * kv_heads * (embd // heads) * 2
 
 
-def model_bytes(path: Path) -> int:
-    """Estimated memory of the model at ``path`` once loaded: its files, plus a GGUF model's KV cache and the
-    projector beside it (a vision-language model's ``mmproj*.gguf``, which llama.cpp loads with it)."""
+def model_bytes(path: Path, options: dict[str, Any] | None = None) -> int:
+    """Estimated memory of the model at ``path`` once loaded: its files, plus a GGUF model's KV cache and its projector
+    (a vision-language model's ``mmproj*.gguf``, which llama.cpp loads with it): the ``mmproj`` option's file
+    (``--mmproj``; ``none``: no projector), else the one beside it."""
     try:
         if path.is_file():
             size = path.stat().st_size
             if path.suffix.lower() == ".gguf":
-                projectors = [p for p in path.parent.glob("mmproj*.gguf") if p != path]
-                size += gguf_kv_bytes(path) + (projectors[0].stat().st_size if len(projectors) == 1 else 0)
+                size += gguf_kv_bytes(path) + projector_bytes(path, (options or {}).get("mmproj"))
             return size
         if path.is_dir():
             return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     except OSError:
         return 0
     return 0
+
+
+def projector_bytes(model: Path, option: Any = None) -> int:
+    """The size of the projector the llama.cpp engine loads with the GGUF ``model`` (``option``: ``-o mmproj``)."""
+    if option is not None:
+        if str(option).strip().lower() in ("none", "off", "false", ""):
+            return 0
+        found = [Path(str(option)).expanduser()]
+    else:
+        found = [p for p in model.parent.glob("mmproj*.gguf") if p != model]
+    return found[0].stat().st_size if len(found) == 1 and found[0].is_file() else 0
 
 
 def gb(n: float) -> str:

@@ -314,7 +314,8 @@ class Registry(RoomMixin):
             if not spec.declared:
                 model = spec.model = await asyncio.to_thread(self._servable, model)
             name, aliases, task, nbytes = await asyncio.to_thread(resolve_local, model, spec.engine, self.engines,
-                                                                  not spec.declared, self.config.isolation)
+                                                                  not spec.declared, self.config.isolation,
+                                                                  spec.options)  # (-o mmproj: the projector)
         except ModelNotFound as exc:
             if spec.declared:  # named at start: no server answers yet, so no "servable here" list
                 raise
