@@ -83,6 +83,8 @@ SHAPES: dict[str, VisionSpec | QwenVLSpec] = {s.name: s for s in (
     VisionSpec("demo-vision", 256, 512, 6, 4, 1, 64, 512, 4096, 128, 256, 2, 4, 64, 8, 16),
     # a Qwen2.5-VL (octo.synth.qwen_vl): M-RoPE positions, a ViT of 14-pixel patches merged 2x2 into image tokens
     QwenVLSpec("demo-vision-qwen", 256, 512, 4, 4, 2, (8, 12, 12), 4096, 128, 256, 4, 4, (1, 3)),
+    # bench/vision.py's: a ViT large enough that an encode takes a good part of a second on a CPU (not in the catalog)
+    QwenVLSpec("vision-bench", 512, 1376, 6, 8, 2, (8, 12, 12), 8192, 512, 1024, 8, 8, (3, 7)),
 )}
 
 
