@@ -135,9 +135,9 @@ class OctoServer:
 
 @contextlib.contextmanager
 def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0, api_key: str | None = None,
-             cwd: str | os.PathLike | None = None):
-    """``octo serve ARGS --port P`` (in ``cwd``, by default the repository); waits for /health, yields an OctoServer,
-    stops it afterwards."""
+             cwd: str | os.PathLike | None = None, unset: tuple[str, ...] = ()):
+    """``octo serve ARGS --port P`` (in ``cwd``, by default the repository; ``unset``: variables of this process's
+    environment it does not get); waits for /health, yields an OctoServer, stops it afterwards."""
     port = free_port()
     cmd = [sys.executable, "-m", "octo.cli", "serve", *args, "--port", str(port)]
     if "--shutdown-timeout" not in args:  # tests end with requests in flight on purpose: drain briefly
@@ -145,7 +145,8 @@ def run_octo(*args: str, env: dict[str, str] | None = None, timeout: float = 180
     if api_key:
         cmd += ["--api-key", api_key]
     log = tempfile.NamedTemporaryFile("wb", prefix="octo-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    base = {k: v for k, v in os.environ.items() if k not in unset}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**base, **(env or {})},
                             cwd=cwd or REPO)
     server = OctoServer(port, proc, Path(log.name), api_key)
     try:

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import pytest
 from hub_standin import HubStandin, gguf_bytes
-from serverproc import run_octo
+from serverproc import children, run_octo
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 M = [{"role": "user", "content": "hi"}]
@@ -369,3 +369,20 @@ def test_on_a_network_bind_the_key_not_the_host_name_decides():
         head = f"GET /v1/models HTTP/1.1\r\nHost: octo.example.com:{s.port}\r\n"
         assert raw(s.port, head)[0] == 401
         assert raw(s.port, head + f"Authorization: Bearer {KEY}\r\n")[0] == 200
+
+
+def test_engine_workers_run_with_the_libraries_telemetry_off():
+    """ONNX Runtime looks up Microsoft's telemetry host from every process that loads it unless
+    ORT_DISABLE_TELEMETRY is set: octo sets it (and huggingface_hub's switch) for the processes it starts, even when
+    the environment it was started in has none of them."""
+    names = ("ORT_DISABLE_TELEMETRY", "HF_HUB_DISABLE_TELEMETRY", "DO_NOT_TRACK")
+    with run_octo("demo", "--engine", "onnx", unset=names) as server:
+        reply = server.openai().chat.completions.create(model="demo", max_tokens=2,
+                                                        messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].finish_reason == "length"
+        workers = children(server.proc.pid)
+        assert workers, "the ONNX engine runs in a worker process"
+        for pid in workers:
+            environ = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            assert all(environ.get(n) == "1" for n in names), {n: environ.get(n) for n in names}

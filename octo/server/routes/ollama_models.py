@@ -239,7 +239,8 @@ async def pull(request: web.Request) -> web.StreamResponse:
         if done < total and now - last.get(file, 0.0) < 0.1:
             return
         last[file] = now
-        loop.call_soon_threadsafe(queue.put_nowait, {"status": f"pulling {file}", "digest": file, "total": total,
+        shown = file.rsplit("/", 1)[-1]  # huggingface_hub's bar names the URL, shortened with "(…)": its file name
+        loop.call_soon_threadsafe(queue.put_nowait, {"status": f"pulling {shown}", "digest": shown, "total": total,
                                                      "completed": min(done, total) if total else done})
 
     budget = pulling.Budget(cap)
