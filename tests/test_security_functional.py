@@ -383,6 +383,6 @@ def test_engine_workers_run_with_the_libraries_telemetry_off():
         workers = children(server.proc.pid)
         assert workers, "the ONNX engine runs in a worker process"
         for pid in workers:
-            environ = dict(item.split("=", 1) for item in
-                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            environ = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
             assert all(environ.get(n) == "1" for n in names), {n: environ.get(n) for n in names}
