@@ -145,3 +145,29 @@ async def test_kv_pressure_with_shared_prefixes(mode):
         assert not e._seqs
     finally:
         s.stop()
+
+
+def test_a_sequence_with_cached_tokens_follows_only_where_the_engine_can_drop_them():
+    """A follower that restored tokens from the prefix cache must drop them before it takes a lead's KV: an engine
+    without kv_drop (ONNX Runtime's) leaves it to compute the rest itself, with no failed share logged."""
+    from octo.engine import Engine, SamplingParams, Sequence
+    from octo.scheduler.sharing import PrefixSharing
+
+    class T:
+        def __init__(self, tokens, cached=0):
+            self.seq = Sequence(0, tokens, SamplingParams())
+            self.seq.n_cached = cached
+            self.lead = None
+
+    class NoDrop(EchoEngine):
+        kv_drop = Engine.kv_drop
+
+    prompt = list(range(300))
+    for cls, follows in ((EchoEngine, True), (NoDrop, False)):
+        lead, fresh, restored = T(prompt + [1]), T(prompt + [2]), T(prompt + [3], cached=100)
+        active = [lead, fresh, restored]
+        s = PrefixSharing(cls(EngineConfig()), active)
+        s.find_lead(fresh)
+        s.find_lead(restored)
+        assert fresh.lead is lead  # nothing to drop: any engine shares
+        assert (restored.lead is lead) is follows

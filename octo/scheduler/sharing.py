@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from octo.engine import common_prefix
+from octo.engine import Engine, common_prefix
 from octo.scheduler.jobs import Ticket
 
 log = logging.getLogger("octo.scheduler.admission")
@@ -36,14 +36,17 @@ class PrefixSharing:
         self.engine = engine
         self.active = active
         self.dedup = dedup
+        # an engine without kv_drop (ONNX Runtime's) cannot replace the KV a sequence restored from the prefix cache
+        # with a lead's: such a sequence computes the rest itself
+        self.can_drop = getattr(type(engine), "kv_drop", Engine.kv_drop) is not Engine.kv_drop
         self.total_shared_tokens = 0
 
     def find_lead(self, t: Ticket) -> None:
         """``t`` just started (or lost its lead): follow the running sequence sharing the longest prefix with it, when
         that is at least ``MIN_SHARE`` tokens more than ``t`` holds."""
-        if not self.dedup:
-            return
         seq = t.seq
+        if not self.dedup or (seq.n_cached and not self.can_drop):
+            return
         limit = len(seq.tokens) - 1  # the last prompt token is always fed, for the logits
         best, best_n = None, seq.n_cached + MIN_SHARE - 1
         if limit <= best_n:  # a prompt this short shares too little with anyone to follow (and most prompts are)
