@@ -58,6 +58,10 @@ def test_the_readmes_transcription_example_works_offline_with_demo_whisper(tmp_p
         out = subprocess.run(shlex.split(curl.replace("127.0.0.1:8080", f"127.0.0.1:{s.port}")), cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
         log = s.log()
+        # a speech model is OpenAI's (/v1/models), never in Ollama's list, where front-ends offer models to chat
+        assert "demo-whisper" in {m["id"] for m in s.get_json("/v1/models")["data"]}
+        assert {m["name"] for m in s.get_json("/api/tags")["models"]} >= {"demo:latest"}
+        assert not any(m["name"].startswith("demo-whisper") for m in s.get_json("/api/tags")["models"])
     answer = json.loads(out.stdout)
     assert answer.get("text", "").strip(), (out.stdout, log[-3000:])
     assert "octo: 'demo-whisper' ready with" in log

@@ -125,6 +125,11 @@ def _template_file(path: Path, mtime: float) -> str:
         return ""
 
 
+# What Ollama's model list holds: generation and embedding models. A speech model octo serves on /v1/audio is not
+# one (front-ends such as Open WebUI would offer it as a chat model): /v1/models lists it.
+OLLAMA_TASKS = frozenset({"chat", "embeddings", None})
+
+
 def _row(name: str, desc: dict[str, Any]) -> dict[str, Any]:
     return {"name": tagged(name), "model": tagged(name), "modified_at": desc["modified_at"], "size": desc["size"],
             "digest": desc["digest"], "details": desc["details"]}
@@ -135,10 +140,12 @@ def _tags(engines: dict[str, Any], slots: list[tuple[str, Any]]) -> list[dict[st
 
     rows, seen = [], set()
     for shown, slot in slots:
-        rows.append(_row(shown, _describe(engines, slot.name, slot)))
         seen.update({slot.name, *slot.aliases})
+        if (slot.handle.task if slot.handle is not None else slot.task) not in OLLAMA_TASKS:
+            continue
+        rows.append(_row(shown, _describe(engines, slot.name, slot)))
     for entry in servable_catalog(engines):
-        if entry["id"] not in seen:
+        if entry["id"] not in seen and entry["task"] in OLLAMA_TASKS:
             rows.append(_row(entry["id"], _describe(engines, entry["id"])))
     return rows
 
