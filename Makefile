@@ -34,8 +34,9 @@ test: install-dev
 lint: install-dev
 	$(VENV)/bin/ruff check octo engines plugins tests bench
 
+SUITE ?= gateway
 bench: install-dev
-	$(PY) bench/overhead.py
+	$(PY) bench/run.py $(SUITE)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

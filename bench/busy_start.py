@@ -1,21 +1,21 @@
-"""`octo serve demo` on a busy host: spawn to first streamed token, this checkout against an earlier revision.
+"""`octo serve demo` on a busy or quiet host: spawn to first streamed token, a host's first start and the later ones.
 
 The demo has an artifact for three engines, so its start-up runs the engine selection (bench/selection.py). On a
-busy host that selection's measurements are disturbed. Before provisional results (``--base``, default ``7f5e092``)
-a disturbed measurement was not cached, so every start measured all the engines again; now it is cached as
-provisional and measured again while the model is idle (octo/runtime/remeasure.py), and a later start serves at once.
-``--when-idle`` serves this checkout with ``--bench-when-idle``: its first start measures nothing either (it serves
-with the first candidate and measures the engines while the model is idle), against the base's first start, which
-measures them all (``ratio_first_start``; ``--spinners 0`` for a quiet host).
+busy host that selection's measurements are disturbed: a disturbed measurement is cached as provisional and measured
+again while the model is idle (octo/runtime/remeasure.py), so a later start serves at once. ``--when-idle`` serves
+this checkout with ``--bench-when-idle``: its first start measures nothing (it serves with the first candidate and
+measures the engines while the model is idle). ``--compare REV...`` serves octo at those git revisions too
+(bench/revtree.py), alternating with this checkout in every round (``ratio_first_start``, ``ratio_later_starts``:
+this checkout / the revision).
 
-A busy host: ``--spinners`` processes (default 1: another process computing on one core, as issue 36's notes ask)
-spin for the whole run. Each tree has its own ``OCTO_HOME``, where a first untimed start builds the synthetic models,
-and its own engine-selection cache (``OCTO_BENCH_DIR``), empty at round 1: round 1 is this host's first start, the
-later rounds are the starts after it. The trees alternate in every round. Writes every sample, the medians of the
-later rounds and their ratio (this checkout / base) as JSON.
+A busy host: ``--spinners`` processes (default 1: another process computing on one core) spin for the whole run;
+``--spinners 0`` for a quiet host. Each tree has its own ``OCTO_HOME``, where a first untimed start builds the
+synthetic models, and its own engine-selection cache (``OCTO_BENCH_DIR``), empty at round 1: round 1 is this host's
+first start, the later rounds are the starts after it. Writes every sample and the medians of the later rounds as
+JSON. Part of ``bench/run.py startup``.
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/busy_start.py [--rounds 4] [--spinners 1] [--base 7f5e092]
-        [--when-idle]
+    flock /tmp/octo-bench.lock .venv/bin/python bench/busy_start.py [--rounds 4] [--spinners 1] [--compare REV ...]
+        [--when-idle] [--out FILE]
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--spinners", type=int, default=1)
-    ap.add_argument("--base", default="7f5e092")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV", help="octo at these git revisions, beside")
     ap.add_argument("--when-idle", action="store_true", help="serve this checkout with --bench-when-idle")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "busy_start.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "busy_start.json"))
     args = ap.parse_args()
     extra = {"octo": ["--bench-when-idle"] if args.when_idle else []}
-    trees = {"octo": REPO, f"octo@{short_sha(args.base)}": worktree(args.base)}
+    trees = {"octo": REPO, **{f"octo@{short_sha(rev)}": worktree(rev) for rev in args.compare}}
     homes = {name: tempfile.mkdtemp(prefix="octo-bench-home-") for name in trees}
     caches = {name: tempfile.mkdtemp(prefix="octo-bench-cache-") for name in trees}
     for name, cwd in trees.items():  # build the synthetic models (untimed, its selection cache thrown away)
@@ -78,14 +78,14 @@ def main() -> None:
         for d in [*homes.values(), *caches.values()]:
             shutil.rmtree(d, ignore_errors=True)
     later = {name: statistics.median(s[1:]) for name, s in samples.items() if len(s) > 1}
-    base = f"octo@{short_sha(args.base)}"
+    others = [name for name in trees if name != "octo"]
     report = {"host": {"cpus": os.cpu_count(), "machine": platform.machine()},
-              "spinners": args.spinners, "rounds": args.rounds, "base": short_sha(args.base),
-              "when_idle": args.when_idle,
+              "spinners": args.spinners, "rounds": args.rounds, "compare": others, "when_idle": args.when_idle,
               "samples_s": samples, "first_start_s": {n: s[0] for n, s in samples.items()},
               "later_starts_median_s": later,
-              "ratio_later_starts": round(later["octo"] / later[base], 3) if later.get(base) else None,
-              "ratio_first_start": round(samples["octo"][0] / samples[base][0], 3) if samples.get(base) else None}
+              "ratio_later_starts": {n: round(later["octo"] / later[n], 3) for n in others if later.get(n)},
+              "ratio_first_start": {n: round(samples["octo"][0] / samples[n][0], 3) for n in others}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

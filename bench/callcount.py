@@ -5,11 +5,10 @@ cost that lands even where ``bench/overhead.py`` cannot tell it from the noise. 
 profile hook (``sys.setprofile`` and ``threading.setprofile``) that counts function and C-function calls only while
 the measured requests run (after a warm-up: first calls that import or build caches do not count); the calls are
 grouped by package and module (``by_layer``), and per function where one is called at least once in 20 requests
-(``by_function``, C functions as ``C:name``). ``--base REV...`` counts octo at earlier revisions too
-(bench/revtree.py).
+(``by_function``, C functions as ``C:name``). ``--compare REV...`` counts octo at earlier revisions too
+(bench/revtree.py). Part of ``bench/run.py gateway``.
 
-    .venv/bin/python bench/callcount.py [--requests 3000] [--base 369e4c5 ...] [--top 25]
-        [--out bench/results/callcount.json]
+    .venv/bin/python bench/callcount.py [--requests 3000] [--compare REV ...] [--top 25] [--out FILE]
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ def _short(key: str) -> str:
 
 
 async def main(args) -> dict:
-    targets = {"octo": REPO, **{f"octo@{short_sha(rev)}": worktree(rev) for rev in args.base}}
+    targets = {"octo": REPO, **{f"octo@{short_sha(rev)}": worktree(rev) for rev in args.compare}}
     results = {}
     for name, cwd in targets.items():
         results[name] = r = await count(cwd, args.requests)
@@ -119,10 +118,11 @@ async def main(args) -> dict:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--base", nargs="*", default=["369e4c5"], help="git revisions counted beside this checkout")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV", help="git revisions counted beside")
     ap.add_argument("--top", type=int, default=25, help="layers printed per server")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "callcount.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "callcount.json"))
     a = ap.parse_args()
     res = asyncio.run(main(a))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {a.out}")

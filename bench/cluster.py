@@ -14,7 +14,7 @@ alternate, so drift on this shared host hits both sides alike.
 3. Sessions stick: multi-turn conversations (a shared system prompt, each conversation its own history); the share
    of prompt tokens served from the prefix cache on turns 2+, 2 replicas vs 1 (target: within 10%).
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/cluster.py     # writes bench/results/cluster.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/cluster.py     # part of bench/run.py load
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--convs", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "cluster.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "cluster.json"))
     ap.add_argument("--floor-only", action="store_true", help="measure only Ray Serve's own floor")
     args = ap.parse_args()
     if args.floor_only:
@@ -252,6 +252,7 @@ def main() -> None:
         result["overhead"]["p50_added_ms"] - floor["p50_ms"], 3)
     result["host"] = {"cores": os.cpu_count(), "ray": ray.__version__, "python": sys.version.split()[0]}
     result["seconds"] = round(time.time() - t0, 1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

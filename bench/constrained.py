@@ -11,7 +11,7 @@ schema (an array of at least 1,000 objects with a free string, a bounded string 
 banned with logit_bias); every run checks that all tokens were generated. Unconstrained and constrained runs
 alternate within each repetition, so that drift on a shared host hits both. The per-token mask time (llguidance's
 bitmask for one sequence, and applying it to a float32 logits row) is timed on the constrained outputs replayed.
-Writes ``bench/results/constrained.json``.
+Writes JSON to ``--out``; part of ``bench/run.py engines``.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--short", type=int, default=16)
     ap.add_argument("--long", type=int, default=64)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "constrained.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "constrained.json"))
     ap.add_argument("--merge", action="store_true", help="keep the other engines' entries of an earlier --out")
     args = ap.parse_args()
     report = {"bench": "constrained", "streams": STREAMS, "shape": args.shape, "short": args.short, "long": args.long,
@@ -163,6 +163,7 @@ def main() -> None:
         ran = {e["engine"] for e in report["engines"]}
         old = json.loads(Path(args.out).read_text())
         report["engines"] = [e for e in old.get("engines", []) if e["engine"] not in ran] + report["engines"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({e["engine"]: e.get("ratio", e.get("error")) for e in report["engines"]}))
 

@@ -1,12 +1,15 @@
 """Does an open dashboard slow the API? Latency of sequential non-streaming chat requests against one
 `octo serve test-model --engine echo --isolation process`, alternating blocks: A with no dashboard open; B with 5
 open `GET /v1/dashboard/live` feeds (curl processes); C as B plus the page, a script and /v1/models fetched every
-second (more than the page itself does: it polls /v1/models every 3 s on the Models view). Writes
-bench/results/dashboard.json. Run under `flock /tmp/octo-bench.lock`.
+second (more than the page itself does: it polls /v1/models every 3 s on the Models view). Writes JSON to
+``--out``. Run under `flock /tmp/octo-bench.lock`; part of ``bench/run.py gateway``.
+
+    flock /tmp/octo-bench.lock .venv/bin/python bench/dashboard.py [--blocks 8] [--out FILE]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -21,7 +24,7 @@ from serverproc import run_octo  # noqa: E402
 
 BODY = json.dumps({"model": "test-model", "max_tokens": 16,
                    "messages": [{"role": "user", "content": "a b c d e f g"}]}).encode()
-BLOCKS, PER_BLOCK = 8, 60
+PER_BLOCK = 60
 
 
 def chat(url: str) -> float:
@@ -44,12 +47,16 @@ def clients(url: str, mode: str) -> list[subprocess.Popen]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=8, help=f"blocks of each kind ({PER_BLOCK} requests a block)")
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "dashboard.json"))
+    args = ap.parse_args()
     with run_octo("test-model", "--engine", "echo", "--isolation", "process") as s:
         url = s.base_url
         for _ in range(30):
             chat(url)
         res: dict[str, list[float]] = {"A": [], "B": [], "C": []}
-        for _ in range(BLOCKS):
+        for _ in range(args.blocks):
             for mode in ("A", "B", "C"):
                 procs = clients(url, mode)
                 if procs:
@@ -72,7 +79,8 @@ def main() -> None:
     out["ratio_p50_live_feeds"] = round(out["five_live_feeds"]["p50_ms"] / base, 3)
     out["ratio_p50_feeds_and_reloads"] = round(out["five_live_feeds_and_page_reloads"]["p50_ms"] / base, 3)
     print(json.dumps(out, indent=1))
-    (REPO / "bench" / "results" / "dashboard.json").write_text(json.dumps(out, indent=1) + "\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@
 
 10,000 events: 70% text, 15% logprobs, 15% tool-call deltas (the kinds both vocabularies carry over the wire).
 
-    python bench/events_wire.py                      # this tree
-    python bench/events_wire.py --compare OTHER_TREE --rounds 5   # alternating runs of this tree and OTHER_TREE's octo/
+    python bench/events_wire.py                            # this checkout
+    python bench/events_wire.py --compare REV --rounds 5   # alternating runs of this checkout and octo at REV
 
-(OTHER_TREE: e.g. ``git archive main octo engines | tar -x -C /tmp/base``.) Prints the best of each stage in ns of CPU
-time per event (the thread's CPU time: a busy host stretches wall time, less so this) and, with --compare, this tree's
-time over the other's.
+(REV's octo is checked out beside this one by bench/revtree.py.) Prints and writes (``--out``) the best of each stage
+in ns of CPU time per event (the thread's CPU time: a busy host stretches wall time, less so this) and, with
+--compare, this checkout's time over the revision's. Part of ``bench/run.py gateway``.
 """
 
 from __future__ import annotations
@@ -144,9 +144,10 @@ def run_once() -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", help="another tree whose octo/ to measure, alternating with this one")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV", help="octo at these git revisions, alternating")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / ".cache" / "bench" / "events_wire.json"))
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.once:  # the best of 3 in one process (the first warms it up)
@@ -154,23 +155,39 @@ def main() -> None:
         print(json.dumps({k: min(r[k] for r in runs) for k in runs[0]}))
         return
     here = str(Path(__file__).resolve().parents[1])
-    trees = {"this": here, **({"other": args.compare} if args.compare else {})}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from revtree import short_sha, worktree
+
+    trees = {"octo": here, **{f"octo@{short_sha(rev)}": str(worktree(rev)) for rev in args.compare}}
     best: dict[str, dict[str, float]] = {}
+    failed: dict[str, str] = {}  # a revision whose octo lacks what this measures (the wire, the route's writer)
     for _ in range(args.rounds):
-        for name, tree in trees.items():
+        for name, tree in [(n, t) for n, t in trees.items() if n not in failed]:
             env = {**os.environ, "PYTHONPATH": tree}
-            out = subprocess.run([sys.executable, __file__, "--once"], env=env, cwd=tree, check=True,
-                                 capture_output=True, text=True).stdout
-            got = json.loads(out)
+            run = subprocess.run([sys.executable, __file__, "--once"], env=env, cwd=tree, capture_output=True,
+                                 text=True)
+            if run.returncode != 0:
+                if name == "octo":
+                    sys.exit(run.stderr)
+                failed[name] = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}"
+                print(f"{name}: cannot be measured: {failed[name]}", flush=True)
+                continue
+            got = json.loads(run.stdout)
             prev = best.setdefault(name, got)
             for k, v in got.items():
                 prev[k] = min(prev[k], v)
     for name, stages in best.items():
-        print(f"{name:6} worker {stages['worker']:6.0f} ns/event  gateway {stages['gateway']:6.0f} ns/event  "
+        print(f"{name:14} worker {stages['worker']:6.0f} ns/event  gateway {stages['gateway']:6.0f} ns/event  "
               f"wire {stages['wire_bytes_per_event']:.1f} B/event")
-    if "other" in best:
-        a, b = best["this"], best["other"]
-        print("this/other: " + "  ".join(f"{k} {a[k] / b[k]:.3f}" for k in ("worker", "gateway")))
+    ratios = {name: {k: round(best["octo"][k] / stages[k], 3) for k in ("worker", "gateway")}
+              for name, stages in best.items() if name != "octo"}
+    for name, r in ratios.items():
+        print(f"octo / {name}: worker {r['worker']:.3f}  gateway {r['gateway']:.3f}")
+    report = {"events": N, "rounds": args.rounds, "unit": "ns of CPU time per event (best of the rounds)",
+              "servers": {name: {k: round(v, 1) for k, v in stages.items()} for name, stages in best.items()},
+              "ratio_to_compared": ratios, "not_measured": failed}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

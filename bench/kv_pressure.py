@@ -18,7 +18,7 @@ tie flips, so a stream batched with others differs from its run alone with or wi
 server shows it with no preemption at all). The exact no-token-lost proof is the scripted engine's:
 tests/test_kv_pressure_functional.py runs echo with a pool half the load's size through a real server.
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/kv_pressure.py     # writes bench/results/kv_pressure.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/kv_pressure.py     # part of bench/run.py load
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "kv_pressure.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "kv_pressure.json"))
     args = ap.parse_args()
     from octo.synth.gguf import build_gguf
 
@@ -162,6 +162,7 @@ def main() -> None:
     big = out["servers"]["large"]["tok_s"]
     out["ratios"] = {f"{n}_vs_large": round(out["servers"][n]["tok_s"] / big, 3) for n in servers if n != "large"}
     out["alone_failures"] = sum(1 for a in alone if a.get("finish") != "length")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out["ratios"]), file=sys.stderr)
 

@@ -18,7 +18,7 @@ weights; 24 layers, 2 KV heads of 64: 12,288 KV bytes per token in f16):
   mean length of the identical prefix, and the share of positions equal. Random weights: a near tie flips on tiny
   numeric differences, and after the first difference the texts part for good, so only the first tokens mean much.
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/kv_quant.py          # writes bench/results/kv_quant.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/kv_quant.py          # part of bench/run.py engines
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--agree-prompts", type=int, default=16)
     ap.add_argument("--agree-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "kv_quant.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "kv_quant.json"))
     args = ap.parse_args()
 
     from octo.synth.gguf import build_gguf
@@ -199,6 +199,7 @@ def main() -> None:
         q["vs_f16"] = {"kv_bytes": round(q["kv_bytes_per_token_state"] / f16["kv_bytes_per_token_state"], 3),
                        "decode_tok_s": round(q["decode_tok_s"] / f16["decode_tok_s"], 3),
                        "max_context": round(q["budget"]["max_context_tokens"] / f16["budget"]["max_context_tokens"], 2)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

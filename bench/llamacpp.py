@@ -2,7 +2,9 @@
 
 Run (one benchmark at a time on a shared host):
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/llamacpp.py            # writes bench/results/llamacpp.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/llamacpp.py [--streams 8 16 32] [--out FILE]
+
+Part of ``bench/run.py streams``.
 
 Model: the synthetic Qwen2.5-0.5B-shaped GGUF (hidden 896, 24 layers, 14 heads, 2 KV heads, FFN 4864, 151,936
 vocab, random weights from seed 0) quantised to Q4_K_M by llama.cpp's own quantiser; every contender uses the
@@ -450,6 +452,7 @@ def run_levels(args, level, reps: list[int], hide: str) -> None:
     for i, n in enumerate(args.streams):
         out["levels"][str(n)] = level(path, n, reps[min(i, len(reps) - 1)], args)
         print(n, {k: v for k, v in out["levels"][str(n)].items() if k != hide}, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
@@ -487,7 +490,7 @@ def main() -> None:
     )
     ap.add_argument("--skip", nargs="*", default=[], choices=["raw", "kv", "octo", "lcp", "cpp", "ttft"])
     ap.add_argument("--octo-env", nargs="*", default=[], metavar="KEY=VALUE", help="extra environment for octo")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "llamacpp.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "llamacpp.json"))
     args = ap.parse_args()
     args.octo_env = dict(kv.split("=", 1) for kv in args.octo_env)
 

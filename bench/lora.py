@@ -12,7 +12,7 @@ synthetic adapters (rank 8 on q, v, o, up; rank 4 on k, gate, down: octo.synth.l
 llama.cpp's adapter set is per context, so a step of ``two`` or ``base+one`` runs one ``llama_decode`` per adapter
 (engines/llamacpp/lora.py); MLX adds each row's adapter term inside one batched forward pass (engines/mlx/lora.py).
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/lora.py              # writes bench/results/lora.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/lora.py              # part of bench/run.py engines
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "lora.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "lora.json"))
     args = ap.parse_args()
     loaded = engines(args.threads)
     rates = {name: {m: [] for m in MIXES} for name in loaded}
@@ -115,6 +115,7 @@ def main() -> None:
         if name == "llamacpp":
             result["engines"][name]["adapter_switches"] = e.adapters.switches
         e.unload()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -13,7 +13,7 @@ the shared benchmark lock and write JSON:
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/mlx.py [--tokens 24] [--repeats 2]
         [--configs none:bundled,none:openblas,4bit:bundled,4bit:openblas] [--openblas PATH]
-        [--out bench/results/mlx.json]
+        [--out FILE]
 
 ``openblas`` is ``--openblas PATH`` or the system OpenBLAS (``blas=auto``); without one those configs are skipped.
 """
@@ -213,7 +213,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mlx.json")
+    ap.add_argument("--out", type=Path, default=REPO / ".cache" / "bench" / "mlx.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()

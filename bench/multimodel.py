@@ -13,7 +13,7 @@ One `octo serve` process (engine workers, the default), synthetic Qwen2.5-0.5B-s
    transcription sent while both stream (apart from the measured rounds) must finish, and the streams go on.
 3. Memory: gateway + worker RSS after each of 5 load/unload cycles of the llama.cpp model.
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/multimodel.py     # writes bench/results/multimodel.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/multimodel.py     # part of bench/run.py load
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=5)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "multimodel.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "multimodel.json"))
     args = ap.parse_args()
     from octo.synth import build_for
     from octo.synth.gguf import build_gguf

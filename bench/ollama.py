@@ -9,7 +9,7 @@ echo engine in a worker process paced like a decode (``--token-delay-ms``), or w
 GGUF on llama.cpp.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/ollama.py [--rounds 5] [--requests 48] [--tokens 32] [--gguf]
-                                                                  [--out bench/results/ollama.json]
+                                                                  [--out FILE]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--token-delay-ms", type=float, default=1.0, help="echo engine: time per decode step")
     ap.add_argument("--gguf", action="store_true", help="the tiny synthetic GGUF on llama.cpp instead of echo")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "ollama.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "ollama.json"))
     args = ap.parse_args()
     if args.gguf:
         from octo.synth.gguf import build_gguf

@@ -2,7 +2,7 @@
 
 Run (one benchmark at a time on a shared host):
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/onnx.py          # writes bench/results/onnx.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/onnx.py          # part of bench/run.py engines
 
 Model: the synthetic Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, 14 heads, 2 KV heads, FFN 4864, 151,936
 vocab, random weights from seed 0) turned into an onnxruntime-genai folder by onnxruntime-genai's model builder
@@ -284,7 +284,7 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=0.25, help="seconds between staggered arrivals")
     ap.add_argument("--system-words", type=int, default=1200, help="words of the TTFT test's system prompt")
     ap.add_argument("--skip", nargs="*", default=[], choices=["generator", "staggered", "ttft"])
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "onnx.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "onnx.json"))
     args = ap.parse_args()
 
     from octo.synth.onnx import build_onnx

@@ -15,12 +15,11 @@ requests a second (``gil_bound_rps``, which the measured rates follow), and octo
 So each result also says how much CPU a request octo may spend for 0.9x of bare (``octo_cpu_budget_us_for_0_9x``,
 :func:`budget_for`).
 
-``--base REV...`` (default ``369e4c5``, the earlier core, 0.92x on a 2-core host) serves octo at those git revisions
-too (bench/revtree.py), in the same rounds: a change that costs the gateway speed shows as a ratio below its
-base's the day it lands. ``--base`` with no revision leaves them out.
+``--compare REV...`` serves octo at those git revisions too (bench/revtree.py), in the same rounds: a change that
+costs the gateway speed shows as a ratio below the revision's. Part of ``bench/run.py gateway``.
 
     flock /tmp/octo-bench.lock .venv/bin/python bench/overhead.py [--requests 2000] [--rounds 3] [--loop auto]
-        [--isolation thread|process] [--concurrency 1,8,64] [--base 369e4c5 ...] [--out bench/results/overhead.json]
+        [--isolation thread|process] [--concurrency 1,8,64] [--compare REV ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -202,7 +201,7 @@ async def main(args) -> dict:
     servers: dict[str, tuple[list[str], int, Path]] = {}
     port = free_port()
     servers["octo"] = (octo_cmd(port, loop, args.isolation), port, REPO)
-    for rev in args.base:
+    for rev in args.compare:
         port = free_port()
         servers[f"octo@{short_sha(rev)}"] = (octo_cmd(port, loop, args.isolation), port, worktree(rev))
     port = free_port()
@@ -284,10 +283,10 @@ if __name__ == "__main__":
                     help="event loop of both servers (auto: octo's default)")
     ap.add_argument("--isolation", choices=["thread", "process"], default="thread",
                     help="octo's echo model in the gateway (its default) or in an engine worker process")
-    ap.add_argument("--base", nargs="*", default=["369e4c5"],
-                    help="git revisions served beside this checkout in the same rounds (none: leave them out)")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV",
+                    help="git revisions served beside this checkout in the same rounds")
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 64])
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "overhead.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "overhead.json"))
     a = ap.parse_args()
     res = asyncio.run(main(a))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

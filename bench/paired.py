@@ -4,12 +4,13 @@ octo's rate over llama-server's. The median of those paired ratios is less moved
 rounds than a ratio of medians. Decode rate is differential (``N x (long - short) / (wall_long - wall_short)``),
 end to end is ``N x long / wall_long`` (``bench/llamacpp.py``'s ``decode_rate``, servers and loads).
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/paired.py     # writes bench/results/paired.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/paired.py [--streams 1 8 16] [--compare REV ...] [--out FILE]
 
 ``--variant NAME="-o kv_unified=false"`` adds an octo server with those extra arguments to every round (its ratios to
 llama-server are paired the same way), e.g. the per-sequence KV streams beside the default unified pool.
-``--rev REV...`` adds octo served at those git revisions (bench/revtree.py) to every round, e.g. the commit before a
+``--compare REV...`` adds octo served at those git revisions (bench/revtree.py) to every round, e.g. the commit before a
 refactoring beside the checkout: a change that costs speed shows as a ratio below the revision's in the same rounds.
+Part of ``bench/run.py streams``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def level(path: str, n: int, rounds: int, args) -> dict:
         for name, extra in octos.items():
             p = free_port()
             cmd, cwd = octo_cmd(path, p, args, max(8, n)) + extra, REPO
-            if name in args.rev:  # that revision's octo: `python -m octo.cli` in its worktree (older ones lack .main)
-                cmd, cwd = [*cmd[:2], "octo.cli", *cmd[3:]], args.rev[name]
+            if name in args.compare:  # that revision's octo, `python -m octo.cli` in its worktree (older: no .main)
+                cmd, cwd = [*cmd[:2], "octo.cli", *cmd[3:]], args.compare[name]
             bases[name] = st.enter_context(server(cmd, p, "/health", name, cwd=cwd))
         p = free_port()
         bases["llama-server"] = st.enter_context(server(cpp_cmd(path, p, args, n), p, "/health", "llama-server"))
@@ -72,12 +73,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variant", nargs="*", default=[], metavar='NAME="ARGS"',
                     help="another octo server with extra arguments, e.g. streams=\"-o kv_unified=false\"")
-    ap.add_argument("--rev", nargs="*", default=[], metavar="REV", help="octo at these git revisions, beside")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "paired.json"))
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV", help="octo at these git revisions, beside")
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "paired.json"))
     args = ap.parse_args()
     args.variant = dict(v.split("=", 1) for v in args.variant)
-    args.rev = {f"octo@{short_sha(r)}": str(worktree(r)) for r in args.rev}
-    args.variant.update(dict.fromkeys(args.rev, ""))
+    args.compare = {f"octo@{short_sha(r)}": str(worktree(r)) for r in args.compare}
+    args.variant.update(dict.fromkeys(args.compare, ""))
     if {"octo", "llama-server"} & set(args.variant):
         ap.error("a variant needs a name of its own")
     run_levels(args, level, args.rounds, "runs")

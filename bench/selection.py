@@ -7,7 +7,7 @@ On a synthetic model of a real shape (default Qwen2.5-0.5B, 4-bit weights for ev
 4. the long benchmark (`octo bench` workers, one engine at a time), whose winner is the best decode tok/s.
 Writes JSON with both winners, their agreement and the selection times.
 
-    python bench/selection.py [--shape qwen2.5-0.5b] [--seconds 3] [--out bench/results/selection.json]
+    python bench/selection.py [--shape qwen2.5-0.5b] [--seconds 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> None:
                          "its fastest form on a CPU (4-bit MLX matmuls are slower there)")
     ap.add_argument("--isolation", choices=["process", "thread"], default="process",
                     help="candidates in worker processes (octo serve's default for these engines) or in-process")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "selection.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "selection.json"))
     args = ap.parse_args()
 
     import asyncio

@@ -3,7 +3,7 @@ draft model, alternating in one run, with the draft's acceptance rate.
 
 Engine level (the llama.cpp engine octo serves with, no HTTP), on synthetic Qwen2.5-0.5B-shaped GGUFs:
 
-* **agreeing draft** (the constructed best case the issue allows): the target's layers from the third on write 0.002x
+* **agreeing draft** (a constructed best case): the target's layers from the third on write 0.002x
   their attention and MLP outputs (``ModelSpec.quiet_from``), so a 2-layer model with the same first layers (same
   names, same weights; ``num_hidden_layers=2``) predicts it well; both Q8_0. On the 0.5B shape the draft still
   carries the whole 151,936-token output matrix, so one draft token costs about a third of a target token; the
@@ -17,7 +17,7 @@ For each pair, ``--streams`` (1 and 4) greedy streams of ``--prompt-tokens`` pro
 rounds alternate without / with the draft; tok/s is generated tokens over decode seconds, median over rounds; the
 outputs with and without the draft are compared token by token (greedy: they should be identical).
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/speculative.py     # writes bench/results/speculative.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/speculative.py     # part of bench/run.py engines
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--n-draft", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "speculative.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "speculative.json"))
     args = ap.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     result = {"pairs": {}, "model": {"shape": args.shape, "quant": args.quant}, "n_draft": args.n_draft,
@@ -152,6 +152,7 @@ def main() -> None:
         result["pairs"][pair] = {"quant": quant, "draft_p_min": p_min, **rows}
         plain.unload()
         drafted.unload()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

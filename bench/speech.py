@@ -16,7 +16,7 @@ median of the rounds' own ratios), speed-up over the whisper engine through octo
 peak RSS of each engine worker (one loaded model) and of each bare process, the server tree's RSS.
 
 Run it alone on the machine:  flock /tmp/octo-bench.lock .venv/bin/python bench/speech.py
-Writes bench/results/speech.json.
+Writes JSON to ``--out``; part of ``bench/run.py speech``.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "speech.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "speech.json"))
     ap.add_argument("--bare", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--artifact", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -17,7 +17,7 @@ Rounds alternate the order of the sides. Reported: median wall seconds for the N
 seconds per second, the speed-up of ``batched`` over ``in_turn``, peak RSS of each engine worker.
 
 Run it alone on the machine:  flock /tmp/octo-bench.lock .venv/bin/python bench/speech_batch.py
-Writes bench/results/speech_batch.json.
+Writes JSON to ``--out``; part of ``bench/run.py speech``.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "speech_batch.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "speech_batch.json"))
     ap.add_argument("--in-process", help=argparse.SUPPRESS)
     ap.add_argument("wavs", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -16,7 +16,7 @@ load average at each round; with ``--selection``, what octo's start-up benchmark
 three artifacts (``octo serve NAME``, as ``octo serve whisper-base`` does with the catalog's variants).
 
 Run it alone:  flock /tmp/octo-bench.lock .venv/bin/python bench/speech_engines.py --selection
-Writes bench/results/speech_engines.json.
+Writes JSON to ``--out``; part of ``bench/run.py speech``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from: " + ", ".join(CONFIGS))
     ap.add_argument("--selection", action="store_true", help="also run the start-up selection among the three")
     ap.add_argument("--bench-seconds", type=float, default=20.0, help="start-up benchmark budget (--selection)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "speech_engines.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "speech_engines.json"))
     args = ap.parse_args()
     if args.seconds > 30:
         ap.error("--seconds: at most 30 (one window: the steady model's tokens are defined for a first window)")

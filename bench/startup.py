@@ -14,12 +14,12 @@ refused connection or a 503 "loading" answer is retried). Cases, each a median o
 * ``octo_switch`` / ``llama_server_restart``: two models alternating on a running ``octo serve --max-loaded 1``
   (each request unloads the other) against restarting llama-server with the other model.
 
-With ``--base REV`` the octo cases also run at that git revision (``base_*`` keys, bench/revtree.py) in the same
-rounds, so a change is compared with what it replaced on the same busy minute. Reported: every sample, the median
-and the quietest (smallest) sample of each case, and octo's ratios to llama-server for both.
+With ``--compare REV...`` the octo cases also run at those git revisions (``octo@REV/*`` keys, bench/revtree.py) in
+the same rounds, so a change is compared with what it replaced on the same busy minute. Reported: every sample, the
+median and the quietest (smallest) sample of each case, and octo's ratios to llama-server for both.
 
 Same GGUF (the 0.5B shape, Q4_K_M, synthetic), same threads, both servers' default context and slots. Writes
-``bench/results/startup.json`` with every sample, the medians and octo's ratios to llama-server.
+every sample, the medians and octo's ratios to llama-server as JSON to ``--out``. Part of ``bench/run.py startup``.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ OCTO_CASES = ("octo_first", "octo_warm", "octo_on_demand", "octo_switch")
 
 def octo_case(case: str, models: list[str], threads: int, home: str, cwd: Path,
               samples: dict[str, list[float]], prefix: str) -> float:
-    """One sample of an octo case served from ``cwd`` (``prefix``: "" for this checkout, "base_" for --base)."""
+    """One sample of an octo case served from ``cwd`` (``prefix``: "" for this checkout, "octo@REV/" for --compare)."""
     port = free_port()
     if case == "octo_first":
         fresh = tempfile.mkdtemp(prefix="octo-bench-home-")
@@ -153,18 +153,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--base", default=None, metavar="REV",
-                    help="also serve octo at this git revision in the same alternating rounds (base_* keys)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "startup.json"))
+    ap.add_argument("--compare", nargs="*", default=[], metavar="REV",
+                    help="also serve octo at these git revisions in the same alternating rounds (octo@REV/* keys)")
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "startup.json"))
     args = ap.parse_args()
     from octo.synth.gguf import build_gguf
 
     models = [str(build_gguf("qwen2.5-0.5b", seed=s, ftype="q4_k_m")) for s in (0, 1)]
     trees = [("", REPO, tempfile.mkdtemp(prefix="octo-bench-home-"))]
-    if args.base:
+    if args.compare:
         from revtree import short_sha, worktree
 
-        trees.append(("base_", worktree(args.base), tempfile.mkdtemp(prefix="octo-bench-home-")))
+        trees += [(f"octo@{short_sha(rev)}/", worktree(rev), tempfile.mkdtemp(prefix="octo-bench-home-"))
+                  for rev in args.compare]
+    args.prefixes = [p for p, _, _ in trees]
     keys = ["llama_server", "llama_server_restart"] + [p + c for p, _, _ in trees for c in OCTO_CASES]
     samples: dict[str, list[float]] = {k: [] for k in keys}
     for _, cwd, home in trees:  # warms each OCTO_HOME (and compiles each tree's modules)
@@ -191,8 +193,6 @@ def main() -> None:
         for _, _, home in trees:
             shutil.rmtree(home, ignore_errors=True)
     report = summary(samples, args)
-    if args.base:
-        report["base"] = short_sha(args.base)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("median_s", "quietest_s", "ratio_to_llama_server",
@@ -204,7 +204,7 @@ def summary(samples: dict[str, list[float]], args: argparse.Namespace) -> dict:
     med = {k: round(statistics.median(v), 3) for k, v in samples.items() if v}
     low = {k: round(min(v), 3) for k, v in samples.items() if v}
     ratio = {}
-    for p in ("", "base_"):
+    for p in args.prefixes:
         for k in ("octo_first", "octo_warm", "octo_on_demand"):
             if p + k in med:
                 ratio[p + k] = {"median": round(med[p + k] / med["llama_server"], 2),
@@ -214,7 +214,8 @@ def summary(samples: dict[str, list[float]], args: argparse.Namespace) -> dict:
                                         "quietest": round(low[p + "octo_switch"] / low["llama_server_restart"], 2)}
     return {"bench": "startup", "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                                          "loadavg_at_end": os.getloadavg()},
-            "threads": args.threads, "rounds": args.rounds, "model": "qwen2.5-0.5b shape, Q4_K_M (synthetic)",
+            "threads": args.threads, "rounds": args.rounds,
+            "compare": [p[:-1] for p in args.prefixes if p], "model": "qwen2.5-0.5b shape, Q4_K_M (synthetic)",
             "samples": samples, "median_s": med, "quietest_s": low,
             "ratio_to_llama_server": {k: v for k, v in ratio.items() if not k.endswith("switch")},
             "switch_ratio_to_restart": {k: v for k, v in ratio.items() if k.endswith("switch")}}

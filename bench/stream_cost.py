@@ -7,7 +7,7 @@ the bare server (aiohttp on the same event loop, octo's default: uvloop when ins
 shape per timer tick. CPU time is read per process from ``/proc/PID/task/*/schedstat`` (nanoseconds, every thread):
 octo's gateway process, its worker, and the bare server. Rounds alternate the two servers.
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/stream_cost.py     # writes bench/results/stream_cost.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/stream_cost.py     # part of bench/run.py gateway
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "stream_cost.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "stream_cost.json"))
     args = ap.parse_args()
     octo_port, bare_port = free_port(), free_port()
     octo = start([sys.executable, "-m", "octo.cli", "serve", "echo-m", "--engine", "echo", "--isolation", "process",
@@ -133,6 +133,7 @@ def main() -> None:
     result = {"config": vars(args), "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                             "load_avg": os.getloadavg()},
               "summary": summary, "runs": runs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(summary, indent=1))
 

@@ -10,7 +10,7 @@ before workers existed). Rounds alternate the two servers at each load so that d
   to the first SSE chunk of each stream, p50 over the streams, median over ``--ttft-reps`` rounds, and the mean over
   every stream of every round (``ttft_row``: at 8 streams the p50 follows how the prompts fell into steps).
 
-    flock /tmp/octo-bench.lock .venv/bin/python bench/workers.py     # writes bench/results/workers.json
+    flock /tmp/octo-bench.lock .venv/bin/python bench/workers.py     # part of bench/run.py streams
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ttft-reps", type=int, default=9, help="rounds of the time-to-first-token loads (noisier)")
     ap.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "workers.json"))
+    ap.add_argument("--out", default=str(REPO / ".cache" / "bench" / "workers.json"))
     args = ap.parse_args()
     from octo.synth.gguf import build_gguf
 

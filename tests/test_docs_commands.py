@@ -92,14 +92,12 @@ COVERED = {
     "octo serve demo-vision --engine mlx":
         "tests/test_mlx_vision_functional.py::test_the_mlx_worker_serves_the_vision_model_without_torch",
     "python scripts/config_docs.py": "tests/test_docs.py::test_configuration_page_matches_serve_flags",
-    "python -m octo.cli": "tests/serverproc.py::run_octo",
     "codex exec": "tests/test_codex_functional.py::test_codex_exec_runs_a_shell_command_through_responses",
     "claude -p": "tests/test_claude_code_functional.py::test_claude_code_runs_a_bash_command_through_messages",
     "ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=any claude --model MODEL":
         "tests/test_claude_code_functional.py::test_claude_code_runs_a_bash_command_through_messages",
     "ANTHROPIC_BASE_URL=http://127.0.0.1:8080 ANTHROPIC_API_KEY=dummy claude --model MODEL":
         "tests/test_claude_code_functional.py::test_claude_code_runs_a_bash_command_through_messages",
-    ".venv/bin/python -m pytest -q tests/test_llamacpp_layout.py": "tests/test_llamacpp_layout.py",
 }
 
 # Not runnable here, and why. (Octo command lines among them are still checked against the CLI.)
@@ -114,6 +112,9 @@ CANNOT = {
     "sudo apt-get install python3-venv": "installs a system package (root, network)",
     "sudo apt-get install build-essential cmake": "installs system packages (root, network)",
     "make test": "runs the whole suite; the target is checked to exist",
+    "make bench": "runs a benchmark suite (minutes of both cores, under the benchmark lock); the target is checked to "
+                  "exist",
+    "make bench SUITE=streams": "runs a benchmark suite (an hour of both cores); the target is checked to exist",
     "octo pull qwen-2.5-0.5b:4bit": "downloads a real model",
     "octo serve qwen-2.5-0.5b:4bit": "serves a real model, downloaded first",
     "octo serve qwen-2.5-0.5b whisper-tiny nomic-embed-text-v1.5": "serves real models, downloaded first",
@@ -122,7 +123,6 @@ CANNOT = {
     "octo serve whisper-base": "serves a real model, downloaded first",
     "octo serve ./model.gguf": "a GGUF file of the reader's",
     "octo serve --port 11434": "binds Ollama's port, which an Ollama on this host may hold",
-    "octo serve --max-loaded 1": "bench/startup.py's server, named in its description",
     "sudo apt-get install ffmpeg": "installs a system package (root, network)",
     "pip install 'octo[speech]'": "downloads packages; the extra is checked to exist",
     "pip install 'octo[ray]'": "downloads packages; the extra is checked to exist",
@@ -152,7 +152,8 @@ CANNOT = {
 # Classes of commands that cannot run here, by pattern.
 CANNOT_PATTERNS = [
     (re.compile(r"(^|\s)(\S*/)?bench/\w+\.py\b"),
-     "a benchmark: minutes of both cores, run under flock by hand (the script and its flags are checked to exist)"),
+     "a benchmark: minutes of both cores under the benchmark lock (bench/run.py takes it; the script and its flags "
+     "are checked to exist; tests/test_bench_runner.py drives the runner)"),
     (re.compile(r"(^|\s)(\S*/)?scripts/openwebui_check\.py\b"),
      "installs Open WebUI (3 GB) and drives it for minutes; not part of the suite (docs/testing.md says why)"),
 ]

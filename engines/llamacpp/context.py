@@ -29,8 +29,8 @@ def default_flash_attn(L: Any, opts: dict[str, Any], unified: bool) -> str:
     between them, the layout probe's included) where the model computes on the CPU.
 
     On the CPU, llama.cpp's flash-attention kernel takes a step of under 64 new tokens one query row at a time: over a
-    2,000-token context a decode step costs 1.8x, and a 57-token step 4.6x, what it costs without it
-    (``bench/flash_attn.py``). Without it, every query attends to all the cells in use up to the last one, so in the
+    2,000-token context a decode step costs 1.8x, and a 57-token step 4.6x, what it costs without it (docs/engines.md,
+    "Flash attention on the CPU"). Without it, every query attends to all the cells in use up to the last one, so in the
     unified pool (shared with other sequences and prefix-cache entries) prompt steps grow with the pool: there the
     agent workload ran in 0.67x the wall time but 1.11x the mean time to first token with it off, so the pool keeps
     it. In streams a query's cells are its own sequence's: with it off there, the workload ran in 0.44x the wall time

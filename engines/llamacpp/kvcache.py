@@ -139,7 +139,7 @@ class KVCells:
     # with half as many as one run each: their cells are copied out (``llama_state_seq`` snapshots, into one scratch
     # buffer) and back into the cells they free together, which llama.cpp fills in order. A sequence that shares
     # cells (a prefix) is left alone: a copy would unshare them. Measured in lockstep against the same pool without it
-    # (bench/compact.py, bench/results/compact-session35.json): +0.1% decode tok/s at 8 short streams, +0.8% at 16;
+    # (three engines in one process, one step each in turn): +0.1% decode tok/s at 8 short streams, +0.8% at 16;
     # most of the gap to per-sequence streams (0.98x / 0.95x) is the walk over other sequences' cells, which no
     # placement removes.
     COMPACT_RUNS = 8
@@ -202,7 +202,7 @@ class KVCells:
 
     # -- prefix cache ------------------------------------------------------------------------------
     # Idle cached cells cost attention: every decode row of a unified pool scans all cells up to the last one in use
-    # (bench/attention.py: 4 sequences of 2,000 tokens decode 15% slower beside 4 idle cached prefixes). So cells of
+    # (measured in process: 4 sequences of 2,000 tokens decode 15% slower beside 4 idle cached prefixes). So cells of
     # entries that no running sequence shares are moved to RAM snapshots (copied back on a hit) once they exceed
     # IDLE_SHARE of the cells running sequences use. There is no floor: a short stream beside 512 idle cells decoded
     # 3% slower than with them moved out (a snapshot of a short entry costs well under a millisecond, once).

@@ -4,7 +4,7 @@ llama.cpp offers two layouts, fixed for a context's life:
 
 * **unified** (``kv_unified=true``): one pool of cells for all sequences. Sequences that share a prefix share its
   cells (no copy, no recompute), but every decode row attends over the cells in use up to the last one, its
-  neighbours' included (bench/attention.py: 4 x 2,000 distinct tokens decode 0.87-0.89x as fast as in streams).
+  neighbours' included (measured in process: 4 x 2,000 distinct tokens decode 0.87-0.89x as fast as in streams).
 * **streams** (``kv_unified=false``): a stream of ``n_ctx`` cells per sequence. A sequence attends only over its own
   cells; a shared prefix is copied into each stream (a ``llama_state_seq`` snapshot), and the pool is
   ``max_batch x n_ctx`` cells whatever the load.
