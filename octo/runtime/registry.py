@@ -313,9 +313,8 @@ class Registry(RoomMixin):
         try:
             if not spec.declared:
                 model = spec.model = await asyncio.to_thread(self._servable, model)
-            name, aliases, task, nbytes = await asyncio.to_thread(resolve_local, model, spec.engine, self.engines,
-                                                                  not spec.declared, self.config.isolation,
-                                                                  spec.options)  # (-o mmproj: the projector)
+            name, aliases, task, nbytes = await asyncio.to_thread(  # (spec.options: -o mmproj, the projector)
+                resolve_local, model, spec.engine, self.engines, not spec.declared, self.config.isolation, spec.options)
         except ModelNotFound as exc:
             if spec.declared:  # named at start: no server answers yet, so no "servable here" list
                 raise
