@@ -15,6 +15,7 @@ class ServerConfig:
     max_queue: int = 64
     queue_timeout: float = 60.0
     max_batch: int = 8
+    default_max_tokens: int | None = None  # a completion's length when a request sets none (the catalog's max_tokens)
     cache_size_mb: float = 512.0
     no_cache: bool = False
     max_body_mb: float = 32.0

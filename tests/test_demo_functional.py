@@ -59,3 +59,20 @@ def test_serve_demo_offline_benchmarks_then_uses_the_cache(fresh_home):
         assert all(e["benchmark"]["cached"] for e in second["data"] if e["name"] in candidates
                    and not ((e["benchmark"] or {}).get("error") or "").startswith("artifact"))
         assert second["active"] == active
+
+
+def test_a_request_without_a_limit_ends_at_the_demos_max_tokens(fresh_home):
+    """A front-end that sets no limit (Open WebUI's chats, its title and follow-up requests) gets an answer of at most
+    the catalog's max_tokens for the demo (512), not a whole 32k context of random text; its own limit wins."""
+    import httpx
+
+    with run_octo("demo", "--bench-seconds", "1", "--bench-when-idle", env=fresh_home, timeout=600) as server:
+        client = server.openai()
+        r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+        assert 1 <= r.usage.completion_tokens <= 512
+        assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 512
+        r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=600)
+        assert r.usage.completion_tokens <= 600
+        done = httpx.post(server.url("/api/chat"), timeout=300, json={
+            "model": "demo:latest", "stream": False, "messages": [{"role": "user", "content": "hi"}]}).json()
+        assert 1 <= done["eval_count"] <= 512 and (done["done_reason"] == "stop" or done["eval_count"] == 512)

@@ -278,6 +278,10 @@ def test_pacer_budgets_follow_measured_costs():
     assert p.budgets(96, decoding=False, alone=True) == (96, 96)
     p.token_s = 0.05
     assert p.budgets(256, decoding=False, alone=True) == (64, 64)
+    # a long prompt alone (a coding agent's): chunks of 1/40 of it, up to the engine's chunk, however slow a token
+    assert p.budgets(512, decoding=False, alone=True, prompt=8000) == (200, 200)
+    assert p.budgets(512, decoding=False, alone=True, prompt=22000) == (512, 512)
+    assert p.budgets(512, decoding=True, alone=False, prompt=22000)[1] < 64  # never beside decoding requests
     p.token_s = 0.005
     assert p.budgets(256, decoding=True) == (256, 4)  # beside decoders: one more decode step's worth (min 4)
     assert p.budgets(32, decoding=False) == (32, 32)  # never more than the engine's chunk
@@ -431,5 +435,22 @@ async def test_requests_queued_before_a_sleeping_engine_wakes_join_its_first_ste
         for t in tickets:
             await t.result
         assert feeds[0] == {t.seq.id for t in tickets}, feeds[:3]
+    finally:
+        s.stop()
+
+
+async def test_the_models_default_max_tokens_bounds_a_request_that_sets_none():
+    """A model's default completion length (the catalog's max_tokens) ends a request that sets none, with
+    "length"; a request's own max_tokens wins; the default is no context check (a long prompt is still served)."""
+    e = engine(n_ctx="64")
+    s = Scheduler(e, max_batch=2, default_max_tokens=3)
+    s.start()
+    try:
+        capped = await s.submit(request(e, "one two three four five six"))[0].result
+        assert capped.text == "one two three" and capped.finish_reason == "length"
+        own = await s.submit(request(e, "one two three four five six", max_tokens=5))[0].result
+        assert own.text == "one two three four five"
+        long = await s.submit(request(e, " ".join(["w"] * 50)))[0].result  # 3 more would not fit, and need not
+        assert long.completion_tokens <= 3
     finally:
         s.stop()

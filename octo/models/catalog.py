@@ -89,6 +89,9 @@ class ModelEntry(BaseModel):
     aliases: list[str] = []
     task: Literal["chat", "embeddings", "transcription"]
     context_length: int | None = Field(default=None, gt=0)
+    # the completion's length when a request sets none (a Modelfile's num_predict): the synthetic models, whose random
+    # weights rarely stop by themselves, answer a front-end that sends no limit within seconds, not a whole context
+    max_tokens: int | None = Field(default=None, gt=0)
     default_variant: str
     variants: dict[str, dict[str, ArtifactSpec]] = Field(min_length=1)
 

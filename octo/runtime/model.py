@@ -122,7 +122,8 @@ class ModelHandle(HandleInfo):
         disk = self._disk_cache(config) if cache is not None and config.prefix_cache_dir else None
         self.scheduler = scheduler_cls(self.engine, max_batch=config.max_batch, max_queue=config.max_queue,
                                        queue_timeout=config.queue_timeout, cache=cache, preempt=config.preempt,
-                                       step_stretch=config.step_stretch, dedup=config.prefix_dedup, disk=disk, **kw)
+                                       step_stretch=config.step_stretch, dedup=config.prefix_dedup, disk=disk,
+                                       default_max_tokens=config.default_max_tokens, **kw)
         self.scheduler.start(engine_thread=self.engine_thread)
         if self.engine.supports_masks and self.engine.tasks & {Task.CHAT, Task.COMPLETION}:
             self.vocab = DeferredVocab(self.engine, self.scheduler)

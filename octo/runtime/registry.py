@@ -28,7 +28,7 @@ from octo.errors import InvalidRequest, ModelFailed, ModelNotFound, OctoError, O
 from octo.logsafe import quoted
 from octo.runtime.names import public_name
 from octo.runtime.room import RoomMixin
-from octo.runtime.specs import ModelSpec, parse_keep_alive
+from octo.runtime.specs import ModelSpec, catalog_max_tokens, parse_keep_alive
 
 log = logging.getLogger("octo.runtime.registry")
 CATALOG_SCAN_DELAY_S = 3.0  # the first scan of the catalog's servable models, after the server starts ...
@@ -491,8 +491,8 @@ class Registry(RoomMixin):
             import json
 
             options["lora"] = json.dumps(spec.lora)
-        return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=options,
-                                   max_batch=spec.max_batch or c.max_batch, cache_size_mb=share)
+        return dataclasses.replace(c, model=spec.model, engine=spec.engine, options=options, cache_size_mb=share,
+                                   max_batch=spec.max_batch or c.max_batch, default_max_tokens=catalog_max_tokens(spec))
 
     async def _unload(self, slot: Slot) -> None:
         handle, slot.handle = slot.handle, None

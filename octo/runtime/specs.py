@@ -151,6 +151,22 @@ _SPEC_KEYS = {"model", "name", "path", "engine", "options", "max_batch", "pinned
               "autoscaling", "resources"}
 
 
+def catalog_max_tokens(spec: ModelSpec) -> int | None:
+    """The catalog's ``max_tokens`` (a completion's length when a request sets none) of the catalog model ``spec``
+    names, with or without a variant; None for a path, a Hugging Face id or a model the catalog does not set it for
+    (those never load the catalog here)."""
+    model = spec.model
+    if not model or model.startswith(("/", ".", "~", "hf://")) or "/" in model:
+        return None
+    from octo.models.catalog import load_catalog
+
+    try:
+        entry = load_catalog().get(model.partition(":")[0])
+    except Exception:  # noqa: BLE001 - a broken OCTO_CATALOG is reported where names are resolved, not here
+        return None
+    return entry.max_tokens if entry is not None else None
+
+
 def check_lora(lora: Any, where: str) -> dict[str, str]:
     """A ``lora`` mapping (adapter name -> path) as the models file or ``--lora`` gives it."""
     if not isinstance(lora, dict):

@@ -8,6 +8,7 @@ time-outs, cancellation, stats); a single engine thread admits them in FIFO orde
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -33,9 +34,11 @@ class Scheduler(EngineLoop):
 
     def __init__(self, engine: Engine, *, max_batch: int = 8, max_queue: int = 64, queue_timeout: float = 60.0,
                  cache: PrefixCache | None = None, preempt: str = "swap", step_stretch: float = 2.0,
-                 dedup: bool = True, disk: DiskPrefixCache | None = None) -> None:
+                 dedup: bool = True, disk: DiskPrefixCache | None = None,
+                 default_max_tokens: int | None = None) -> None:
         super().__init__(engine, max_batch=max_batch, cache=cache, disk=disk, preempt=preempt,
                          step_stretch=step_stretch, dedup=dedup)
+        self.default_max_tokens = default_max_tokens  # a request's max_tokens when it sets none (None: the context)
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.watchdog = Watchdog(self)
@@ -131,6 +134,8 @@ class Scheduler(EngineLoop):
                 f"This model's maximum context length is {info.n_ctx} tokens. However, you requested "
                 f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} for the "
                 "completion). Please reduce the prompt or max_tokens.", param="max_tokens")
+        if req.max_tokens is None and self.default_max_tokens:  # (after the check: the context still bounds it)
+            req = dataclasses.replace(req, max_tokens=self.default_max_tokens)
         tickets = []
         if events is None and req.stream:
             events = asyncio.Queue()
