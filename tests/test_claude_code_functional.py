@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -198,3 +199,61 @@ def test_claude_codes_tool_search_loads_a_deferred_tool(tmp_path):
     assert result["type"] == "tool_result" and {"type": "tool_reference", "tool_name": "WebFetch"} in result["content"]
     answer = json.loads(proc.stdout.strip().splitlines()[-1])["result"]
     assert "<functions>" in answer and '\\"name\\": \\"WebFetch\\"' in answer, answer[:1000]
+
+
+# -- Claude Code's real prompt on a real model: a long prefill, the stream stays alive ---------------------------------
+KEEPALIVE = 1.0  # --stream-keepalive: short, so that even a fast host's prefill shows several
+GAP_SLACK = 5.0  # what a busy host may add to a keep-alive's interval
+LONG_RUN_S = 2400  # a real prompt's prefill on 2 busy cores (the 0.5B model: tests/agentwire.py)
+
+
+@pytest.mark.slow
+def test_claude_code_default_run_on_a_real_model_keeps_its_stream(tmp_path):
+    """Claude Code with its default settings on a synthetic GGUF through llama.cpp (tests/agentwire.py: ``demo``, or
+    the Qwen2.5-0.5B shape with ``OCTO_AGENT_TEST_MODEL=qwen2.5-0.5b``): its real prompt (system prompt and tools,
+    deferred ones left out: about 27,000 tokens of this tokenizer) prefills for a minute or more, and octo's ``ping``
+    events keep Claude Code's stream alive throughout (its watchdogs would otherwise drop it and send the request
+    again with ``stream: false``, paying the prefill twice; they allow about 10 minutes with keep-alives,
+    docs/agents.md). The model's end-of-turn token is as likely as its favourite word, so its random answer ends
+    after a few tokens and the task completes. A pass-through proxy records the wire: one request, streamed, answered
+    once, pings before the first output at most ``--stream-keepalive`` apart (with slack for a busy host)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from agentwire import agent_model, first_output, gaps_before, tap
+
+    claude = installed_claude()
+    model = agent_model()
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with run_octo(str(model), "--engine", "llamacpp", "--stream-keepalive", str(KEEPALIVE), timeout=600) as server:
+        name = server.openai().models.list().data[0].id
+        with tap(server.base_url) as (url, seen):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))}
+            env.update({"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home / ".claude"), "IS_SANDBOX": "1",
+                        "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "dummy", "DISABLE_TELEMETRY": "1",
+                        "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "NO_COLOR": "1"})
+            cmd = [claude, "-p", "Say hello.", "--model", name, "--dangerously-skip-permissions", "--output-format",
+                   "json"]
+            t0 = time.monotonic()
+            proc = subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=LONG_RUN_S)
+            took = time.monotonic() - t0
+        log = server.log()
+    posts = [r for r in seen if r["method"] == "POST" and "count_tokens" not in r["path"]]
+    detail = (f"claude exit {proc.returncode} after {took:.0f} s\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n"
+              f"{proc.stderr[-3000:]}\nwire: {[(r['path'], r['status'], len(r['events'])) for r in seen]}\n"
+              f"octo log:\n{log[-3000:]}")
+    assert proc.returncode == 0, detail
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["subtype"] == "success" and not result["is_error"], detail
+    # one request, streamed, answered once: never the watchdog's repeat with stream false
+    assert [(r["path"].split("?")[0], r["status"], r["body"]["stream"]) for r in posts] == [
+        ("/v1/messages", 200, True)], detail
+    rec = posts[0]
+    start = next(json.loads(line[5:]) for line in rec["answer"].decode().splitlines()
+                 if line.startswith("data:") and '"message_start"' in line)
+    assert start["message"]["usage"]["input_tokens"] > 20000, detail  # Claude Code's real prompt
+    first = first_output(rec, ("message_start", "ping"))
+    assert first is not None and first > 3 * KEEPALIVE, (first, detail)  # a prefill long enough to show them
+    assert sum(1 for t, k in rec["events"] if t < first and k == "ping") >= 3, detail
+    assert max(gaps_before(rec, first)) < KEEPALIVE + GAP_SLACK, (gaps_before(rec, first), detail)

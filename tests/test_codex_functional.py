@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 from serverproc import REPO, run_octo
@@ -37,6 +38,9 @@ name = "octo"
 base_url = "http://127.0.0.1:{port}/v1"
 wire_api = "responses"
 """
+KEEPALIVE = 1.0  # --stream-keepalive: short, so that even a fast host's prefill shows several
+GAP_SLACK = 5.0  # what a busy host may add to a keep-alive's interval
+LONG_RUN_S = 2400  # a real prompt's prefill on 2 busy cores (the 0.5B model: tests/agentwire.py)
 
 
 def codex_binary() -> list[str] | None:
@@ -84,3 +88,57 @@ def test_codex_exec_runs_a_shell_command_through_responses(tmp_path):
     messages = [it for it in done if it["type"] == "agent_message"]
     assert messages and MARK in messages[-1]["text"], detail
     assert "client_metadata" in log, detail
+
+
+# -- Codex's real prompt on a real model: a long prefill, the stream stays alive --------------------------------------
+@pytest.mark.slow
+def test_codex_default_run_on_a_real_model_keeps_its_stream(tmp_path):
+    """Codex with its default settings on a synthetic GGUF through llama.cpp (tests/agentwire.py: ``demo``, or the
+    Qwen2.5-0.5B shape with ``OCTO_AGENT_TEST_MODEL=qwen2.5-0.5b``): its real prompt (its system prompt and tools,
+    about 22,000 tokens of this tokenizer) prefills for a minute or more, and octo's repeated
+    ``response.in_progress`` events keep Codex's stream alive throughout (on the 0.5B model the prefill outlasts Codex's
+    300 s SSE idle timeout, which would otherwise drop the stream and send the whole request again: "Reconnecting...
+    1/5"). The model's end-of-turn token is as likely as its favourite word, so its random answer ends after a few
+    tokens and the task completes. A pass-through proxy records the wire: one request, answered once, keep-alives
+    before the first output at most ``--stream-keepalive`` apart (with slack for a busy host)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from agentwire import agent_model, first_output, gaps_before, tap
+
+    codex = codex_binary()
+    if codex is None or shutil.which("node") is None:
+        pytest.skip("Codex CLI (scripts/system-deps.sh) or node not found")
+    model = agent_model()
+    home, work = tmp_path / "codex-home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    with run_octo(str(model), "--engine", "llamacpp", "--stream-keepalive", str(KEEPALIVE), timeout=600) as server:
+        name = server.openai().models.list().data[0].id
+        with tap(server.base_url) as (url, seen):
+            (home / "config.toml").write_text(CONFIG.replace("test-model", name).replace(
+                "http://127.0.0.1:{port}", url))
+            env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL",
+                                                                     "CODEX_API_KEY")}
+            env.update({"CODEX_HOME": str(home), "NO_COLOR": "1"})
+            t0 = time.monotonic()
+            cmd = [*codex, "exec", "--strict-config", "--skip-git-repo-check", "--json", "-C", str(work), "Say hello."]
+            proc = subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=LONG_RUN_S)
+            took = time.monotonic() - t0
+        log = server.log()
+    posts = [r for r in seen if r["method"] == "POST"]
+    detail = (f"codex exit {proc.returncode} after {took:.0f} s\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n"
+              f"{proc.stderr[-3000:]}\nwire: {[(r['path'], r['status'], len(r['events'])) for r in seen]}\n"
+              f"octo log:\n{log[-3000:]}")
+    assert proc.returncode == 0 and "Reconnecting" not in proc.stderr, detail
+    kinds = [json.loads(line)["type"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert "turn.completed" in kinds and "turn.failed" not in kinds, detail
+    assert [(r["path"], r["status"]) for r in posts] == [("/v1/responses", 200)], detail  # one request, never again
+    rec = posts[0]
+    done = [json.loads(line[5:]) for line in rec["answer"].decode().splitlines()
+            if line.startswith("data:") and '"response.completed"' in line]
+    assert done and done[0]["response"]["usage"]["input_tokens"] > 15000, detail  # Codex's real prompt
+    first = first_output(rec, ("response.created", "response.in_progress"))
+    assert first is not None and first > 3 * KEEPALIVE, (first, detail)  # a prefill long enough to show them
+    beats = [k for t, k in rec["events"] if t < first and k == "response.in_progress"]
+    assert len(beats) >= 3, (beats, detail)
+    assert max(gaps_before(rec, first)) < KEEPALIVE + GAP_SLACK, (gaps_before(rec, first), detail)

@@ -80,7 +80,7 @@ class LlamaCppEngine(Engine):
     supports_masks: ClassVar[bool] = True
     supports_logprobs: ClassVar[bool] = True
     supports_prompt_logprobs: ClassVar[bool] = True
-    prefill_chunk: ClassVar[int] = 256
+    prefill_chunk: ClassVar[int] = 512  # llama-server's n_ubatch: the CPU's cost per prompt token levels off there
     media_kinds: ClassVar[frozenset[str]] = frozenset({"image"})  # with a projector (mmproj) beside the GGUF: .vision
     supports_rollback: ClassVar[bool] = True  # kv_rollback: llama_memory_seq_rm of what a failed step wrote (.kvcache)
     fallbacks: ClassVar[tuple[tuple[dict[str, str], str], ...]] = (

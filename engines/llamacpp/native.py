@@ -130,7 +130,7 @@ OPTIONS = {
     "n_threads_batch": (positive_int, "prompt/batch threads (default: n_threads)"),
     "n_batch": (positive_int, "tokens per llama_decode call (default: max(512, max_batch + prefill_chunk))"),
     "n_ubatch": (positive_int, "physical micro-batch (default: min(n_batch, 512))"),
-    "prefill_chunk": (positive_int, "prompt tokens fed per step while other sequences decode (default 256)"),
+    "prefill_chunk": (positive_int, "the most prompt tokens one step feeds (default 512, llama-server's n_ubatch)"),
     "flash_attn": (_flash, "auto | on | off (default auto, but off in per-sequence streams on the CPU; on when "
                            "cache_type quantizes the KV cache)"),
     "cache_type": (_cache_type, "KV cache element type: f16 (default), q8_0, q4_0 or f32 (K and V both; a quantized "

@@ -20,12 +20,17 @@ class Pacer:
     * a prompt alone (nothing else running or queued) reads chunks of at most ``lone_step_s`` seconds (at least
       ``LONE_MIN`` tokens): large enough to cost little prompt speed (128-token chunks read a 1,459-token prompt at
       0.94x the speed of 256-token ones on a 2-core host, 32-token ones at 0.68x), small enough that a request
-      arriving meanwhile waits at most that long for the chunk in progress.
+      arriving meanwhile waits at most that long for the chunk in progress; but a long prompt alone (a coding agent's,
+      17,000-42,000 tokens) gets chunks of at least ``1 / LONE_SHARE`` of its tokens (up to the engine's chunk): a
+      request arriving meanwhile waits for at most that share of the long prompt's own work, and the prompt reads at
+      the engine's full speed (0.6 s chunks are 64 tokens on a busy 2-core host, or deep into a long context: an agent's
+      prompt then prefilled in 1.9x llama-server's time, with whole chunks in 0.8x; bench/agent_prefill.py).
 
     ``stretch`` 0 disables all of it (whole ``prefill_chunk`` steps: the most prompt throughput)."""
 
     MIN_TOKENS = 4
     LONE_MIN = 64
+    LONE_SHARE = 40
     SHORT_WORK = 32
     GATHER_MIN_S = 1.0  # an idle engine's first prompt step of at least this much work waits for requests sent with it
     GATHER_SHARE = 0.02  # for at most this share of the step's estimated time
@@ -41,14 +46,15 @@ class Pacer:
         self.token_s = 0.0  # EWMA marginal seconds per prompt token in a step
         self.prompt_step_s = 0.0  # what the last step with prompt tokens cost beyond its decoding (see gather_s)
 
-    def budgets(self, chunk: int, decoding: bool, alone: bool = False, urgent: bool = False) -> tuple[int, int]:
-        """(prompt tokens this step may carry, the part of them for long prompts). ``alone``: one prompt and nothing
-        else running or queued; ``urgent``: a nearly done request runs (see the class)."""
+    def budgets(self, chunk: int, decoding: bool, alone: bool = False, urgent: bool = False,
+                prompt: int = 0) -> tuple[int, int]:
+        """(prompt tokens this step may carry, the part of them for long prompts). ``alone``: one prompt of ``prompt``
+        tokens and nothing else running or queued; ``urgent``: a nearly done request runs (see the class)."""
         if self.stretch <= 0 or not self.token_s:
             return chunk, chunk
         if alone:
-            lone = min(chunk, max(self.LONE_MIN, int(self.lone_step_s / self.token_s)))
-            return lone, lone
+            lone = max(self.LONE_MIN, int(self.lone_step_s / self.token_s), prompt // self.LONE_SHARE)
+            return min(chunk, lone), min(chunk, lone)
         step = self.short(chunk)
         if not (decoding or urgent) or not self.decode_s:
             return chunk, step
@@ -73,7 +79,8 @@ class Pacer:
         streams arriving together join the batch at once, as llama-server's would)."""
         alone = not decoding and len(prefilling) == 1 and not queued
         urgent = any(work_left(t, n_ctx) <= self.SHORT_WORK for t in (*decoding, *prefilling))
-        budget, paced = self.budgets(budget, decoding=bool(decoding), alone=alone, urgent=urgent)
+        budget, paced = self.budgets(budget, decoding=bool(decoding), alone=alone, urgent=urgent,
+                                     prompt=len(prefilling[0].seq.tokens) if alone else 0)
         # short: a prompt that fits one chunk while nothing decodes (nobody waits on it), or beside decoders one no
         # longer than one step's worth of prompt work (the pacer's `short`, never less than its share `paced`) or
         # the least work a decoding request has left (so streams that arrive just after a first one join it
