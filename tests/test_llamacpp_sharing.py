@@ -252,6 +252,33 @@ async def test_cached_cells_are_given_back_to_a_request_that_needs_them(gguf_pat
         e.unload()
 
 
+async def test_a_prompt_over_half_the_pool_gets_its_cached_prefix_back(gguf_path):
+    """An agent's next turn repeats a prompt that takes more than half the pool: admission counts only the cells it
+    adds to the cached prefix it restores, and makes room without evicting that entry (it evicted it, and the next
+    turn of a 17,800-token prompt in a 32,768-cell pool was computed again). A new prompt as long that shares nothing
+    still evicts the entry and runs."""
+    e = load(gguf_path, n_ctx=512, kv_cells=512)
+    cache = PrefixCache(1 << 30, e.kv_free)
+    s = Scheduler(e, max_batch=4, cache=cache)
+    s.start()
+    try:
+        system = " ".join(["The keeper lights the lamp at dusk and watches the ships."] * 16)
+        first = e.tokenize(e.render_chat([{"role": "system", "content": system}, {"role": "user", "content": "hi"}]))
+        assert 256 < len(first) < 500
+        sampling = SamplingParams(temperature=0)
+        r = await s.submit(GenerationRequest(first, max_tokens=2, sampling=sampling))[0].result
+        assert r.cached_tokens == 0 and cache.stats()["pool_cells"] >= len(first)
+        r = await s.submit(GenerationRequest(first + [13, 14], max_tokens=2, sampling=sampling))[0].result
+        assert r.cached_tokens >= len(first) - 1 and cache.stats()["evictions"] == 0
+        other = e.tokenize(" ".join(["Rivers run to the sea and the sea is never full."] * 18))
+        assert len(other) + cache.stats()["pool_cells"] > 512
+        r = await s.submit(GenerationRequest(other, max_tokens=2, sampling=sampling))[0].result
+        assert r.completion_tokens >= 1 and r.cached_tokens == 0 and cache.stats()["evictions"] >= 1
+    finally:
+        s.stop()
+        e.unload()
+
+
 def test_idle_entries_move_to_ram_and_still_hit(gguf_path):
     """Cells of cached prefixes nobody runs on cost every decode row a scan (unified pool), so once sequences decode,
     beyond a tenth of the cells running sequences use the oldest move to RAM snapshots, however few they are; an entry

@@ -286,13 +286,12 @@ class EngineLoop:
             if len(self._active) + len(self._preempted) + len(admitted) >= self.max_batch or self._preempted:
                 break  # preempted sequences keep their engine slot and resume before anything new starts
             if room is not None:
-                need = len(job.seq.tokens) + 1  # its prompt, and a cell for the first decode step
-                if self.sharing.dedup and self.engine.kv_shares_cells:  # a prefix shared with a running one is free
-                    need -= max((common_prefix(t.seq.tokens, job.seq.tokens, len(job.seq.tokens) - 1)
-                                 for t in [*self._active, *admitted]
-                                 if t.seq.sampling.adapter == job.seq.sampling.adapter), default=0)
-                if need > room:
-                    room += self.kv.reclaim(need - room)  # prefix-cache entries give their pool cells back first
+                need, keep = self._cells_needed(job, admitted)
+                if need > room:  # prefix-cache entries give their pool cells back first (not the one it restores)
+                    room += self.kv.reclaim(need - room, keep)
+                if need > room and keep is not None:  # not enough: that one too, and the prompt is computed
+                    need = len(job.seq.tokens) + 1
+                    room += self.kv.reclaim(need - room)
                 if need > room and (self._active or admitted):
                     break  # waits until the running sequences give cells back (alone, it always fits)
                 room -= need
@@ -301,6 +300,19 @@ class EngineLoop:
             job.t_admit = time.perf_counter()
             admitted.append(job)
         return calls, admitted
+
+    def _cells_needed(self, job: Ticket, admitted: list[Ticket]) -> tuple[int, Any]:
+        """The pool cells ``job`` takes when admitted: its prompt and a cell for the first decode step, less a prefix
+        it shares with a running sequence (prefix sharing) or restores from prefix-cache cells in the pool; and that
+        cache entry, which making room must not evict (a 20,000-token agent prompt's entry in a 32,768-cell pool was
+        evicted to admit its own next turn)."""
+        seq = job.seq
+        shared = 0
+        if self.sharing.dedup and self.engine.kv_shares_cells:  # a prefix shared with a running one is free
+            shared = max((common_prefix(t.seq.tokens, seq.tokens, len(seq.tokens) - 1) for t in [*self._active,
+                          *admitted] if t.seq.sampling.adapter == seq.sampling.adapter), default=0)
+        keep, cached = self.kv.cached_cells(seq)
+        return len(seq.tokens) + 1 - max(shared, cached), keep
 
     def _run_batch(self, jobs: list[Call], posts: list) -> None:
         self.post(posts[:])  # admissions now: an item answered early (below) must not wait for them

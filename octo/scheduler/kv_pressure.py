@@ -65,16 +65,25 @@ class KVPressure:
             self.preempt_youngest()
             room = self.engine.kv_room()  # shared cells stay with their other users: ask, do not add
 
-    def reclaim(self, cells: int) -> int:
-        """Evict prefix-cache entries that hold cells of the engine's shared pool, least recently used first, until
-        ``cells`` are free again or none is left; returns the cells freed."""
+    def reclaim(self, cells: int, keep: KVHandle | None = None) -> int:
+        """Evict prefix-cache entries that hold cells of the engine's shared pool, least recently used first (never
+        ``keep``), until ``cells`` are free again or none is left; returns the cells freed."""
         if self.cache is None or cells <= 0:
             return 0
         before = self.engine.kv_room() or 0
         freed = 0
-        while freed < cells and self.cache.evict_pool():
+        while freed < cells and self.cache.evict_pool(keep):
             freed = (self.engine.kv_room() or 0) - before
         return freed
+
+    def cached_cells(self, seq: Any) -> tuple[KVHandle | None, int]:
+        """The prefix-cache entry ``seq`` will start from when its cells are in the engine's pool (a restore shares
+        them, ``Engine.kv_shares_cells``), and how many of its prompt tokens that gives it: admission counts only
+        the rest, and never evicts that entry to make room for it."""
+        if self.cache is None or not self.engine.kv_shares_cells:
+            return None, 0
+        handle, n = self.cache.peek(seq.tokens, len(seq.tokens) - 1, seq.sampling.adapter)
+        return (handle, n) if handle is not None and handle.cells else (None, 0)
 
     def preempt(self, t: Ticket) -> None:
         """``t`` gives its KV back and waits in ``preempted``; its tokens, text and sampler stay as they are."""

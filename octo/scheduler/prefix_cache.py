@@ -51,6 +51,18 @@ class PrefixCache:
         """The handle sharing the longest prefix with ``tokens[:max_len]`` (among those computed with ``adapter``)
         and that prefix's length."""
         self.tokens_looked_up += len(tokens)
+        handle, depth = self.peek(tokens, max_len, adapter)
+        if handle is None:
+            self.misses += 1
+            return None, 0
+        self._lru.move_to_end(id(handle))
+        self.hits += 1
+        self.tokens_reused += depth
+        return handle, depth
+
+    def peek(self, tokens: list[int], max_len: int, adapter: str | None = None) -> tuple[KVHandle | None, int]:
+        """What :meth:`lookup` would return, without counting it or touching the LRU order (admission asks it how
+        much of a prompt the cache already holds)."""
         node, depth = self._roots.get(adapter) or _Node(), 0
         for tok in tokens[:max_len]:
             child = node.children.get(tok)
@@ -58,15 +70,10 @@ class PrefixCache:
                 break
             node, depth = child, depth + 1
         if depth < self.min_match:
-            self.misses += 1
             return None, 0
         while node.entry is None:  # any entry below shares the prefix; follow the most recent child
             node = next(reversed(node.children.values()))
-        handle = node.entry
-        self._lru.move_to_end(id(handle))
-        self.hits += 1
-        self.tokens_reused += depth
-        return handle, depth
+        return node.entry, depth
 
     def restore_failed(self, n_tokens: int) -> None:
         """The engine could not restore the handle a lookup returned: count that lookup as a miss."""
@@ -109,11 +116,12 @@ class PrefixCache:
             self._drop(old, old_node, prune=True)
             self.evictions += 1
 
-    def evict_pool(self) -> bool:
+    def evict_pool(self, keep: KVHandle | None = None) -> bool:
         """Evict the least recently used entry that holds cells of the engine's shared KV pool (``KVHandle.cells``),
-        so that running sequences get them back; False when there is none."""
+        so that running sequences get them back, never ``keep`` (the entry a sequence being admitted will share);
+        False when there is none."""
         for handle, node in self._lru.values():
-            if handle.cells:
+            if handle.cells and handle is not keep:
                 self._drop(handle, node, prune=True)
                 self.evictions += 1
                 return True
