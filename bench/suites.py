@@ -200,7 +200,9 @@ def agent_prefill_rows(r: dict) -> Rows:
                     "; ".join(f"{w} {x(v.get('median'), 3)}" + (f" ({c})" if c != "octo" else "")
                               for c, w, v in ratios)
                     + f" (octo {num(a.get('octo cold ttft_s'), 2)} s cold, "
-                      f"{num(a.get('octo next_turn ttft_s'), 2)} s next turn)"))
+                      f"{num(a.get('octo next_turn ttft_s'), 2)} s next turn: {x(a.get('octo cold / next turn'), 1)} "
+                      f"faster; llama-server {num(a.get('llama-server cold ttft_s'), 2)} s and "
+                      f"{num(a.get('llama-server next_turn ttft_s'), 2)} s)"))
     return out
 
 
@@ -448,6 +450,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in [
         Part("agent", "agent.py", "8 conversations x 3 turns, 4 in flight, a 1,900-token shared prefix",
              ("--rounds", "2"), ("--rounds", "1", "--conversations", "4", "--turns", "2"),
              needs=LLAMA_SERVER, rows=agent_rows, minutes=(6, 20)),
+        Part("agent_prefill", "agent_prefill.py", "Codex's and Claude Code's real prompts, cold and next turn",
+             ("--rounds", "2"), ("--rounds", "1", "--agents", "codex", "--no-probe"), compare="append:--octo-rev",
+             needs=LLAMA_SERVER, rows=agent_prefill_rows, minutes=(8, 30)),
         Part("disk_cache", "disk_cache.py", "a long prefix from disk after a restart vs in memory vs cold",
              ("--rounds", "3"), ("--rounds", "1", "--prefix-tokens", "1000"), compare=None, needs=("llama_cpp",),
              rows=disk_cache_rows, minutes=(2, 10)),
