@@ -237,8 +237,11 @@ def run_suite(suite: Suite, args: argparse.Namespace, compare: list[str]) -> dic
     doc = {"suite": suite.name, "what": suite.what, "mode": "quick" if args.quick else "full",
            "machine": machine(), "octo": revision(), "compare": compare, "parts": {}}
     doc["host"] = describe(doc["machine"])
+    run = " ".join(["bench/run.py", suite.name, *(["--quick"] if args.quick else []),
+                    *(["--only", *[p.name for p in parts]] if args.only else []), *(["--compare", *compare] if compare
+                                                                                     else [])])
     for part in parts:
-        doc["parts"][part.name] = run_part(suite, part, args.quick, compare)
+        doc["parts"][part.name] = {**run_part(suite, part, args.quick, compare), "octo": doc["octo"], "run": run}
     return doc
 
 
@@ -250,8 +253,8 @@ def merged(path: Path, doc: dict) -> dict:
         return doc
     if old.get("machine", {}).get("cpu") != doc["machine"].get("cpu") or old.get("mode") != doc["mode"]:
         return doc
-    return {**doc, "parts": {**{k: v for k, v in old.get("parts", {}).items() if k not in doc["parts"]},
-                             **doc["parts"]}}
+    kept = {k: {"octo": old.get("octo"), **v} for k, v in old.get("parts", {}).items() if k not in doc["parts"]}
+    return {**doc, "parts": {**kept, **doc["parts"]}}  # each kept part with the revision it measured
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
@@ -269,11 +272,13 @@ def table(paths: list[Path]) -> str:
                 rows = [(rec.get("what", name), "not measured: " + rec.get("skipped", rec.get("error", "?")))]
             load = rec.get("load", {})
             busy = {True: "**busy host**", False: "quiet host"}.get(load.get("busy"), "host load")
-            where = (f"{rec.get('date', '')[:10]}, {short_host(doc.get('machine', {}))}, octo {doc['octo']['commit']}"
-                     + ("+changes" if doc["octo"].get("local_changes") else "")
+            octo = rec.get("octo") or doc["octo"]  # the revision this part measured (a kept part: an earlier one)
+            where = (f"{rec.get('date', '')[:10]}, {short_host(doc.get('machine', {}))}, octo {octo['commit']}"
+                     + ("+changes" if octo.get("local_changes") else "")
                      + f"; {busy} (others {load.get('others_cores', '?')} cores, load {load.get('load_median', '?')})"
                      + ("; quick run" if doc.get("mode") == "quick" else ""))
-            cmd = f"`bench/run.py {doc['suite']}" + (" --quick" if doc.get("mode") == "quick" else "") + "`"
+            cmd = "`" + rec.get("run", f"bench/run.py {doc['suite']}" + (" --quick" if doc.get("mode") == "quick"
+                                                                           else "")) + "`"
             for what, value in rows:
                 lines.append(f"| {what} | {value} | {cmd} | {where} |".replace("\n", " "))
     return "\n".join(lines)

@@ -138,6 +138,16 @@ def test_only_reruns_a_part_and_keeps_the_others(tmp_path, results, monkeypatch)
     assert run.main(["fake", "--no-lock", "--only", "b"]) == 0
     again = json.loads((results / "fake.json").read_text())
     assert again["parts"]["a"] == first["parts"]["a"] and again["parts"]["b"]["date"] >= first["parts"]["b"]["date"]
+    assert again["parts"]["b"]["run"] == "bench/run.py fake --only b"
+    # a kept part keeps the revision it measured, whatever revision measured the part run again
+    older = {**first, "octo": {"commit": "abc1234", "local_changes": True}}
+    older["parts"] = {k: {kk: vv for kk, vv in v.items() if kk != "octo"} for k, v in first["parts"].items()}
+    (results / "fake.json").write_text(json.dumps(older))
+    assert run.main(["fake", "--no-lock", "--only", "b"]) == 0
+    again = json.loads((results / "fake.json").read_text())
+    assert again["parts"]["a"]["octo"] == {"commit": "abc1234", "local_changes": True}
+    assert again["parts"]["b"]["octo"] == again["octo"] != again["parts"]["a"]["octo"]
+    assert run.main(["--table", str(results / "fake.json")]) == 0
     with pytest.raises(SystemExit):
         run.main(["fake", "--no-lock", "--only", "c"])
 
