@@ -109,6 +109,23 @@ def tap(upstream: str):
         server.server_close()
 
 
+# A random model's answer ends when its end-of-turn token comes up: mostly after a few tokens, now and then after
+# thousands. The agent then goes on (its next turn, or a summary) with that answer in its prompt: the context is
+# doubled, so that such a turn fits instead of ending the run with a 400 (the test is about the first turn's prefill).
+SERVE_CONTEXT = ("-o", "n_ctx=65536")
+
+
+def no_repeats(posts: list[dict]) -> list[tuple]:
+    """The requests an agent sent, as (path, status, stream), after checking that none repeats an earlier one: a
+    reconnect sends the same body again, Claude Code's watchdog the same with ``stream`` false."""
+    bodies = []
+    for r in posts:
+        body = {k: v for k, v in (r["body"] or {}).items() if k != "stream"}
+        assert body not in bodies, f"{r['path']} sent again (stream {r['body'].get('stream')})"
+        bodies.append(body)
+    return [(r["path"].split("?")[0], r["status"], (r["body"] or {}).get("stream")) for r in posts]
+
+
 def first_output(rec: dict, before: tuple[str, ...]) -> float | None:
     """Seconds from a request to the first event of its answer whose type is not one of ``before`` (the events a
     stream opens with and its keep-alives)."""
