@@ -243,8 +243,7 @@ class ResponseStore:
         if not self._usable():
             raise self.unavailable()
         try:
-            self._db = self._session()
-            return fn(self._db, *args)
+            return self._attempts(fn, *args)
         except sqlite3.Error as exc:
             if is_damage(exc):
                 self._set_aside(f"damaged ({exc})")
@@ -259,6 +258,22 @@ class ResponseStore:
             raise self.unavailable() from None
         finally:
             self._close()
+
+    def _attempts(self, fn: Any, *args: Any) -> Any:
+        """``fn`` in a session of its own, again while the file stays locked by another process, up to ``BUSY_S``:
+        SQLite's busy handler waits for most locks, but an operation that meets another's connection opening or
+        closing the file in exclusive mode can get "database is locked" at once (seen once in 2,500 tests: 20 writes
+        from two stores). Every operation is a whole transaction, so trying it again is safe."""
+        deadline = time.monotonic() + BUSY_S
+        while True:
+            try:
+                self._db = self._session()
+                return fn(self._db, *args)
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                self._close()
+                time.sleep(0.02)
 
     # -- on the store thread: rows --------------------------------------------------------------------------------
     def _put(self, db: sqlite3.Connection, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
