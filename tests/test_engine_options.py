@@ -116,7 +116,7 @@ def test_the_demo_serves_with_an_option_of_one_engine_only(tmp_path):
     env = {"OCTO_BENCH_DIR": str(tmp_path / "bench")}
     with run_octo("demo", "--bench-when-idle", "-o", "threads=1", env=env) as server:
         engines = server.get_json("/v1/engines")
-        ok = server.openai().chat.completions.create(model="demo", max_tokens=4,
+        ok = server.openai().chat.completions.create(model="demo", max_tokens=4, extra_body={"ignore_eos": True},
                                                       messages=[{"role": "user", "content": "hi"}])
         log = server.log()
     assert "-o threads is an option of onnx only: llamacpp, mlx run without it" in log, log[-3000:]

@@ -49,7 +49,7 @@ def test_the_models_that_are_here_serve_and_each_missing_one_is_said_once(offlin
     with run_octo(tiny, "remote-a", "remote-b", env=offline) as server:
         log = server.log()
         reply = server.openai().completions.create(model=server.openai().models.list().data[0].id, prompt="x",
-                                                   max_tokens=2)
+                                                   max_tokens=2, extra_body={"ignore_eos": True})
         status, body = server.post_json("/v1/completions", {"model": "remote-b", "prompt": "x"})
     assert reply.choices[0].finish_reason == "length"
     for model in ("remote-a", "remote-b"):

@@ -377,7 +377,7 @@ def test_engine_workers_run_with_the_libraries_telemetry_off():
     the environment it was started in has none of them."""
     names = ("ORT_DISABLE_TELEMETRY", "HF_HUB_DISABLE_TELEMETRY", "DO_NOT_TRACK")
     with run_octo("demo", "--engine", "onnx", unset=names) as server:
-        reply = server.openai().chat.completions.create(model="demo", max_tokens=2,
+        reply = server.openai().chat.completions.create(model="demo", max_tokens=2, extra_body={"ignore_eos": True},
                                                         messages=[{"role": "user", "content": "hi"}])
         assert reply.choices[0].finish_reason == "length"
         workers = children(server.proc.pid)
