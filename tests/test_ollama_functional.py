@@ -355,7 +355,8 @@ def test_format_schema_and_json_on_llamacpp(tmp_path):
         c = ollama.Client(host=s.base_url)
         name = c.list().models[0].model
         assert name == "tiny-q8_0:latest" and "tagged:latest" in [m.model for m in c.list().models]  # a name
-        assert c.chat(model="tagged:latest", messages=user("hi"), options={"num_predict": 2}).eval_count == 2
+        greedy = {"num_predict": 2, "temperature": 0}  # a sampled end token would end it sooner
+        assert c.chat(model="tagged:latest", messages=user("hi"), options=greedy).eval_count == 2
         assert [m.model for m in c.ps().models if m.model.startswith("tagged")] == ["tagged:q8"]
         status, msg = error_of(c.chat, model="tagged:nope", messages=user("hi"))
         assert status == 404 and "known variants: q8 (the default), other" in msg
