@@ -147,3 +147,43 @@ async def _tail(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     await resp.write(b"x")
     return resp
+
+
+class _Breaking:
+    """A plugin whose routes meet a connection error: one after its client's connection closed (the client left
+    while its answer was written), one while the connection is open (a fault of the server's)."""
+
+    @hookimpl
+    def register_routes(self, app: web.Application) -> None:
+        async def left(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b"first")
+            request.transport.close()  # as when the client's close is seen before the handler is cancelled
+            await resp.write(b"second")  # aiohttp raises ClientConnectionResetError
+            return resp
+
+        async def broken(request: web.Request) -> web.Response:
+            raise ConnectionResetError("an upstream connection of the server's own")
+
+        app.router.add_get("/plugin/left", left)
+        app.router.add_get("/plugin/broken", broken)
+
+
+async def test_a_client_that_left_mid_stream_ends_it_quietly(aiohttp_client, tmp_path, monkeypatch, caplog):
+    """A write to a connection its client closed is the client's leaving, not an error: no traceback in the log
+    (aiohttp logs one for any exception a handler raises), counted as 499; a connection error of the server's own
+    while the client is still there is an ordinary 500 in the API's shape, logged."""
+    import aiohttp
+
+    app = _app(tmp_path, monkeypatch, plugin=_Breaking())
+    client = await aiohttp_client(app)
+    caplog.set_level("DEBUG")
+    with pytest.raises(aiohttp.ClientPayloadError):
+        r = await client.get("/plugin/left")
+        await r.read()
+    r = await client.get("/plugin/broken")
+    assert r.status == 500 and (await r.json())["error"]["type"] == "server_error"
+    errors = [rec for rec in caplog.records if rec.levelname == "ERROR"]
+    assert [rec.getMessage() for rec in errors] == ["unhandled error on GET /plugin/broken"], errors
+    assert any("the client closed the connection" in rec.getMessage() for rec in caplog.records)

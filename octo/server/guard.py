@@ -68,13 +68,7 @@ async def serve(request: web.Request, handler: Any, state: AppState, guard: Host
     if not guard.host_allowed(request.headers.get("Host")):  # DNS rebinding: before anything else, preflights too
         return _refused(request, state, guard, started)
     if request.method == "OPTIONS":
-        # Every path, before the API key (browsers send CORS preflights without credentials): 204, and the CORS
-        # headers (stamp) for an allowed origin only; never the 405 of a route that has no OPTIONS
-        if state.metrics is not None:
-            state.metrics.observe("OPTIONS", 204, time.perf_counter() - started)
-        resp = web.Response(status=204)
-        stamp(request, resp, state.config)
-        return resp
+        return _preflight(request, state, started)
     status = 500
     err: OctoError | None = None
     counted = request.path not in OPEN_PATHS
@@ -103,18 +97,24 @@ async def serve(request: web.Request, handler: Any, state: AppState, guard: Host
         err = _from_http(exc)
         resp = error_response(request, err)
         status = err.status
-    except (asyncio.CancelledError, ConnectionError):
-        status = 499  # client closed the connection
+    except asyncio.CancelledError:
+        status = 499  # client closed the connection (aiohttp cancels its handler)
         raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, quoted(request.path, bare=True))
-        err = OctoError("Internal server error; see the server log for details.")
-        resp = error_response(request, err)
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and _client_gone(request):
+            status = 499  # it closed the connection while its answer was being written: nothing is wrong here
+        else:
+            log.exception("unhandled error on %s %s", request.method, quoted(request.path, bare=True))
+            err = OctoError("Internal server error; see the server log for details.")
+            resp = error_response(request, err)
     finally:
         if counted:
             state.inflight -= 1
         if state.metrics is not None:
             state.metrics.observe(endpoint, status, time.perf_counter() - started)
+    if status == 499:  # (aiohttp writes nothing more to a closed connection: no traceback, no access-log error)
+        log.debug("%s %s: the client closed the connection", request.method, quoted(request.path, bare=True))
+        return web.Response(status=499)
     if 400 <= status < 500:
         log_refusal(request, status, err)
     if not resp.prepared:
@@ -196,6 +196,22 @@ def _refused(request: web.Request, state: AppState, guard: HostGuard, started: f
         stamp(request, resp, state.config)
         return resp
     raise AssertionError("a refused Host passed the check")
+
+
+def _preflight(request: web.Request, state: AppState, started: float) -> web.Response:
+    """A CORS preflight, on every path, before the API key (browsers send it without credentials): 204, and the CORS
+    headers (stamp) for an allowed origin only; never the 405 of a route that has no OPTIONS."""
+    if state.metrics is not None:
+        state.metrics.observe("OPTIONS", 204, time.perf_counter() - started)
+    resp = web.Response(status=204)
+    stamp(request, resp, state.config)
+    return resp
+
+
+def _client_gone(request: web.Request) -> bool:
+    """Whether the request's connection is closed or closing (a write to it raised because the client left)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def log_refusal(request: web.Request, status: int, err: OctoError | None) -> None:
