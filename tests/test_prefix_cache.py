@@ -73,3 +73,29 @@ def test_failed_restore_counts_as_a_miss():
     cache.restore_failed(n)
     s = cache.stats()
     assert (s["hits"], s["misses"], s["tokens_reused"]) == (0, 1, 0)
+
+
+def test_a_repeated_peek_is_not_walked_again_and_sees_every_change():
+    """Admission peeks at a waiting prompt every step: the same token list is answered from the last walk until an
+    insert or an eviction changes the trie, and then walked again."""
+    cache, _ = make()
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    walks = []
+    walk = cache._walk
+    cache._walk = lambda *a: walks.append(a) or walk(*a)
+    assert cache.peek(prompt, 6) == (None, 0)
+    short = h([1, 2, 3, 9])
+    cache.insert(short)  # a change: the next peek walks
+    assert cache.peek(prompt, 6) == (short, 3) and cache.peek(prompt, 6) == (short, 3) and len(walks) == 2
+    assert cache.peek(list(prompt), 6) == (short, 3) and len(walks) == 3  # another list (its contents may differ)
+    assert cache.peek(prompt, 5) == (short, 3) and len(walks) == 4  # another bound
+    longer = h([1, 2, 3, 4, 5])
+    cache.insert(longer)
+    assert cache.peek(prompt, 5) == (longer, 5)
+    prompt.append(8)  # the list grew: walked again
+    assert cache.peek(prompt, 7) == (longer, 5) and len(walks) == 6
+    cache.lookup(prompt, 7)  # a lookup may use the walk, and counts it
+    assert len(walks) == 6 and cache.stats()["hits"] == 1
+    assert cache.evict_pool() is False  # no pool cells held: nothing evicted
+    cache.clear()
+    assert cache.peek(prompt, 7) == (None, 0) and len(walks) == 7
