@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 
@@ -202,6 +203,43 @@ def test_synthetic_artifacts_are_built_by_octo_synth_in_a_child_process(tmp_path
     with pytest.raises(ConfigError, match="Synthetic model 'whisper-nosuchshape' cannot be built for whisper: "
                                           "ValueError: unknown whisper shape 'nosuchshape'"):
         fetch(Artifact("whisper", "synth://whisper-nosuchshape", "synth"), offline=True)
+
+
+def test_a_recorded_synthetic_build_is_found_without_a_child(tmp_path, monkeypatch):
+    """A build's path is recorded under its name, engine and the builders' digest: a later start finds it there and
+    starts no child process (about 0.15 s each, three at every ``octo serve demo`` start); a path that is gone, a
+    damaged record or other builders ask the child again."""
+    from octo.models import synthetic
+
+    monkeypatch.setenv("OCTO_HOME", str(tmp_path))
+    built = tmp_path / "model.gguf"
+    built.write_bytes(b"GGUF")
+    children = []
+    monkeypatch.setattr(synthetic, "_child_build", lambda name, engine: children.append((name, engine)) or built)
+    assert synthetic.build("demo", "llamacpp") == built and len(children) == 1
+    assert synthetic.build("demo", "llamacpp") == built and len(children) == 1  # recorded: no child
+    assert synthetic.build("demo", "onnx") == built and len(children) == 2  # another engine: its own build
+    index = tmp_path / "synth" / "built.json"
+    assert sorted(json.loads(index.read_text())) == sorted(f"demo/{e}/{synthetic.builders_digest()}"
+                                                         for e in ("llamacpp", "onnx"))
+    built.unlink()
+    synthetic.build("demo", "llamacpp")  # its files are gone: the child is asked again
+    assert len(children) == 3
+    built.write_bytes(b"GGUF")
+    index.write_text("{not json")
+    assert synthetic.build("demo", "llamacpp") == built and len(children) == 4  # a damaged record: built again
+    monkeypatch.setattr(synthetic, "_digest", "other-builders")
+    assert synthetic.build("demo", "llamacpp") == built and len(children) == 5
+    assert list(json.loads(index.read_text())) == ["demo/llamacpp/other-builders"]  # the old digest's entries go
+    folder = tmp_path / "onnx-folder"
+    (folder / "model").mkdir(parents=True)
+    monkeypatch.setattr(synthetic, "_child_build", lambda name, engine: children.append((name, engine)) or folder)
+    synthetic.build("demo", "onnx")
+    synthetic.build("demo", "onnx")  # a folder without the builders' completion marker is not taken as built
+    assert len(children) == 7
+    (folder / ".complete").write_text("{}")
+    synthetic.build("demo", "onnx")
+    assert len(children) == 7
 
 
 # -- octo pull ---------------------------------------------------------------------------------------

@@ -102,7 +102,9 @@ def fetch(artifact: Artifact, *, offline: bool | None = None, progress: bool | t
     offline = offline_mode() if offline is None else offline
     kind = uri_kind(artifact.uri)
     if artifact.format == "synth" or kind == "synth":
-        return _build_synth(artifact)
+        from octo.models.synthetic import build
+
+        return build(artifact.uri.removeprefix("synth://"), artifact.engine)
     if artifact.format == "none" or kind == "none":
         return Path(artifact.uri.removeprefix("none://"))
     if kind == "hf":
@@ -459,24 +461,3 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-# -- synthetic models ------------------------------------------------------------------------------
-def _build_synth(artifact: Artifact) -> Path:
-    """The synthetic model, built in a child process (``python -m octo.synth.build``): its libraries (PyTorch,
-    transformers, MLX) stay out of this process."""
-    import json
-    import subprocess
-    import sys
-
-    name = artifact.uri.removeprefix("synth://")
-    proc = subprocess.run([sys.executable, "-m", "octo.synth.build", name, artifact.engine], stdout=subprocess.PIPE,
-                          text=True)
-    try:
-        out = json.loads((proc.stdout.strip().splitlines() or ["{}"])[-1])
-    except ValueError:
-        out = {}
-    if proc.returncode != 0 or "path" not in out:
-        why = out.get("error") or f"the builder exited with status {proc.returncode}"
-        raise ConfigError(f"Synthetic model '{name}' cannot be built for {artifact.engine}: {why}")
-    return Path(out["path"])
