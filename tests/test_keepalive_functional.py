@@ -282,9 +282,9 @@ def test_a_client_that_goes_away_during_the_prefill_cancels_it(server, api):
 # -- the demo model on llama.cpp: a real prefill -------------------------------------------------------------------
 def test_a_real_prefill_on_the_demo_model_keeps_alive_and_stops_when_its_client_leaves():
     """llama.cpp feeds a prompt a chunk a step: a client that leaves in the middle of a prefill of thousands of
-    tokens frees the engine within a step or two (a 20,000-token prefill on this 2-core host: freed 0.7-1.6 s
-    after the disconnect, docs/api.md). The prompts are long enough for a fast host too (2,000 tokens took 0.3 s on
-    one)."""
+    tokens frees the engine within a step or two (a 29,000-token prefill on this 2-core host: the next request
+    answered 0.2-1.3 s after the disconnect, docs/api.md). The prompts are long enough for a fast host too (2,000
+    tokens took 0.3 s on one)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     interval = 0.2
     with run_octo("demo", "--engine", "llamacpp", "--stream-keepalive", str(interval), timeout=600) as server:
