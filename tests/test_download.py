@@ -228,18 +228,22 @@ def test_a_recorded_synthetic_build_is_found_without_a_child(tmp_path, monkeypat
     built.write_bytes(b"GGUF")
     index.write_text("{not json")
     assert synthetic.build("demo", "llamacpp") == built and len(children) == 4  # a damaged record: built again
-    monkeypatch.setattr(synthetic, "_digest", "other-builders")
+    index.unlink()
+    os.mkfifo(index)  # a FIFO in its place is never opened for a read that would block the start
     assert synthetic.build("demo", "llamacpp") == built and len(children) == 5
+    assert index.is_file()  # (set aside, and the record written again)
+    monkeypatch.setattr(synthetic, "_digest", "other-builders")
+    assert synthetic.build("demo", "llamacpp") == built and len(children) == 6
     assert list(json.loads(index.read_text())) == ["demo/llamacpp/other-builders"]  # the old digest's entries go
     folder = tmp_path / "onnx-folder"
     (folder / "model").mkdir(parents=True)
     monkeypatch.setattr(synthetic, "_child_build", lambda name, engine: children.append((name, engine)) or folder)
     synthetic.build("demo", "onnx")
     synthetic.build("demo", "onnx")  # a folder without the builders' completion marker is not taken as built
-    assert len(children) == 7
+    assert len(children) == 8
     (folder / ".complete").write_text("{}")
     synthetic.build("demo", "onnx")
-    assert len(children) == 7
+    assert len(children) == 8
 
 
 # -- octo pull ---------------------------------------------------------------------------------------

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
-from octo import atomic
+from octo import atomic, quarantine
 from octo.errors import ConfigError
 from octo.paths import synth_dir
 from octo.synth.folder import COMPLETE
 
+log = logging.getLogger("octo.models.synthetic")
+MAX_BYTES = 1 << 20  # a record of a few dozen paths; a larger file is not one
 SOURCES = Path(__file__).resolve().parents[1] / "synth"
 _digest: str | None = None
 
@@ -69,11 +72,13 @@ def _child_build(name: str, engine: str) -> Path:
 
 
 def _read(index: Path) -> dict[str, str]:
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, ValueError):  # none yet, or damaged: the builds are found again by the child
+    """The record, read as every file of ``OCTO_HOME`` is (:func:`octo.quarantine.read_json`: never a link, a FIFO
+    or a huge file; one that is not JSON is set aside with a log line); empty when there is none or it cannot be
+    trusted: the builds are found again by the child."""
+    data = quarantine.read_json(index, log, max_bytes=MAX_BYTES, keep=4, what="record of synthetic builds")
+    if not isinstance(data, dict):
         return {}
-    return data if isinstance(data, dict) else {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _record(index: Path, key: str, path: Path) -> None:
